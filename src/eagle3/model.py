@@ -1,0 +1,335 @@
+"""The EAGLE-3 drafter: one Llama decoder layer over the verifier's tapped features (DESIGN.md §5).
+
+    cfg = DraftConfig.from_verifier(AutoConfig.from_pretrained("models/verifier"), 32000, [2, 15, 27])
+    drafter = Eagle3Drafter(cfg, embed_tokens=verifier.get_input_embeddings().weight)
+    drafter.set_draft_vocab(d2t)
+
+Why: the drafter must be the exact architecture SGLang and vLLM serve (``LlamaForCausalLMEagle3``),
+so submodules carry the HF/engine names (``fc``, ``midlayer.self_attn.q_proj``, ``norm``, ``lm_head``)
+and ``export.py`` only has to check them. The training objective lives in ``loss.py``; parallelism
+in ``parallel.py``; this file is single-device.
+
+One draft step::
+
+    hidden = drafter.fc(aux)                                # [B, T, 3H] -> [B, T, H]  (u = fc(g))
+    logits, h2 = drafter(input_ids, hidden, position_ids, cache)            # context step
+    logits, h2 = drafter(next_ids, h2, position_ids + 1, cache, rows=rows)  # chain step
+
+``logits`` [B, T, Vd] are over the draft vocabulary (target id = i + d2t[i]); ``h2`` [B, T, H] is
+the pre-norm output, the hidden input of the next step. ``position_ids`` ([T] or [B, T]) are the
+RoPE positions, always given by the caller.
+
+Attention and the cache. A ``KVCache`` holds keys/values (RoPE applied) of two kinds:
+
+- context keys, one per sequence position, written by context steps (``rows=None``): step 0 of
+  training-time test; when decoding, the prefill over the prompt and the re-run over accepted
+  tokens. A query at context index i sees context keys 0..i (causal).
+- chain keys, written by chain steps (``rows`` = the context index each query row continues):
+  steps 1..k of training-time test (``rows = arange(T)``); when decoding, the K drafted tokens
+  one at a time (``rows = tensor([n])`` for a prompt of n+1 tokens). A chain query sees the
+  context keys 0..rows[r] plus the chain keys of its own row only. A context step clears the chain.
+
+Worked example, T=3, training-time test step 2: the query of row 1 sees context keys {0, 1}
+(step 0, RoPE positions 0, 1) and chain keys of row 1 from steps 1 and 2 (RoPE positions 2, 3);
+never row 0's or row 2's chain keys. Decoding a 5-token prompt: prefill is a context step over
+rows 0..4 at positions 0..4; the drafts are chain steps with rows=[4] at positions 5, 6, ...
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# ---------------------------------------------------------------------------------------------
+# Blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
+    """Inverse frequencies [head_dim // 2] of RoPE; ``scaling`` is HF's rope_scaling (default or llama3)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind == "default":
+        return inv_freq.float()
+    if kind != "llama3":
+        raise ValueError(f"rope type {kind!r} is not supported (default, llama3); override draft_head.rope_scaling")
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    blend = ((old_context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long, 1: short
+    scaled = (1 - blend) * inv_freq / factor + blend * inv_freq
+    return scaled.float()
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_frequencies(head_dim, theta, scaling), persistent=False)
+
+    def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin [..., T, head_dim] for positions [..., T]."""
+        freqs = position_ids[..., None].float() * self.inv_freq  # [..., T, hd/2]
+        angles = torch.cat([freqs, freqs], -1)  # [..., T, hd]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [B, heads, T, hd] by cos/sin [..., T, hd] (half-split layout, as HF Llama)."""
+    cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # [..., 1, T, hd]: broadcast over heads
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], -1) * sin
+
+
+@dataclass
+class KVCache:
+    """Keys/values of the draft layer (RoPE applied); see the module docstring for who sees what."""
+
+    k: Tensor | None = None  # [B, nkv, S, hd] context keys
+    v: Tensor | None = None  # [B, nkv, S, hd]
+    chain_k: Tensor | None = None  # [B, nkv, R, J, hd] J chain steps for each of R rows
+    chain_v: Tensor | None = None  # [B, nkv, R, J, hd]
+
+    def add_context(self, k: Tensor, v: Tensor) -> Tensor:
+        """Append T context keys [B, nkv, T, hd]; returns the last context index each query sees [T]."""
+        start = 0 if self.k is None else self.k.shape[2]
+        self.k = k if self.k is None else torch.cat([self.k, k], 2)
+        self.v = v if self.v is None else torch.cat([self.v, v], 2)
+        self.chain_k = self.chain_v = None
+        return torch.arange(start, start + k.shape[2], device=k.device)
+
+    def add_chain(self, k: Tensor, v: Tensor, rows: Tensor) -> Tensor:
+        """Append one chain step's keys [B, nkv, R, hd] for rows [R]; returns rows."""
+        if self.k is None:
+            raise ValueError("a chain step needs a context step first")
+        if self.chain_k is not None and self.chain_k.shape[2] != k.shape[2]:
+            raise ValueError(f"chain step over {k.shape[2]} rows, the chain has {self.chain_k.shape[2]}")
+        k, v = k.unsqueeze(3), v.unsqueeze(3)  # [B, nkv, R, 1, hd]
+        self.chain_k = k if self.chain_k is None else torch.cat([self.chain_k, k], 3)
+        self.chain_v = v if self.chain_v is None else torch.cat([self.chain_v, v], 3)
+        return rows
+
+
+def cached_attention(q: Tensor, cache: KVCache, last: Tensor) -> Tensor:
+    """Attention of q [B, nh, R, hd] over the cache: context keys 0..last[r], plus row r's chain keys."""
+    B, nh, R, hd = q.shape
+    nkv = cache.k.shape[1]
+    qg = q.view(B, nkv, nh // nkv, R, hd)  # query head h uses KV head h // (nh / nkv)
+    scores = qg @ cache.k.unsqueeze(2).transpose(-1, -2)  # [B, nkv, g, R, S]
+    visible = torch.arange(cache.k.shape[2], device=q.device) <= last[:, None]  # [R, S]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if cache.chain_k is not None:
+        chain = torch.einsum("bkgrd,bkrjd->bkgrj", qg, cache.chain_k)  # [B, nkv, g, R, J]
+        scores = torch.cat([scores, chain], -1)  # [B, nkv, g, R, S + J]
+    probs = (scores.float() / math.sqrt(hd)).softmax(-1).to(q.dtype)
+    S = cache.k.shape[2]
+    out = probs[..., :S] @ cache.v.unsqueeze(2)  # [B, nkv, g, R, hd]
+    if cache.chain_k is not None:
+        out = out + torch.einsum("bkgrj,bkrjd->bkgrd", probs[..., S:], cache.chain_v)
+    return out.reshape(B, nh, R, hd)
+
+
+class Attention(nn.Module):
+    """Llama attention whose q/k/v read the 2H-wide concat(embedding, hidden)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, rows: Tensor | None) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # [B, nh, T, hd]
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, T, hd]
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, T, hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        last = cache.add_context(k, v) if rows is None else cache.add_chain(k, v, rows)
+        out = cached_attention(q, cache, last)  # [B, nh, T, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """The one decoder layer (``midlayer``): attention input concat(norm(embedding), norm(hidden))."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, rows: Tensor | None) -> Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)  # [B, T, 2H]
+        h1 = hidden + self.self_attn(x, cos, sin, cache, rows)  # residual is the un-normed hidden
+        return h1 + self.mlp(self.post_attention_layernorm(h1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    hidden_size: int  # H: the verifier's hidden size; aux features are 3H wide
+    intermediate_size: int  # SwiGLU width of the draft layer
+    num_attention_heads: int  # query heads; q_proj maps 2H -> heads * head_dim
+    num_key_value_heads: int  # key/value heads (grouped-query attention)
+    head_dim: int  # width of one attention head
+    vocab_size: int  # V: the verifier's vocabulary (embedding rows, length of t2d)
+    draft_vocab_size: int  # Vd: rows of lm_head, length of d2t
+    rms_norm_eps: float = 1e-5  # epsilon of every RMSNorm
+    rope_theta: float = 10000.0  # RoPE base, the verifier's
+    rope_scaling: dict | None = None  # HF rope scaling ({"rope_type": "llama3", ...}) or None
+    max_position_embeddings: int = 8192  # context the drafter is exported for (>= the verifier's)
+    aux_layers: tuple[int, ...] = field(default=(2, 15, 27))  # taps: residual stream entering layer k
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} not a multiple of num_key_value_heads {self.num_key_value_heads}")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..vocab_size {self.vocab_size}")
+        rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)  # refuses unknown rope types early
+
+    @classmethod
+    def from_verifier(cls, hf_config, draft_vocab_size: int, aux_layers, overrides: dict | None = None) -> DraftConfig:
+        """Head shape of the verifier (an HF config), with ``overrides`` (conf/model ``draft_head``) on top."""
+        heads = hf_config.num_attention_heads
+        theta, scaling = rope_settings(hf_config)
+        values = dict(
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            vocab_size=hf_config.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            rms_norm_eps=getattr(hf_config, "rms_norm_eps", 1e-5),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            aux_layers=tuple(aux_layers),
+        )
+        return cls.create(values, overrides or {})
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> DraftConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown drafter preset {name!r}; one of {sorted(PRESETS)}")
+        return cls.create(PRESETS[name], overrides)
+
+    @classmethod
+    def create(cls, values: dict, overrides: dict) -> DraftConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown drafter setting(s) {unknown}; known: {sorted(known)}")
+        merged = {**values, **overrides}
+        if "aux_layers" in merged:
+            merged["aux_layers"] = tuple(merged["aux_layers"])
+        if merged.get("rope_scaling"):
+            merged["rope_scaling"] = dict(merged["rope_scaling"])  # a copy: HF configs edit theirs in place
+        return cls(**merged)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "aux_layers": list(self.aux_layers)}
+
+
+def rope_settings(hf_config) -> tuple[float, dict | None]:
+    """(theta, scaling) of an HF config: transformers 5 ``rope_parameters`` or legacy rope_theta/rope_scaling."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    theta = float(params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0)
+    kind = params.get("rope_type") or params.get("type") or "default"
+    return theta, (params if kind != "default" else None)
+
+
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+PRESETS = {
+    # Tiny shapes for unit tests and CPU smoke runs.
+    "debug": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  vocab_size=512, draft_vocab_size=128, max_position_embeddings=2048, aux_layers=(1, 2, 3)),
+    # The default demo verifier, SmolLM2-135M-Instruct.
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         vocab_size=49152, draft_vocab_size=32000, rope_theta=100000.0, max_position_embeddings=8192,
+                         aux_layers=(2, 15, 27)),
+    # Llama-3.1-8B-Instruct.
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                      vocab_size=128256, draft_vocab_size=32000, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
+                      max_position_embeddings=131072, aux_layers=(2, 16, 29)),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+
+class Eagle3Drafter(nn.Module):
+    """fc (3H -> H), one decoder layer, final norm, lm_head over Vd; the verifier's embedding, frozen.
+
+    ``embed_tokens`` is a non-persistent buffer: never trained, never in a state dict or export.
+    ``d2t`` [Vd] (target id = i + d2t[i]) and ``t2d`` [V] (membership) are exported buffers.
+    """
+
+    def __init__(self, cfg: DraftConfig, embed_tokens: Tensor):
+        super().__init__()
+        if tuple(embed_tokens.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(f"embed_tokens {tuple(embed_tokens.shape)} != (vocab_size, hidden_size) {(cfg.vocab_size, cfg.hidden_size)}")
+        self.config = cfg
+        self.fc = nn.Linear(3 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = DraftLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    @torch.no_grad()
+    def set_draft_vocab(self, d2t: Tensor) -> None:
+        """Install the draft vocabulary: d2t [Vd] (int64); t2d follows from it."""
+        if tuple(d2t.shape) != (self.config.draft_vocab_size,):
+            raise ValueError(f"d2t has shape {tuple(d2t.shape)}, expected ({self.config.draft_vocab_size},)")
+        self.d2t.copy_(d2t)
+        self.t2d.zero_()
+        self.t2d[torch.arange(len(d2t), device=d2t.device) + d2t] = True
+
+    def forward(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor, cache: KVCache,
+                rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """One draft step: tokens [B, T], hidden [B, T, H] -> (logits [B, T, Vd], h2 [B, T, H])."""
+        cos, sin = self.rotary(position_ids, hidden.dtype)
+        embeds = F.embedding(input_ids, self.embed_tokens)  # [B, T, H]
+        h2 = self.midlayer(embeds, hidden, cos, sin, cache, rows)
+        return self.lm_head(self.norm(h2)), h2

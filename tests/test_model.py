@@ -1,0 +1,154 @@
+"""The drafter's shapes, names, RoPE, and its attention pattern in training and in decoding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig, LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from eagle3.model import LLAMA3_ROPE, DraftConfig, Eagle3Drafter, KVCache, rope_frequencies
+
+STATE_KEYS = {
+    "fc.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+}
+
+
+def make_drafter(seed: int = 0, **overrides) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    cfg = DraftConfig.preset("debug", **overrides)
+    drafter = Eagle3Drafter(cfg, torch.randn(cfg.vocab_size, cfg.hidden_size))
+    drafter.set_draft_vocab(torch.arange(cfg.draft_vocab_size) * 3 - torch.arange(cfg.draft_vocab_size))
+    with torch.no_grad():  # non-trivial norms, so a swapped norm would show
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return drafter.eval()
+
+
+def test_names_shapes_and_vocab():
+    drafter = make_drafter()
+    cfg = drafter.config
+    assert set(drafter.state_dict()) == STATE_KEYS  # the frozen embedding is never saved
+    assert drafter.fc.weight.shape == (cfg.hidden_size, 3 * cfg.hidden_size)
+    assert drafter.midlayer.self_attn.q_proj.weight.shape == (cfg.num_attention_heads * cfg.head_dim, 2 * cfg.hidden_size)
+    assert drafter.midlayer.self_attn.k_proj.weight.shape == (cfg.num_key_value_heads * cfg.head_dim, 2 * cfg.hidden_size)
+    assert drafter.lm_head.weight.shape == (cfg.draft_vocab_size, cfg.hidden_size)
+    assert int(drafter.t2d.sum()) == cfg.draft_vocab_size
+    assert drafter.t2d[torch.arange(cfg.draft_vocab_size) + drafter.d2t].all()
+    B, T = 2, 5
+    hidden = drafter.fc(torch.randn(B, T, 3 * cfg.hidden_size))
+    logits, h2 = drafter(torch.randint(0, cfg.vocab_size, (B, T)), hidden, torch.arange(T), KVCache())
+    assert logits.shape == (B, T, cfg.draft_vocab_size) and h2.shape == (B, T, cfg.hidden_size)
+    assert not any(p.requires_grad for p in drafter.buffers())
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3_ROPE])
+def test_rope_matches_transformers(scaling):
+    config = LlamaConfig(hidden_size=512, num_attention_heads=4, head_dim=128, rope_theta=500000.0,
+                         rope_scaling=dict(scaling) if scaling else None, max_position_embeddings=131072)
+    if scaling:
+        expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    else:
+        expected = 1.0 / 500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128)
+    got = rope_frequencies(128, 500000.0, scaling)
+    torch.testing.assert_close(got, expected.float(), rtol=1e-6, atol=0)
+    cfg = DraftConfig.from_verifier(config, 1000, [2, 16, 29])
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == (dict(LLAMA3_ROPE) if scaling else None)
+
+
+def test_from_verifier_and_overrides(tiny_verifier_dir, smollm2_dir):
+    tiny = DraftConfig.from_verifier(AutoConfig.from_pretrained(tiny_verifier_dir), 4096, [1, 2, 3])
+    assert (tiny.hidden_size, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.head_dim) == (64, 4, 2, 16)
+    assert (tiny.vocab_size, tiny.draft_vocab_size, tiny.rope_theta, tiny.rope_scaling) == (49152, 4096, 100000.0, None)
+    smol = DraftConfig.from_verifier(AutoConfig.from_pretrained(smollm2_dir), 32000, [2, 15, 27], {"intermediate_size": 768})
+    assert smol == DraftConfig.preset("smollm2-135m", intermediate_size=768, rms_norm_eps=smol.rms_norm_eps)
+    with pytest.raises(ValueError, match="unknown drafter setting"):
+        DraftConfig.preset("debug", hidden=3)
+    with pytest.raises(ValueError, match="rope type 'yarn'"):
+        DraftConfig.preset("debug", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+
+
+def explicit_attention(q, keys, values):
+    """Softmax attention of one query [nh, hd] over an explicit list of (k, v) pairs [nkv, hd]."""
+    nh, hd = q.shape
+    k = torch.stack(keys, 1).repeat_interleave(nh // keys[0].shape[0], 0)  # [nh, N, hd]
+    v = torch.stack(values, 1).repeat_interleave(nh // values[0].shape[0], 0)
+    probs = ((k @ q[:, :, None]).squeeze(-1) / math.sqrt(hd)).softmax(-1)  # [nh, N]
+    return (probs[:, :, None] * v).sum(1)  # [nh, hd]
+
+
+def test_chain_attention_sees_own_row_only():
+    """Step 2 of TTT at T=3: row r sees context keys 0..r and its own chain keys, nothing else."""
+    torch.manual_seed(0)
+    B, nkv, nh, T, hd = 1, 2, 4, 3, 8
+    cache = KVCache()
+    ctx = [torch.randn(B, nkv, T, hd) for _ in range(2)]
+    cache.add_context(*ctx)
+    chain = [[torch.randn(B, nkv, T, hd) for _ in range(2)] for _ in range(2)]  # steps 1, 2
+    rows = torch.arange(T)
+    for k, v in chain:
+        cache.add_chain(k, v, rows)
+    q = torch.randn(B, nh, T, hd)
+    from eagle3.model import cached_attention
+
+    out = cached_attention(q, cache, rows)
+    for r in range(T):
+        keys = [ctx[0][0, :, s] for s in range(r + 1)] + [k[0, :, r] for k, _ in chain]
+        values = [ctx[1][0, :, s] for s in range(r + 1)] + [v[0, :, r] for _, v in chain]
+        torch.testing.assert_close(out[0, :, r], explicit_attention(q[0, :, r], keys, values))
+
+
+def test_decoding_with_cache_equals_training_unroll():
+    """Prefill + one-row chain drafting gives the logits of the batched TTT unroll at that row."""
+    drafter = make_drafter().double()
+    cfg = drafter.config
+    T, K = 6, 3
+    torch.manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (1, T + K))
+    hidden0 = drafter.fc(torch.randn(1, T, 3 * cfg.hidden_size, dtype=torch.float64))
+    positions = torch.arange(T)
+    # Training layout: every row chains, step k feeds token x_{t+k+1}.
+    train_cache, hidden, unrolled = KVCache(), hidden0, []
+    for k in range(K):
+        logits, hidden = drafter(ids[:, k + 1 : k + 1 + T], hidden, positions + k, train_cache, None if k == 0 else positions)
+        unrolled.append(logits[:, -1])
+    # Decoding layout: prefill in two chunks, then chain from the last row only.
+    cache = KVCache()
+    drafter(ids[:, 1:4], hidden0[:, :3], positions[:3], cache)
+    logits, h2 = drafter(ids[:, 4 : T + 1], hidden0[:, 3:], positions[3:], cache)
+    decoded, last = [logits[:, -1]], torch.tensor([T - 1])
+    for k in range(1, K):
+        logits, h2 = drafter(ids[:, T + k : T + k + 1], h2[:, -1:], torch.tensor([T - 1 + k]), cache, last)
+        decoded.append(logits[:, -1])
+    for step, (a, b) in enumerate(zip(unrolled, decoded)):
+        torch.testing.assert_close(a, b, msg=f"step {step}")
+
+
+def test_chain_step_needs_context_and_same_rows():
+    drafter = make_drafter()
+    cfg = drafter.config
+    hidden = torch.randn(1, 4, cfg.hidden_size)
+    with pytest.raises(ValueError, match="needs a context step"):
+        drafter(torch.zeros(1, 4, dtype=torch.long), hidden, torch.arange(4), KVCache(), torch.arange(4))
+    cache = KVCache()
+    drafter(torch.zeros(1, 4, dtype=torch.long), hidden, torch.arange(4), cache)
+    drafter(torch.zeros(1, 4, dtype=torch.long), hidden, torch.arange(4) + 1, cache, torch.arange(4))
+    with pytest.raises(ValueError, match="chain step over 1 rows"):
+        drafter(torch.zeros(1, 1, dtype=torch.long), hidden[:, :1], torch.tensor([5]), cache, torch.tensor([3]))
