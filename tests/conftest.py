@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from eagle3.common import UserError
+from eagle3.config import compose_params
 from eagle3.verifier import import_verifier, read_meta
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +69,7 @@ def tiny_verifier_dir(smollm2_dir: Path) -> Path:
         {
             "name": "tiny-random",
             "source": {"kind": "random", "tokenizer": str(smollm2_dir), "config": TINY_LLAMA, "seed": 0, "dtype": "float32"},
-            "copy": True,
+            "copy_weights": True,
             "trust_remote_code": False,
         }
     )
@@ -77,10 +79,58 @@ def tiny_verifier_dir(smollm2_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_params():
     """A ``model`` params section describing the tiny verifier (for stage functions that take one)."""
-    params = project_params().model.copy()
-    params.name = "tiny-random"
-    params.num_layers = TINY_LLAMA["num_hidden_layers"]
-    params.hidden_size = TINY_LLAMA["hidden_size"]
-    params.aux_layers = [1, 2, 3]
-    params.max_position_embeddings = TINY_LLAMA["max_position_embeddings"]
-    return params
+    return tiny_model_spec()
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command (dvc, git, python -m ...) in ``cwd``; on failure show its output."""
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+@pytest.fixture
+def make_project(tmp_path: Path, tiny_verifier_dir: Path):
+    """A function building a temporary git+DVC copy of this project on the tiny random verifier.
+
+    ``make_project(*overrides)`` copies dvc.yaml, conf/ and src/, adds a ``model=tiny-random``
+    option (random weights of the tiny shape, SmolLM2's tokenizer), composes params.yaml with
+    the overrides exactly as ``dvc exp run -S`` would, and commits. Returns the repo path.
+    """
+
+    def build(*overrides: str, name: str = "project") -> Path:
+        repo = tmp_path / name
+        repo.mkdir()
+        shutil.copy(ROOT / "dvc.yaml", repo)
+        shutil.copytree(ROOT / "conf", repo / "conf")
+        shutil.copytree(ROOT / "src", repo / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        tiny = {"name": "tiny-random", "copy_weights": True, "trust_remote_code": False,
+                "source": {"kind": "random", "tokenizer": str(tiny_verifier_dir), "config": TINY_LLAMA,
+                           "seed": 0, "dtype": "float32"}}
+        tiny.update({k: v for k, v in OmegaConf.to_container(tiny_model_spec()).items() if k not in tiny})
+        (repo / "conf" / "model" / "tiny-random.yaml").write_text(OmegaConf.to_yaml(tiny))
+        run(["git", "init", "-q", "-b", "main"], repo)
+        run(["git", "config", "user.email", "test@eagle3"], repo)
+        run(["git", "config", "user.name", "eagle3 test"], repo)
+        run(["dvc", "init", "-q"], repo)
+        for key, value in [("hydra.enabled", "true"), ("cache.type", "hardlink"), ("core.autostage", "true")]:
+            run(["dvc", "config", key, value], repo)
+        compose_params(["model=tiny-random", *overrides], conf_dir=repo / "conf", output=repo / "params.yaml")
+        run(["git", "add", "-A"], repo)
+        run(["git", "commit", "-qm", "project"], repo)
+        return repo
+
+    return build
+
+
+def tiny_model_spec():
+    """The descriptive keys of a ``model`` section, for the tiny verifier."""
+    spec = project_params().model.copy()
+    spec.name = "tiny-random"
+    spec.num_layers = TINY_LLAMA["num_hidden_layers"]
+    spec.hidden_size = TINY_LLAMA["hidden_size"]
+    spec.vocab_size = TINY_LLAMA["vocab_size"]
+    spec.aux_layers = [1, 2, 3]
+    spec.max_position_embeddings = TINY_LLAMA["max_position_embeddings"]
+    return spec

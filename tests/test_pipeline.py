@@ -1,0 +1,46 @@
+"""The real pipeline: `dvc repro` and `dvc exp run -S` in a temporary git repo (tiny random verifier)."""
+
+import json
+
+import pytest
+import yaml
+
+from conftest import run
+
+SMALL = {"name": "small", "num_prompts": 8, "shards": ["000000-000008"], "eval_sets": {"heldout": 2, "humaneval": 1}}
+BIGGER = {"name": "bigger", "num_prompts": 12, "shards": ["000000-000008", "000008-000012"],
+          "eval_sets": {"heldout": 2, "humaneval": 1}}
+
+
+def add_dataset(repo, spec):
+    demo = yaml.safe_load((repo / "conf" / "dataset" / "demo.yaml").read_text())
+    (repo / "conf" / "dataset" / f"{spec['name']}.yaml").write_text(yaml.safe_dump({**demo, **spec}))
+
+
+def stage_lines(output: str) -> list[str]:
+    return sorted(line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage"))
+
+
+@pytest.mark.slow
+def test_repro_then_scale_up_recomputes_only_new_shards(make_project):
+    repo = make_project("generate.max_new_tokens=8")
+    for spec in (SMALL, BIGGER):
+        add_dataset(repo, spec)
+    run(["eagle3", "params", "-S", "model=tiny-random", "-S", "dataset=small", "-S", "generate.max_new_tokens=8"], repo)
+    first = run(["dvc", "repro"], repo)
+    assert {"verifier", "prompts"} <= set(stage_lines(first.stdout))
+    assert "up to date" in run(["dvc", "status"], repo).stdout
+    prompt_shard = (repo / "data" / "prompts" / "shards" / "000000-000008.jsonl").read_bytes()
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "small"], repo)
+
+    # Like Hydra, `dvc exp run -S` composes from the defaults: repeat every non-default choice.
+    scaled = run(["dvc", "exp", "run", "-S", "model=tiny-random", "-S", "dataset=bigger", "-S", "generate.max_new_tokens=8"], repo)
+    ran = stage_lines(scaled.stdout)
+    assert "verifier" not in ran and "prompts" in ran
+    assert not [s for s in ran if s.endswith("@000000-000008")], ran  # the first shard is reused
+    assert (repo / "data" / "prompts" / "shards" / "000000-000008.jsonl").read_bytes() == prompt_shard
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    assert params["dataset"]["name"] == "bigger" and params["model"]["name"] == "tiny-random"
+    shown = json.loads(run(["dvc", "exp", "show", "--json"], repo).stdout)
+    assert "bigger" in json.dumps(shown)
