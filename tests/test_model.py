@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from transformers import AutoConfig, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from eagle3.model import LLAMA3_ROPE, DraftConfig, Eagle3Drafter, KVCache, rope_frequencies
+from eagle3.model import LLAMA3_ROPE, DraftConfig, KVCache, cached_attention, rope_frequencies
+from reference import explicit_attention
+from tiny_drafter import make_drafter
 
 STATE_KEYS = {
     "fc.weight",
@@ -28,18 +28,6 @@ STATE_KEYS = {
     "d2t",
     "t2d",
 }
-
-
-def make_drafter(seed: int = 0, **overrides) -> Eagle3Drafter:
-    torch.manual_seed(seed)
-    cfg = DraftConfig.preset("debug", **overrides)
-    drafter = Eagle3Drafter(cfg, torch.randn(cfg.vocab_size, cfg.hidden_size))
-    drafter.set_draft_vocab(torch.arange(cfg.draft_vocab_size) * 3 - torch.arange(cfg.draft_vocab_size))
-    with torch.no_grad():  # non-trivial norms, so a swapped norm would show
-        for name, p in drafter.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return drafter.eval()
 
 
 def test_names_shapes_and_vocab():
@@ -85,15 +73,6 @@ def test_from_verifier_and_overrides(tiny_verifier_dir, smollm2_dir):
         DraftConfig.preset("debug", rope_scaling={"rope_type": "yarn", "factor": 4.0})
 
 
-def explicit_attention(q, keys, values):
-    """Softmax attention of one query [nh, hd] over an explicit list of (k, v) pairs [nkv, hd]."""
-    nh, hd = q.shape
-    k = torch.stack(keys, 1).repeat_interleave(nh // keys[0].shape[0], 0)  # [nh, N, hd]
-    v = torch.stack(values, 1).repeat_interleave(nh // values[0].shape[0], 0)
-    probs = ((k @ q[:, :, None]).squeeze(-1) / math.sqrt(hd)).softmax(-1)  # [nh, N]
-    return (probs[:, :, None] * v).sum(1)  # [nh, hd]
-
-
 def test_chain_attention_sees_own_row_only():
     """Step 2 of TTT at T=3: row r sees context keys 0..r and its own chain keys, nothing else."""
     torch.manual_seed(0)
@@ -106,8 +85,6 @@ def test_chain_attention_sees_own_row_only():
     for k, v in chain:
         cache.add_chain(k, v, rows)
     q = torch.randn(B, nh, T, hd)
-    from eagle3.model import cached_attention
-
     out = cached_attention(q, cache, rows)
     for r in range(T):
         keys = [ctx[0][0, :, s] for s in range(r + 1)] + [k[0, :, r] for k, _ in chain]
