@@ -1,6 +1,8 @@
 """The ``eagle3`` command: project tools that are not pipeline stages.
 
     eagle3 params [-S group=option ...]   compose params.yaml from conf/ (as `dvc exp run -S` does)
+    eagle3 check-drafter DIR [--verifier models/verifier] [--write-engine-configs]
+                                          validate an exported drafter (DESIGN.md §6); exit 1 on faults
 """
 
 from __future__ import annotations
@@ -17,6 +19,20 @@ def _params(args: argparse.Namespace) -> None:
     print(f"composed {args.output}")
 
 
+def _check_drafter(args: argparse.Namespace) -> None:
+    from eagle3.export import check_drafter, write_engine_configs
+
+    if args.write_engine_configs:
+        for path in write_engine_configs(args.folder, args.engine or ("vllm", "sglang")):
+            print(f"wrote {path}")
+    problems = check_drafter(args.folder, args.verifier)
+    for problem in problems:
+        print(f"{args.folder}: {problem}")
+    if problems:
+        raise SystemExit(1)
+    print(f"{args.folder}: ok")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -25,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("--conf", default="conf")
     params.add_argument("--output", default="params.yaml")
     params.set_defaults(func=_params)
+    check = commands.add_parser("check-drafter", help="validate an exported drafter for SGLang/vLLM")
+    check.add_argument("folder", help="exported drafter folder, e.g. models/drafter")
+    check.add_argument("--verifier", help="verifier folder to check sizes, context and fingerprint against")
+    check.add_argument("--write-engine-configs", action="store_true", help="write config.<engine>.json first")
+    check.add_argument("--engine", action="append", choices=["vllm", "sglang"], help="engine(s) to write (default both)")
+    check.set_defaults(func=_check_drafter)
     return parser
 
 

@@ -1,0 +1,307 @@
+"""The drafter on disk: SGLang/vLLM's EAGLE-3 format, loading it back, and checking it (DESIGN.md §6).
+
+    eagle3 check-drafter models/drafter --verifier models/verifier [--write-engine-configs]
+
+Why: a checkpoint with ``layers.0.*`` instead of ``midlayer.*``, no ``lm_head`` or ``d2t``, layer
+ids in the wrong convention or a too small context loads without error and serves at acceptance
+length ~1. ``write_drafter`` writes exactly the keys the engines expect, through one rename table;
+``check_drafter`` re-reads a folder and names every such fault.
+
+Folder: ``config.json`` (layer ids in the vLLM convention), ``config.vllm.json`` and
+``config.sglang.json`` (one per engine: copy the one you serve with over ``config.json``),
+``model.safetensors`` (bf16 weights, int64 ``d2t``, bool ``t2d``), ``meta.json`` (verifier
+fingerprint, layer ids and their convention, training summary).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.common import UserError, read_json, write_json
+from eagle3.model import DraftConfig, Eagle3Drafter
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHT_DTYPE = torch.bfloat16
+
+# Module state-dict name -> exported name. The module already uses the engines' names, so the map
+# is the identity; it is still the one place that ties the two together (edit here, not elsewhere).
+EXPORT_NAMES = {
+    "fc.weight": "fc.weight",
+    "midlayer.hidden_norm.weight": "midlayer.hidden_norm.weight",
+    "midlayer.input_layernorm.weight": "midlayer.input_layernorm.weight",
+    "midlayer.post_attention_layernorm.weight": "midlayer.post_attention_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight": "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight": "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight": "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight": "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight": "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight": "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight": "midlayer.mlp.down_proj.weight",
+    "norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "d2t": "d2t",
+    "t2d": "t2d",
+}
+
+# How an engine reads an id of eagle_config.eagle_aux_hidden_state_layer_ids, as a shift from ours.
+# Ours (the data's): id k = the residual stream entering decoder layer k (HF output_hidden_states[k]).
+LAYER_ID_SHIFT = {
+    "vllm": 0,  # "input of layer k": the same ids
+    "sglang": -1,  # historically "output of layer k" = input of layer k+1: ids - 1
+}
+CONFIG_CONVENTION = "vllm"  # the convention of config.json itself
+OUR_CONVENTION = "residual stream entering decoder layer k (HF output_hidden_states[k])"
+
+
+def engine_layer_ids(ids, engine: str) -> list[int]:
+    """Our tap ids as ``engine`` reads them: [2, 30, 58] -> vllm [2, 30, 58], sglang [1, 29, 57]."""
+    shifted = [int(i) + LAYER_ID_SHIFT[engine] for i in ids]
+    if min(shifted) < 0:
+        raise ValueError(f"layer ids {list(ids)} cannot be written in the {engine} convention (the embedding output is no layer's output)")
+    return shifted
+
+
+def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Exported name -> (shape, dtype) for a drafter of shape ``cfg``."""
+    H, I, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    shapes = {
+        "fc.weight": (H, 3 * H),
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, q),
+        "midlayer.mlp.gate_proj.weight": (I, H),
+        "midlayer.mlp.up_proj.weight": (I, H),
+        "midlayer.mlp.down_proj.weight": (H, I),
+        "norm.weight": (H,),
+        "lm_head.weight": (Vd, H),
+    }
+    expected = {name: (shape, WEIGHT_DTYPE) for name, shape in shapes.items()}
+    expected["d2t"] = ((Vd,), torch.int64)
+    expected["t2d"] = ((cfg.vocab_size,), torch.bool)
+    return expected
+
+
+def engine_config(cfg: DraftConfig, engine: str = CONFIG_CONVENTION) -> dict[str, Any]:
+    """The HF-style config.json the engines read, with layer ids in ``engine``'s convention."""
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "target_hidden_size": cfg.hidden_size,  # width of one tapped state; fc reads 3x this
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": engine_layer_ids(cfg.aux_layers, engine),
+            "use_aux_hidden_state": True,
+        },
+    }
+
+
+def config_from_export(config: dict[str, Any], aux_layers) -> DraftConfig:
+    """The ``DraftConfig`` of an exported config.json (``aux_layers`` in our convention)."""
+    names = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+             "draft_vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings")
+    missing = [n for n in names if n not in config]
+    if missing:
+        raise ValueError(f"config.json lacks {missing}")
+    return DraftConfig.create({n: config[n] for n in names}, {"aux_layers": aux_layers})
+
+
+def write_drafter(drafter: Eagle3Drafter, out: Path, verifier: dict[str, Any], training: dict[str, Any]) -> None:
+    """Write the export into ``out`` (an existing, empty folder: the stage's atomic temp dir).
+
+    ``verifier``: {name, fingerprint, num_layers, vocab_size, hidden_size, max_position_embeddings}.
+    """
+    cfg = drafter.config
+    state = drafter.state_dict()
+    tensors = {EXPORT_NAMES[name]: state[name].detach().cpu().contiguous() for name in EXPORT_NAMES}
+    for name, (_, dtype) in expected_tensors(cfg).items():
+        tensors[name] = tensors[name].to(dtype)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    write_json(out / "config.json", engine_config(cfg))
+    for engine in LAYER_ID_SHIFT:
+        write_json(out / f"config.{engine}.json", engine_config(cfg, engine))
+    write_json(out / "meta.json", {
+        "verifier": verifier,
+        "aux_layers": list(cfg.aux_layers),
+        "aux_layers_convention": OUR_CONVENTION,
+        "config_layer_id_convention": CONFIG_CONVENTION,
+        "draft_config": cfg.to_dict(),
+        "training": training,
+    })
+
+
+def load_drafter(folder: str | Path, embed_tokens: torch.Tensor) -> Eagle3Drafter:
+    """The exported drafter as an ``Eagle3Drafter`` (fp32 parameters) using the verifier's embedding."""
+    folder = Path(folder)
+    meta = read_json(folder / "meta.json")
+    cfg = config_from_export(read_json(folder / "config.json"), meta["aux_layers"])
+    drafter = Eagle3Drafter(cfg, embed_tokens)
+    tensors = load_file(folder / "model.safetensors")
+    module_names = {exported: name for name, exported in EXPORT_NAMES.items()}
+    state = {module_names.get(name, name): tensor for name, tensor in tensors.items()}
+    drafter.load_state_dict(state, strict=True)
+    return drafter
+
+
+# ---------------------------------------------------------------------------------------------
+# check-drafter: each check returns a list of one-line problems (empty: fine).
+
+
+def check_config(config: dict[str, Any]) -> list[str]:
+    problems = []
+    if config.get("architectures") != [ARCHITECTURE]:
+        problems.append(f"architectures is {config.get('architectures')}, engines need [{ARCHITECTURE!r}]")
+    if config.get("model_type") != "llama":
+        problems.append(f"model_type is {config.get('model_type')!r}, expected 'llama'")
+    if config.get("num_hidden_layers") != 1:
+        problems.append(f"num_hidden_layers is {config.get('num_hidden_layers')}, an EAGLE-3 drafter has 1")
+    if config.get("tie_word_embeddings"):
+        problems.append("tie_word_embeddings is true: lm_head is over the draft vocab and must not be tied")
+    if "eagle_aux_hidden_state_layer_ids" not in (config.get("eagle_config") or {}):
+        problems.append("eagle_config.eagle_aux_hidden_state_layer_ids is missing: engines would tap default layers")
+    return [f"config.json: {p}" for p in problems]
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], cfg: DraftConfig) -> list[str]:
+    expected = expected_tensors(cfg)
+    problems = []
+    if any(name.startswith("layers.0.") for name in tensors):
+        problems.append("has layers.0.* instead of midlayer.*: SGLang skips unknown names silently and the draft layer stays random; rename them")
+    if any("embed_tokens" in name for name in tensors):
+        problems.append("has embed_tokens: the drafter must use the verifier's embedding, never an exported (random) one; drop it")
+    for name in sorted(set(expected) - set(tensors)):
+        problems.append(f"missing {name}")
+    for name in sorted(set(tensors) - set(expected)):
+        if not name.startswith("layers.0.") and "embed_tokens" not in name:
+            problems.append(f"unexpected tensor {name}")
+    for name, (shape, dtype) in expected.items():
+        if name in tensors and (tuple(tensors[name].shape), tensors[name].dtype) != (shape, dtype):
+            problems.append(f"{name} is {tuple(tensors[name].shape)} {tensors[name].dtype}, expected {shape} {dtype}")
+    return [f"model.safetensors: {p}" for p in problems]
+
+
+def check_vocab(tensors: dict[str, torch.Tensor], cfg: DraftConfig) -> list[str]:
+    """d2t maps every draft token into the verifier vocab, once, in id order; t2d marks exactly those."""
+    d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
+    if d2t is None or t2d is None or d2t.shape != (cfg.draft_vocab_size,) or t2d.shape != (cfg.vocab_size,):
+        return []  # already reported by check_tensors
+    target = torch.arange(len(d2t)) + d2t.long()
+    problems = []
+    if int(target.min()) < 0 or int(target.max()) >= cfg.vocab_size:
+        problems.append(f"d2t maps draft tokens outside the verifier vocab [0, {cfg.vocab_size}) (target ids {int(target.min())}..{int(target.max())})")
+    elif not bool((target[1:] > target[:-1]).all()):
+        problems.append("d2t target ids are not strictly increasing (duplicates or out of order)")
+    elif not bool(t2d.bool()[target].all()):
+        problems.append("t2d is not set at the target ids of d2t")
+    if int(t2d.bool().sum()) != cfg.draft_vocab_size:
+        problems.append(f"t2d marks {int(t2d.bool().sum())} tokens, draft_vocab_size is {cfg.draft_vocab_size}")
+    return [f"model.safetensors: {p}" for p in problems]
+
+
+def check_layer_ids(folder: Path, meta: dict[str, Any], num_layers: int) -> list[str]:
+    """config.json and every config.<engine>.json carry meta's taps in their own convention, in range."""
+    ids = meta.get("aux_layers")
+    if not ids or len(ids) != 3 or ids != sorted(set(ids)):
+        return [f"meta.json: aux_layers {ids} is not 3 ascending layer ids"]
+    problems = []
+    if ids[0] < 0 or (num_layers and ids[-1] >= num_layers):
+        problems.append(f"meta.json: aux_layers {ids} outside the verifier's layers [0, {num_layers})")
+    files = {"config.json": meta.get("config_layer_id_convention", CONFIG_CONVENTION)}
+    files.update({f"config.{e}.json": e for e in LAYER_ID_SHIFT if (folder / f"config.{e}.json").is_file()})
+    for file, engine in files.items():
+        if engine not in LAYER_ID_SHIFT:
+            problems.append(f"meta.json: unknown layer-id convention {engine!r} (one of {sorted(LAYER_ID_SHIFT)})")
+            continue
+        got = (read_json(folder / file).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        try:
+            want = engine_layer_ids(ids, engine)
+        except ValueError as err:
+            problems.append(f"{file}: {err}")
+            continue
+        if got != want:
+            problems.append(f"{file}: eagle_aux_hidden_state_layer_ids {got} != {want}, meta.json's taps {ids} in the {engine} convention")
+    return problems
+
+
+def check_against_verifier(config: dict[str, Any], meta: dict[str, Any], verifier: dict[str, Any]) -> list[str]:
+    """Sizes, context and fingerprint against the verifier (its folder, else what meta.json recorded)."""
+    problems = []
+    for key in ("hidden_size", "vocab_size"):
+        if config.get(key) != verifier.get(key):
+            problems.append(f"config.json: {key} {config.get(key)} != the verifier's {verifier.get(key)}")
+    if int(config.get("max_position_embeddings") or 0) < int(verifier.get("max_position_embeddings") or 0):
+        problems.append(f"config.json: max_position_embeddings {config.get('max_position_embeddings')} < the verifier's "
+                        f"{verifier['max_position_embeddings']}: drafting would stop or misbehave on long contexts")
+    recorded = (meta.get("verifier") or {}).get("fingerprint")
+    if verifier.get("fingerprint") and recorded != verifier["fingerprint"]:
+        problems.append(f"meta.json: trained for verifier {recorded}, this verifier is {verifier['fingerprint']}")
+    return problems
+
+
+def verifier_facts(folder: str | Path) -> dict[str, Any]:
+    """What the export must agree with, read from a verifier folder (config.json + meta.json)."""
+    folder = Path(folder)
+    config = read_json(folder / "config.json")
+    config = config.get("text_config", config)  # multimodal wrappers keep the LM's config inside
+    facts = {key: config.get(key) for key in ("hidden_size", "vocab_size", "max_position_embeddings")}
+    facts["num_layers"] = config.get("num_hidden_layers")
+    meta = folder / "meta.json"
+    facts["fingerprint"] = read_json(meta)["fingerprint"]["id"] if meta.is_file() else None
+    return facts
+
+
+def check_drafter(folder: str | Path, verifier_folder: str | Path | None = None) -> list[str]:
+    """Every problem of an exported drafter folder, one line each; empty when it is fit to serve."""
+    folder = Path(folder)
+    for name in ("config.json", "model.safetensors", "meta.json"):
+        if not (folder / name).is_file():
+            return [f"{folder / name}: not found"]
+    config, meta = read_json(folder / "config.json"), read_json(folder / "meta.json")
+    problems = check_config(config)
+    verifier = verifier_facts(verifier_folder) if verifier_folder else dict(meta.get("verifier") or {})
+    problems += check_against_verifier(config, meta, verifier)
+    problems += check_layer_ids(folder, meta, int(verifier.get("num_layers") or 0))
+    try:
+        cfg = config_from_export(config, meta.get("aux_layers") or ())
+    except ValueError as err:
+        return problems + [f"config.json: {err}"]
+    tensors = load_file(folder / "model.safetensors")
+    return problems + check_tensors(tensors, cfg) + check_vocab(tensors, cfg)
+
+
+def write_engine_configs(folder: str | Path, engines=tuple(LAYER_ID_SHIFT)) -> list[Path]:
+    """(Re)write config.<engine>.json next to config.json, layer ids in each engine's convention."""
+    folder = Path(folder)
+    meta = read_json(folder / "meta.json")
+    cfg = config_from_export(read_json(folder / "config.json"), meta["aux_layers"])
+    written = []
+    for engine in engines:
+        if engine not in LAYER_ID_SHIFT:
+            raise UserError(f"--engine {engine!r}: one of {sorted(LAYER_ID_SHIFT)}")
+        write_json(folder / f"config.{engine}.json", engine_config(cfg, engine))
+        written.append(folder / f"config.{engine}.json")
+    return written
