@@ -1,0 +1,101 @@
+"""Generation backends: how the ``generate`` stage gets the verifier's answers.
+
+A backend takes the shard's requests and calls ``done(request, result)`` once per request it
+finishes, as soon as it finishes it (the stage journals each result right away). Requests whose
+id is in ``finished`` were answered by an earlier, interrupted run: a backend skips them, but may
+recompute them when that keeps its other results identical (the local backend re-runs a whole
+batch, because a row's numerics depend on its batch-mates' padding).
+
+- ``local``: in-process transformers on the layout's device (the embedded default);
+- ``openai``: any OpenAI-compatible endpoint (SGLang, vLLM, ``transformers serve``, hosted APIs);
+- ``sglang``: starts an SGLang server with the layout's TP, then talks to it as ``openai`` does.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from omegaconf import DictConfig
+
+from eagle3.common import UserError
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt to answer."""
+
+    id: str  # record id: hash of the prompt id, the verifier and the generation params
+    prompt_id: str
+    messages: list[dict]  # chat ending with a user turn
+    prompt_ids: list[int]  # the messages under the verifier's chat template + generation prompt
+    seed: int  # sampling seed of this record (derived from its id)
+
+
+@dataclass(frozen=True)
+class Answer:
+    content: str
+    reasoning_content: str | None  # None: the model gave no separate reasoning
+    finish_reason: str  # "stop" (end of sequence) or "length" (max_new_tokens reached)
+    prompt_tokens: int
+    completion_tokens: int  # generated tokens, the stop token included (as servers count them)
+
+
+@dataclass(frozen=True)
+class Failure:
+    reason: str  # what the last attempt saw, e.g. "HTTP 500: ..." or "timeout after 600 s"
+    attempts: int
+    url: str | None = None  # the endpoint of the last attempt
+
+
+Done = Callable[[Request, Answer | Failure], None]
+
+
+class Backend(Protocol):
+    def run(self, requests: Sequence[Request], finished: Collection[str], done: Done) -> None: ...
+
+
+def split_reasoning(text: str, tags: Sequence[str] | None) -> tuple[str | None, str]:
+    """``"<think>r</think>a"`` -> ``("r", "a")``: raw reasoning markup a server left in the content.
+
+    Also handles the open tag living in the prompt (output ``"r</think>a"``) and an answer cut
+    inside its reasoning (``"<think>r"`` -> ``("r", "")``). Text without tags is all content.
+    """
+    if not tags:
+        return None, text
+    start, end = tags
+    head, closed, tail = text.partition(end)
+    if closed:
+        return head.strip().removeprefix(start).strip(), tail.strip()
+    if text.lstrip().startswith(start):
+        return text.lstrip().removeprefix(start).strip(), ""
+    return None, text
+
+
+SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def has_surrogates(text: str) -> bool:
+    """True if ``text`` cannot be written as UTF-8: undecodable input bytes (kept as lone
+    surrogates by ``surrogateescape``) or a lone ``\\udXXX`` escape in JSON."""
+    return SURROGATES.search(text) is not None
+
+
+def make_backend(cfg: DictConfig, verifier: Path, generate: DictConfig) -> Backend:
+    """The backend named by ``cfg.name`` (the params' ``backend`` section)."""
+    if cfg.name == "local":
+        from eagle3.backends.local import LocalBackend
+
+        return LocalBackend(cfg, verifier, generate)
+    if cfg.name == "openai":
+        from eagle3.backends.openai import OpenAIBackend
+
+        return OpenAIBackend(cfg, generate)
+    if cfg.name == "sglang":
+        from eagle3.backends.sglang import SGLangBackend
+
+        return SGLangBackend(cfg, verifier, generate)
+    raise UserError(f"params.yaml: backend.name: {cfg.name!r} is not one of local, openai, sglang")

@@ -1,0 +1,322 @@
+"""Stage ``generate``: the verifier answers every prompt of one shard itself (self-distillation).
+
+    python -m eagle3.generate models/verifier data/prompts/shards/<shard>.jsonl data/generated/<shard> \\
+        --metrics metrics/generate/<shard>.json        # reads params.yaml: generate, backend
+
+The output folder holds ``records.jsonl`` (one conversation per prompt, in the prompt shard's
+order), ``errors.jsonl`` (requests that kept failing, with the reason), ``skipped.jsonl``
+(prompts never sent: longer than the context allows, text that is not valid UTF-8, a chat the
+template refuses), ``stats.json`` (also written to ``--metrics`` for DVC) and ``meta.json``.
+answers + errors + skipped == prompts is checked before anything is written.
+
+Every finished answer is appended (and fsync'd) to a journal in ``.eagle3/journal/generate/``
+named by the shard and a hash of all that determines the answers (prompt shard bytes, verifier
+fingerprint, ``generate`` and ``backend`` params). A killed run resumes from it, and the output
+is rebuilt in shard order, so for deterministic settings a resumed run writes the same bytes as
+an uninterrupted one. The journal is deleted once its shard is written without errors, and kept
+otherwise, so ``dvc repro -f generate@<shard>`` retries only the failed requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from eagle3.backends import Answer, Backend, Failure, Request, has_surrogates, make_backend
+from eagle3.common import UserError, atomic_dir, load_params, sha256_file, stable_hash, stage_main, to_plain, write_json, write_jsonl
+from eagle3.verifier import load_tokenizer, read_meta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Shard:
+    """The result of one shard, each list in the prompt shard's order."""
+
+    records: list[dict]
+    errors: list[dict]
+    skipped: list[dict]
+    stats: dict
+
+
+class Journal:
+    """Finished records of one shard, keyed by record id, appended and fsync'd one per line."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.records = self.load()
+        self.handle = None
+
+    def load(self) -> dict[str, dict]:
+        if not self.path.is_file():
+            return {}
+        data = self.path.read_bytes()
+        complete = data[: data.rfind(b"\n") + 1]
+        if len(complete) < len(data):  # a kill in the middle of a write leaves a partial last line
+            with self.path.open("r+b") as handle:
+                handle.truncate(len(complete))
+        try:
+            records = [json.loads(line) for line in complete.splitlines()]
+        except json.JSONDecodeError:
+            raise UserError(f"{self.path}: corrupt journal; delete it to generate this shard from the start") from None
+        return {record["id"]: record for record in records}
+
+    def append(self, record: dict) -> None:
+        if self.handle is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.handle = self.path.open("a", encoding="utf-8")
+        self.handle.write(json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n")
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+        self.records[record["id"]] = record
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+
+def read_prompts(path: Path) -> list[dict]:
+    """The prompt records of a shard. Undecodable bytes are kept as lone surrogates (then skipped)."""
+    prompts, seen = [], set()
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as err:
+        raise UserError(f"{path}: cannot read ({err.strerror})") from None
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8", "surrogateescape"))
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{number}: malformed JSON line ({err}); rebuild the prompts stage") from None
+        problem = prompt_problem(record)
+        if problem:
+            raise UserError(f"{path}:{number}: {problem}; rebuild the prompts stage")
+        if record["id"] in seen:
+            raise UserError(f"{path}:{number}: duplicate prompt id {record['id']}")
+        seen.add(record["id"])
+        prompts.append(record)
+    if not prompts:
+        raise UserError(f"{path}: no prompts; check the prompts stage's dataset settings")
+    return prompts
+
+
+def prompt_problem(record) -> str | None:
+    """What makes ``record`` not a prompt record ({id, source, messages ending with a user turn})."""
+    if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+        return "expected a prompt record with a string 'id'"
+    messages = record.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return "field 'messages' must be a non-empty list"
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+        return "every message needs a string 'role' and 'content'"
+    if messages[-1]["role"] != "user":
+        return "the last message must be a user turn"
+    return None
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def generation_params(generate: DictConfig, backend_name: str) -> dict:
+    """What decides an answer's tokens (besides prompt and verifier): part of every record id."""
+    return {
+        "backend": backend_name,
+        "max_new_tokens": int(generate.max_new_tokens),
+        "temperature": float(generate.temperature),
+        "top_p": float(generate.top_p),
+        "seed": int(generate.seed),
+    }
+
+
+def plan(prompts: Sequence[dict], tokenizer, generate: DictConfig, generation: dict, verifier: str) -> tuple[list[Request], dict[str, dict]]:
+    """Requests for the prompts that can be sent, and skip records (by prompt id) for the others."""
+    requests, skipped = [], {}
+    limit = int(generate.context) - int(generate.max_new_tokens)
+    for prompt in prompts:
+        skip = {"prompt_id": prompt["id"], "source": prompt.get("source")}
+        if any(has_surrogates(m["content"]) for m in prompt["messages"]):
+            skipped[prompt["id"]] = {**skip, "reason": "invalid_text", "detail": "a message is not valid UTF-8 text"}
+            continue
+        try:
+            ids = prompt_ids(tokenizer, prompt["messages"])
+        except TemplateError as err:
+            skipped[prompt["id"]] = {**skip, "reason": "template_error", "detail": str(err)}
+            continue
+        if len(ids) > limit:
+            detail = f"{len(ids)} prompt tokens + {generate.max_new_tokens} new tokens > context {generate.context}"
+            skipped[prompt["id"]] = {**skip, "reason": "too_long", "detail": detail}
+            continue
+        record_id = stable_hash({"prompt_id": prompt["id"], "verifier": verifier, **generation})
+        seed = int(stable_hash({"sampling_seed": record_id}, 8), 16)  # 32 bits, fixed by the record id
+        requests.append(Request(record_id, prompt["id"], prompt["messages"], ids, seed))
+    return requests, skipped
+
+
+def to_record(prompt: dict, request: Request, answer: Answer, generation: dict) -> dict:
+    assistant = {"role": "assistant", "content": answer.content, "reasoning_content": answer.reasoning_content}
+    return {
+        "id": request.id,
+        "prompt_id": prompt["id"],
+        "source": prompt.get("source"),
+        "messages": [*prompt["messages"], assistant],
+        "finish_reason": answer.finish_reason,
+        "prompt_tokens": answer.prompt_tokens,
+        "completion_tokens": answer.completion_tokens,
+        "generation": {**generation, "seed": request.seed},
+    }
+
+
+class Progress:
+    """A tqdm bar over requests showing this run's generated tokens/s and the error count."""
+
+    def __init__(self, name: str, total: int, initial: int):
+        self.bar = tqdm(total=total, initial=initial, desc=f"generate {name}", unit="req", dynamic_ncols=True)
+        self.start, self.tokens, self.errors = time.monotonic(), 0, 0
+
+    def update(self, result: Answer | Failure) -> None:
+        if isinstance(result, Failure):
+            self.errors += 1
+        else:
+            self.tokens += result.completion_tokens
+        self.bar.set_postfix(tok_s=f"{self.tokens / (time.monotonic() - self.start):.1f}", errors=self.errors, refresh=False)
+        self.bar.update()
+
+    def close(self) -> float:
+        """Close the bar; returns this run's tokens/s."""
+        self.bar.close()
+        return self.tokens / max(time.monotonic() - self.start, 1e-9)
+
+
+def generate_shard(
+    name: str, prompts: Sequence[dict], backend: Backend, tokenizer, generate: DictConfig,
+    generation: dict, verifier: str, journal: Journal,
+) -> Shard:
+    """Pure core: answer the shard's prompts through ``backend``, resuming from ``journal``."""
+    requests, skipped = plan(prompts, tokenizer, generate, generation, verifier)
+    prompt_of = {p["id"]: p for p in prompts}
+    finished = {r.id for r in requests if r.id in journal.records}
+    if finished:
+        log.info("generate %s: resuming with %d of %d answers journaled", name, len(finished), len(requests))
+    errors: dict[str, dict] = {}
+    progress = Progress(name, len(requests), len(finished))
+
+    def done(request: Request, result: Answer | Failure) -> None:
+        prompt = prompt_of[request.prompt_id]
+        if request.id in journal.records:  # a re-run batch repeats journaled answers: keep those
+            return
+        if isinstance(result, Failure):
+            errors[prompt["id"]] = {"prompt_id": prompt["id"], "source": prompt.get("source"),
+                                    "reason": result.reason, "attempts": result.attempts, "url": result.url}
+        else:
+            journal.append(to_record(prompt, request, result, generation))
+        progress.update(result)
+
+    try:
+        backend.run(requests, finished, done)
+    finally:
+        tokens_per_s = progress.close()
+    log.info("generate %s: %.1f generated tokens/s in this run", name, tokens_per_s)
+    answered = {r.prompt_id: journal.records[r.id] for r in requests if r.id in journal.records}
+    return assemble(prompts, answered, errors, skipped)
+
+
+def assemble(prompts: Sequence[dict], answered: dict, errors: dict, skipped: dict) -> Shard:
+    """Each outcome table (keyed by prompt id) as a list in shard order; every prompt has exactly one."""
+    tables = {"records": answered, "errors": errors, "skipped": skipped}
+    lists: dict[str, list[dict]] = {kind: [] for kind in tables}
+    for prompt in prompts:
+        found = [(kind, table[prompt["id"]]) for kind, table in tables.items() if prompt["id"] in table]
+        if len(found) != 1:
+            raise RuntimeError(f"accounting: prompt {prompt['id']} has {len(found)} outcomes instead of one")
+        lists[found[0][0]].append(found[0][1])
+    return Shard(**lists, stats=shard_stats(len(prompts), **lists))
+
+
+def shard_stats(prompts: int, records: list[dict], errors: list[dict], skipped: list[dict]) -> dict:
+    """The shard's metrics: answers + errors + skipped == prompts."""
+    return {
+        "prompts": prompts,
+        "answers": len(records),
+        "errors": len(errors),
+        "skipped": len(skipped),
+        "skip_reasons": dict(sorted(Counter(s["reason"] for s in skipped).items())),
+        "finish_reasons": dict(sorted(Counter(r["finish_reason"] for r in records).items())),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in records),
+        "completion_tokens": sum(r["completion_tokens"] for r in records),
+        "with_reasoning": sum(r["messages"][-1]["reasoning_content"] is not None for r in records),
+    }
+
+
+def journal_path(journal_dir: Path, prompts: Path, verifier: str, generate: DictConfig, backend: DictConfig) -> Path:
+    """``<dir>/<shard>-<hash>.jsonl``: a journal only ever resumes the exact same work."""
+    key = stable_hash({"prompts": sha256_file(prompts), "verifier": verifier,
+                       "generate": to_plain(generate), "backend": to_plain(backend)})
+    return journal_dir / f"{prompts.stem}-{key}.jsonl"
+
+
+def write_shard(out: Path, shard: Shard, meta: dict) -> None:
+    with atomic_dir(out) as tmp:
+        write_jsonl(tmp / "records.jsonl", shard.records)
+        write_jsonl(tmp / "errors.jsonl", shard.errors)
+        write_jsonl(tmp / "skipped.jsonl", shard.skipped)
+        write_json(tmp / "stats.json", shard.stats)
+        write_json(tmp / "meta.json", meta)
+
+
+def run_stage(verifier_dir: Path, prompts_path: Path, out: Path, params: DictConfig, journal_dir: Path, metrics: Path | None) -> Shard:
+    """Read the inputs, answer the shard with the configured backend, write the outputs."""
+    generate, backend_cfg = params.generate, params.backend
+    verifier = read_meta(verifier_dir)["fingerprint"]["id"]
+    prompts = read_prompts(prompts_path)
+    tokenizer = load_tokenizer(verifier_dir, bool(generate.trust_remote_code))
+    generation = generation_params(generate, str(backend_cfg.name))
+    journal = Journal(journal_path(journal_dir, prompts_path, verifier, generate, backend_cfg))
+    try:
+        backend = make_backend(backend_cfg, verifier_dir, generate)
+        shard = generate_shard(prompts_path.stem, prompts, backend, tokenizer, generate, generation, verifier, journal)
+    finally:
+        journal.close()
+    meta = {"verifier": verifier, "prompts_sha256": sha256_file(prompts_path),
+            "generate": to_plain(generate), "backend": to_plain(backend_cfg)}
+    write_shard(out, shard, meta)
+    if metrics:
+        metrics.parent.mkdir(parents=True, exist_ok=True)
+        write_json(metrics, shard.stats)
+    log.info("generate %s: %s", prompts_path.stem, json.dumps(shard.stats))
+    if shard.errors:
+        log.warning("generate %s: %d requests failed (see %s/errors.jsonl); `dvc repro -f` retries only those",
+                    prompts_path.stem, len(shard.errors), out)
+    else:
+        journal.path.unlink(missing_ok=True)
+    return shard
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eagle3.generate", description="the verifier answers one prompt shard")
+    parser.add_argument("verifier", type=Path, help="verifier folder, e.g. models/verifier")
+    parser.add_argument("prompts", type=Path, help="prompt shard, e.g. data/prompts/shards/000000-001000.jsonl")
+    parser.add_argument("out", type=Path, help="output folder, e.g. data/generated/000000-001000")
+    parser.add_argument("--metrics", type=Path, help="also write the shard's stats here (a DVC metric)")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--journal-dir", type=Path, default=Path(".eagle3/journal/generate"))
+    args = parser.parse_args(argv)
+    run_stage(args.verifier, args.prompts, args.out, load_params(args.params), args.journal_dir, args.metrics)
+
+
+if __name__ == "__main__":
+    stage_main(main)

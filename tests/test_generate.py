@@ -1,0 +1,184 @@
+"""Stage ``generate`` with the ``local`` backend: answers, token counts, reproducibility, skips, resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from eagle3.backends import Request, split_reasoning
+from eagle3.backends.local import LocalBackend, SeededSampling, plan_batches, top_p_filter
+from eagle3.common import UserError, read_json, stable_hash, write_jsonl
+from eagle3.config import compose_params
+from eagle3.generate import Journal, prompt_ids, read_prompts, run_stage
+from eagle3.verifier import load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write one sentence about the sea."]
+
+
+def stage_params(tmp_path: Path, *overrides: str):
+    """params.yaml composed from conf/ (as DVC does) with test-sized overrides."""
+    out = tmp_path / "params.yaml"
+    compose_params(["backend.threads=1", *overrides], conf_dir=ROOT / "conf", output=out)
+    return OmegaConf.load(out)
+
+
+def prompt(tokenizer, text: str) -> dict:
+    messages = [{"role": "user", "content": text}]
+    return {"id": stable_hash(messages), "source": "test", "messages": messages,
+            "prompt_tokens": len(prompt_ids(tokenizer, messages))}
+
+
+def shard_file(tmp_path: Path, tokenizer, texts=QUESTIONS, name="000000-000003") -> Path:
+    path = tmp_path / "prompts" / f"{name}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(path, [prompt(tokenizer, t) for t in texts])
+    return path
+
+
+def generate(tmp_path: Path, verifier: Path, prompts: Path, params, out: str = "out"):
+    return run_stage(verifier, prompts, tmp_path / out, params, tmp_path / "journal", tmp_path / f"{out}.json")
+
+
+def output_bytes(folder: Path) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(folder.iterdir())}
+
+
+@pytest.mark.slow
+def test_local_smollm2_answers_counts_and_rerun(tmp_path, smollm2_dir):
+    tokenizer = load_tokenizer(smollm2_dir)
+    prompts = shard_file(tmp_path, tokenizer)
+    params = stage_params(tmp_path, "generate.max_new_tokens=16", "backend.batch_size=2")
+    shard = generate(tmp_path, smollm2_dir, prompts, params)
+
+    assert [r["prompt_id"] for r in shard.records] == [p["id"] for p in read_prompts(prompts)]
+    by_question = {r["messages"][0]["content"]: r for r in shard.records}
+    assert "Paris" in by_question[QUESTIONS[0]]["messages"][-1]["content"]
+    for record in shard.records:
+        answer = record["messages"][-1]
+        assert answer["role"] == "assistant" and len(answer["content"].split()) >= 3 and answer["reasoning_content"] is None
+        assert record["prompt_tokens"] == len(prompt_ids(tokenizer, record["messages"][:-1]))
+        if record["finish_reason"] == "length":
+            assert record["completion_tokens"] == 16
+        else:  # the stop token is counted, not shown
+            assert record["finish_reason"] == "stop" and record["completion_tokens"] <= 16
+    assert shard.stats["completion_tokens"] == sum(r["completion_tokens"] for r in shard.records)
+    assert read_json(tmp_path / "out.json") == read_json(tmp_path / "out" / "stats.json") == shard.stats
+    assert read_json(tmp_path / "out" / "meta.json")["verifier"] == read_json(smollm2_dir / "meta.json")["fingerprint"]["id"]
+    assert not list((tmp_path / "journal").iterdir())  # written without errors: journal removed
+
+    generate(tmp_path, smollm2_dir, prompts, params, out="again")
+    assert output_bytes(tmp_path / "again") == output_bytes(tmp_path / "out")
+
+
+def test_answer_counts_the_stop_token_once(tiny_verifier_dir):
+    backend = LocalBackend.__new__(LocalBackend)  # only the tokenizer-side fields matter here
+    backend.tokenizer, backend.eos_ids = load_tokenizer(tiny_verifier_dir), {2}
+    backend.generate_cfg = OmegaConf.create({"think_tags": ["<think>", "</think>"]})
+    request = Request("r", "p", [], [1, 2, 3], 0)
+    stopped = backend.to_answer(request, [28, 29, 2, 2, 2])  # stop, then padding
+    assert (stopped.finish_reason, stopped.completion_tokens, stopped.prompt_tokens) == ("stop", 3, 3)
+    assert "<|im_end|>" not in stopped.content
+    cut = backend.to_answer(request, [28, 29, 30])
+    assert (cut.finish_reason, cut.completion_tokens) == ("length", 3)
+
+
+def test_batches_are_sorted_by_length_and_fixed_by_the_shard():
+    requests = [Request(str(i), str(i), [], [0] * n, 0) for i, n in enumerate([5, 1, 3, 1])]
+    assert [[r.id for r in b] for b in plan_batches(requests, 3)] == [["1", "3", "2"], ["0"]]
+
+
+def test_sampling_is_seeded_per_record_not_per_batch(tmp_path, tiny_verifier_dir):
+    tokenizer = load_tokenizer(tiny_verifier_dir)
+    prompts = shard_file(tmp_path, tokenizer)
+    sample = ["generate.max_new_tokens=6", "generate.temperature=1.0", "generate.top_p=0.9"]
+    batched = generate(tmp_path, tiny_verifier_dir, prompts, stage_params(tmp_path, *sample, "backend.batch_size=3"), "a")
+    alone = generate(tmp_path, tiny_verifier_dir, prompts, stage_params(tmp_path, *sample, "backend.batch_size=1"), "b")
+    greedy = generate(tmp_path, tiny_verifier_dir, prompts, stage_params(tmp_path, "generate.max_new_tokens=6"), "c")
+    answers = [[r["messages"][-1]["content"] for r in s.records] for s in (batched, alone, greedy)]
+    assert answers[0] == answers[1] != answers[2]
+    assert len({r["generation"]["seed"] for r in batched.records}) == 3
+
+
+def test_top_p_keeps_the_smallest_head_holding_the_mass():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    assert torch.equal(top_p_filter(probs.clone(), 0.7), torch.tensor([[0.5, 0.3, 0.0, 0.0]]))
+    assert torch.equal(top_p_filter(probs.clone(), 1.0), probs)
+    picks = SeededSampling([1], temperature=1.0, top_p=0.5)(None, probs.log())
+    assert picks.argmax().item() == 0 and torch.isinf(picks).sum() == 3
+
+
+def test_too_long_and_undecodable_prompts_are_skipped_and_recorded(tmp_path, tiny_verifier_dir):
+    tokenizer = load_tokenizer(tiny_verifier_dir)
+    prompts = shard_file(tmp_path, tokenizer, ["Hi.", "word " * 80, "Bye."])
+    lines = prompts.read_bytes().splitlines(keepends=True)
+    lines[2] = lines[2].replace(b"Bye.", b"By\xffe.")  # raw bytes that are not UTF-8
+    lines.append(json.dumps({"id": "lone", "source": "test", "messages": [{"role": "user", "content": "a\ud800b"}]}).encode() + b"\n")
+    prompts.write_bytes(b"".join(lines))
+    params = stage_params(tmp_path, "generate.max_new_tokens=4", "generate.context=64")
+    shard = generate(tmp_path, tiny_verifier_dir, prompts, params)
+    assert [s["reason"] for s in shard.skipped] == ["too_long", "invalid_text", "invalid_text"]
+    assert "> context 64" in shard.skipped[0]["detail"]
+    assert (shard.stats["answers"], shard.stats["skipped"], shard.stats["prompts"]) == (1, 3, 4)
+    assert (tmp_path / "out" / "skipped.jsonl").read_text().count("\n") == 3
+    (tmp_path / "out" / "records.jsonl").read_text(encoding="utf-8")  # the outputs are valid UTF-8
+
+
+def test_bad_prompt_lines_name_file_and_line(tmp_path):
+    path = tmp_path / "000000-000002.jsonl"
+    path.write_text('{"id": "a", "messages": [{"role": "user", "content": "x"}]}\n{"id": "b", "messages": []}\n')
+    with pytest.raises(UserError, match=r"000000-000002.jsonl:2: field 'messages'"):
+        read_prompts(path)
+    path.write_text('{"id": "a", "messages": [{"role": "user", "content": "x"}]}\n{oops\n')
+    with pytest.raises(UserError, match=r"000000-000002.jsonl:2: malformed JSON"):
+        read_prompts(path)
+    path.write_text("\n")
+    with pytest.raises(UserError, match="no prompts"):
+        read_prompts(path)
+
+
+class Crash(Exception):
+    pass
+
+
+def test_interrupted_run_resumes_from_the_journal_byte_identical(tmp_path, tiny_verifier_dir, monkeypatch):
+    tokenizer = load_tokenizer(tiny_verifier_dir)
+    prompts = shard_file(tmp_path, tokenizer, [f"Question number {i}?" for i in range(5)])
+    params = stage_params(tmp_path, "generate.max_new_tokens=5", "backend.batch_size=2")
+    reference = generate(tmp_path, tiny_verifier_dir, prompts, params, "reference")
+
+    calls = []
+    original = Journal.append
+
+    def crash_on_third(self, record):
+        calls.append(record["id"])
+        if len(calls) == 3:
+            raise Crash
+        original(self, record)
+
+    monkeypatch.setattr(Journal, "append", crash_on_third)
+    with pytest.raises(Crash):
+        generate(tmp_path, tiny_verifier_dir, prompts, params)
+    monkeypatch.setattr(Journal, "append", original)
+    assert not (tmp_path / "out").exists()
+    (journal,) = (tmp_path / "journal").iterdir()
+    with journal.open("ab") as handle:
+        handle.write(b'{"id": "half-writ')  # a kill in the middle of a line
+    assert len(Journal(journal).records) == 2
+
+    resumed = generate(tmp_path, tiny_verifier_dir, prompts, params)
+    assert resumed.records == reference.records
+    assert output_bytes(tmp_path / "out") == output_bytes(tmp_path / "reference")
+
+
+def test_split_reasoning_variants():
+    tags = ["<think>", "</think>"]
+    assert split_reasoning("<think> r </think> a", tags) == ("r", "a")
+    assert split_reasoning("r</think>a", tags) == ("r", "a")  # the open tag was in the prompt
+    assert split_reasoning("<think>cut off", tags) == ("cut off", "")
+    assert split_reasoning("plain", tags) == (None, "plain")
+    assert split_reasoning("<think>r</think>a", None) == (None, "<think>r</think>a")
