@@ -3,12 +3,15 @@
     eagle3 params [-S group=option ...]   compose params.yaml from conf/ (as `dvc exp run -S` does)
     eagle3 check-drafter DIR [--verifier models/verifier] [--write-engine-configs]
                                           validate an exported drafter (DESIGN.md §6); exit 1 on faults
+    eagle3 s3 serve|status|stop           local S3 server for the DVC remote (rclone serve s3)
+    eagle3 gc [--rev REV ...] [--dry-run] `dvc gc -w`, only once every kept revision is in the remote
 """
 
 from __future__ import annotations
 
 import argparse
 
+from eagle3 import gc, s3
 from eagle3.common import UserError, setup_logging
 
 
@@ -47,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--write-engine-configs", action="store_true", help="write config.<engine>.json first")
     check.add_argument("--engine", action="append", choices=["vllm", "sglang"], help="engine(s) to write (default both)")
     check.set_defaults(func=_check_drafter)
+    s3.add_parser(commands)
+    gc.add_parser(commands)
     return parser
 
 

@@ -1,0 +1,218 @@
+"""``eagle3 gc``: reclaim cache disk with ``dvc gc -w``, but only once every kept revision is in the remote.
+
+    eagle3 gc [--rev REV ...] [--all-commits] [--remote NAME] [--dry-run]
+
+``dvc gc -w`` deletes every cached object the workspace does not reference, including the only
+copy of an old run's hidden states if nobody pushed them. This command first lists every object
+that the kept revisions reference (default: the workspace, every branch tip and every tag;
+``--rev`` restricts to given revisions or ``A..B`` ranges, ``--all-commits`` takes every commit),
+directory outputs expanded to their ``.dir`` manifest and every file in it, and asks the remote
+for each one. It refuses, listing what is missing and the ``dvc push`` that uploads it, unless
+all are there; then it runs ``dvc gc -w -f``. It never deletes anything from the remote
+(no ``--cloud``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from eagle3.common import UserError
+
+if TYPE_CHECKING:
+    from dvc.repo import Repo
+    from dvc_data.hashfile.hash_info import HashInfo
+    from dvc_data.hashfile.tree import Tree
+
+SHOWN = 20  # missing objects listed by name; the rest are counted
+
+
+@dataclass(frozen=True)
+class Ref:
+    """One object a kept revision needs: where it appears and which remote ``dvc push`` sends it to."""
+
+    rev: str  # "workspace", branch/tag names joined by ",", or the revision as given
+    path: str  # the output, or a file inside a directory output
+    oid: "HashInfo"
+    remote: str | None  # the output's own remote, None for the default
+
+
+@dataclass
+class Verdict:
+    unpushed: list[Ref]  # in the local cache only: `dvc gc -w` could delete the last copy
+    lost: list[Ref]  # neither cached nor in the remote: nothing here can bring them back
+    unlisted: list[Ref]  # directory manifests nowhere to be read: their files cannot be enumerated
+    checked: int  # distinct objects asked for
+
+    @property
+    def safe(self) -> bool:
+        return not self.unpushed and not self.unlisted
+
+
+def expand_ranges(repo: "Repo", revs: Iterable[str]) -> list[str]:
+    """Revisions as given, with each ``A..B`` replaced by the commits of ``git rev-list A..B``."""
+    expanded = []
+    for rev in revs:
+        if ".." not in rev:
+            expanded.append(rev)
+            continue
+        result = subprocess.run(["git", "rev-list", rev], cwd=repo.scm.root_dir, capture_output=True, text=True)
+        if result.returncode != 0 or not result.stdout.split():
+            raise UserError(f"--rev {rev}: not a git range with commits ({result.stderr.strip() or 'empty'})")
+        expanded.extend(result.stdout.split())
+    return expanded
+
+
+def load_manifest(odbs: Iterable, oid: "HashInfo") -> "Tree | None":
+    """A directory output's ``.dir`` manifest, from the first of ``odbs`` (cache, then remote) holding it."""
+    from dvc_data.hashfile.tree import Tree
+    from dvc_objects.errors import ObjectFormatError
+
+    for odb in odbs:
+        try:
+            return Tree.load(odb, oid)
+        except (FileNotFoundError, ObjectFormatError):
+            continue
+    return None
+
+
+def revisions(repo: "Repo", scope: dict) -> Iterator[str]:
+    """``repo.brancher`` (which switches ``repo`` to each revision in turn), with bad names as UserError."""
+    from scmrepo.exceptions import RevError
+
+    try:
+        yield from repo.brancher(**scope)
+    except RevError as err:
+        raise UserError(f"--rev: {err}") from None
+
+
+def kept_refs(repo: "Repo", revs: list[str], all_commits: bool, remote: str | None) -> Iterator[tuple[Ref, bool]]:
+    """``(ref, listed)`` for every cached output of the kept revisions; directory outputs are expanded.
+
+    ``listed`` is False for a ``.dir`` manifest that neither the cache nor the remote holds.
+    """
+    manifests: dict[str, Tree | None] = {}
+    scope = dict(revs=revs) if revs else dict(all_branches=True, all_tags=True, all_commits=all_commits)
+    for rev in revisions(repo, scope):
+        for out in repo.index.outs:
+            if not out.use_cache or out.hash_info is None or not out.hash_info.value or out.stage.is_repo_import:
+                continue
+            ref = Ref(rev, str(out), out.hash_info, out.remote)
+            if not out.hash_info.isdir:
+                yield ref, True
+                continue
+            if out.hash_info.value not in manifests:
+                odbs = [cache_odb(repo, out.hash_info), remote_odb(repo, out.hash_info, out.remote or remote)]
+                manifests[out.hash_info.value] = load_manifest(odbs, out.hash_info)
+            tree = manifests[out.hash_info.value]
+            yield ref, tree is not None
+            for key, _, oid in tree or ():
+                yield Ref(rev, "/".join([str(out), *key]), oid, out.remote), True
+
+
+def cache_odb(repo: "Repo", oid: "HashInfo"):
+    """The local cache store for ``oid``'s kind of hash (DVC 3 md5, or DVC 2's md5-dos2unix)."""
+    from dvc.cachemgr import LEGACY_HASH_NAMES
+
+    return repo.cache.legacy if oid.name in LEGACY_HASH_NAMES else repo.cache.local
+
+
+def remote_odb(repo: "Repo", oid: "HashInfo", remote: str | None):
+    """The object store of ``remote`` (None: the default remote) for ``oid``'s kind of hash."""
+    from dvc.exceptions import DvcException
+
+    try:
+        return repo.cloud.get_remote_odb(remote, "gc", hash_name=oid.name)
+    except DvcException as err:
+        raise UserError(f".dvc/config: {err}") from None
+
+
+def check(repo: "Repo", revs: list[str], all_commits: bool, remote: str | None) -> Verdict:
+    """Ask the remote for every object the kept revisions reference (no remote index: a fresh listing)."""
+    first: dict[tuple[str | None, str], Ref] = {}
+    unlisted: list[Ref] = []
+    for ref, listed in kept_refs(repo, revs, all_commits, remote):
+        first.setdefault((ref.remote or remote, ref.oid.value), ref)
+        if not listed:
+            unlisted.append(ref)
+    verdict = Verdict(unpushed=[], lost=[], unlisted=unlisted, checked=len(first))
+    for target in {key[0] for key in first}:
+        refs = [ref for (name, _), ref in first.items() if name == target]
+        for ref in absent(repo, refs, target):
+            (verdict.unpushed if cache_odb(repo, ref.oid).exists(ref.oid.value) else verdict.lost).append(ref)
+    return verdict
+
+
+def absent(repo: "Repo", refs: list[Ref], remote: str | None) -> list[Ref]:
+    """The refs whose object the remote does not hold."""
+    missing = []
+    for name in {ref.oid.name for ref in refs}:
+        group = [ref for ref in refs if ref.oid.name == name]
+        present = set(remote_odb(repo, group[0].oid, remote).oids_exist([ref.oid.value for ref in group]))
+        missing += [ref for ref in group if ref.oid.value not in present]
+    return missing
+
+
+def push_command(repo: "Repo", refs: list[Ref], remote: str | None) -> str:
+    """The ``dvc push`` covering the revisions of ``refs``: plain for the workspace, -a/-T for tips, -A else."""
+    names = {name for ref in refs if ref.rev != "workspace" for name in ref.rev.split(",")}
+    branches, tags = set(repo.scm.list_branches()), set(repo.scm.list_tags())
+    if names - branches - tags:
+        flags = ["-A"]
+    else:
+        flags = (["-a"] if names & branches else []) + (["-T"] if names & tags else [])
+    return " ".join(["dvc", "push", *(["-r", remote] if remote else []), *flags])
+
+
+def describe(refs: list[Ref], why: str) -> list[str]:
+    lines = [f"  {ref.rev:<20} {ref.path}  ({ref.oid.value}, {why})" for ref in refs[:SHOWN]]
+    if len(refs) > SHOWN:
+        lines.append(f"  ... and {len(refs) - SHOWN} more")
+    return lines
+
+
+def run_gc(args: argparse.Namespace) -> None:
+    from dvc.repo import Repo
+
+    with Repo() as repo:
+        verdict = check(repo, expand_ranges(repo, args.rev), args.all_commits, args.remote)
+        remote_name = args.remote or repo.config["core"].get("remote")
+        fix = push_command(repo, verdict.unpushed, args.remote)
+        root = repo.root_dir
+    if verdict.lost:
+        print(f"warning: {len(verdict.lost)} objects of kept revisions are neither cached nor in the remote "
+              "(already unrecoverable here; gc does not change that):", file=sys.stderr)
+        print("\n".join(describe(verdict.lost, "lost")), file=sys.stderr)
+    if verdict.unlisted:
+        print("\n".join(describe(verdict.unlisted, "manifest missing")), file=sys.stderr)
+        raise UserError(
+            f"{len(verdict.unlisted)} directory manifests of kept revisions are neither cached nor in the remote, so "
+            "`dvc gc` cannot tell which of their files to keep; rebuild them (`dvc repro` at that revision) or leave "
+            "that revision out with --rev"
+        )
+    if verdict.unpushed:
+        print("\n".join(describe(verdict.unpushed, "only in the local cache")), file=sys.stderr)
+        raise UserError(
+            f"refusing: {len(verdict.unpushed)} objects of kept revisions are not in remote {remote_name!r}; "
+            f"run `{fix}`, then `eagle3 gc` again"
+        )
+    print(f"all {verdict.checked} objects of the kept revisions are in remote {remote_name!r}")
+    gc = [sys.executable, "-m", "dvc", "gc", "--workspace", "--force", *(["--dry"] if args.dry_run else [])]
+    print("$ dvc " + " ".join(gc[3:]), flush=True)
+    if subprocess.run(gc, cwd=root).returncode != 0:
+        raise UserError("dvc gc failed (its output is above)")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("gc", help="`dvc gc -w`, only once every kept revision is in the remote")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--rev", nargs="+", default=[], help="keep only these revisions or A..B ranges "
+                       "(default: all branches and tags); the workspace is always kept")
+    scope.add_argument("--all-commits", action="store_true", help="keep every commit")
+    parser.add_argument("--remote", help="remote to check (default: core.remote)")
+    parser.add_argument("--dry-run", action="store_true", help="check, then show what `dvc gc -w` would remove")
+    parser.set_defaults(func=run_gc)
