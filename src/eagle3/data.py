@@ -1,0 +1,166 @@
+"""Hidden-state storage format and the PyTorch loader that ``train`` reads through.
+
+    from eagle3.data import make_loader
+    loader = make_loader("data/merged", "data/hidden_states", "train", batch_size=4)
+
+On disk (written by ``eagle3.extract``), a shard folder holds safetensors parts; each part is the
+concatenation of many samples along the token axis:
+
+    input_ids [N] int32, loss_mask [N] uint8,
+    aux [N, 3H] and final [N, H] in bf16, or in float8_e4m3fn with
+    aux_scale [N, 3] and final_scale [N, 1] float32 (one scale per token and per tapped layer).
+
+A sample is the token range ``[offset, offset + length)`` of one part (``index.jsonl`` of the
+shard; ``manifest.jsonl`` of ``data/merged`` copies it). Parts are memory-mapped with
+``safetensors.safe_open`` and only the requested rows are read.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from eagle3.common import UserError, read_json, read_jsonl
+
+STORAGE_DTYPES = ("bfloat16", "float8_e4m3fn")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+
+
+def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, G*H] -> (fp8 [T, G*H], scale [T, G] float32): one scale per token and per group.
+
+    A group is one tapped layer's H values, so a layer with large activations does not cost the
+    others their precision. ``x ≈ q * scale`` with a relative error ≤ 2^-4 plus scale·2^-10.
+    """
+    tokens, width = x.shape
+    grouped = x.float().reshape(tokens, groups, width // groups)  # [T, G, H]
+    scale = grouped.abs().amax(dim=-1) / FP8_MAX  # [T, G]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero rows: any scale works
+    q = (grouped / scale[..., None]).to(torch.float8_e4m3fn).reshape(tokens, width)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(fp8 [T, G*H], scale [T, G]) -> float32 [T, G*H]."""
+    tokens, width = q.shape
+    grouped = q.float().reshape(tokens, scale.shape[1], width // scale.shape[1])  # [T, G, H]
+    return (grouped * scale[..., None]).reshape(tokens, width)
+
+
+def encode_states(name: str, x: torch.Tensor, dtype: str, groups: int) -> dict[str, torch.Tensor]:
+    """The stored tensors of hidden states ``x`` [T, G*H]: ``{name}`` and, for fp8, ``{name}_scale``."""
+    if dtype == "bfloat16":
+        return {name: x.to(torch.bfloat16).contiguous()}
+    if dtype == "float8_e4m3fn":
+        q, scale = quantize_fp8(x, groups)
+        return {name: q, f"{name}_scale": scale}
+    raise UserError(f"params.yaml: extract.dtype {dtype!r} is not one of {list(STORAGE_DTYPES)}")
+
+
+def decode_states(stored: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """Inverse of ``encode_states``: float32 [T, G*H]."""
+    scale = stored.get(f"{name}_scale")
+    return stored[name].float() if scale is None else dequantize_fp8(stored[name], scale)
+
+
+def read_rows(part, names: list[str], start: int, stop: int) -> dict[str, torch.Tensor]:
+    """Rows ``[start, stop)`` of the named tensors of an open part (only those bytes are read)."""
+    keys = set(part.keys())
+    return {key: part.get_slice(key)[start:stop] for key in names if key in keys}
+
+
+class HiddenStates(Dataset):
+    """One split of the merge manifest; items are float32 tensors ready for training.
+
+    Item: ``input_ids`` [T] int64, ``loss_mask`` [T] bool (1 = a token of the answer the drafter
+    must predict, unshifted), ``aux`` [T, 3H] float32 (ascending tapped layers), ``final`` [T, H]
+    float32 (post-norm: ``lm_head(final)`` are the verifier's logits).
+    """
+
+    def __init__(self, merged: str | Path, hidden_states: str | Path, split: str):
+        merged, self.root = Path(merged), Path(hidden_states)
+        self.meta = read_json(merged / "meta.json")
+        self.rows = [row for row in read_jsonl(merged / "manifest.jsonl") if row["split"] == split]
+        if not self.rows:
+            raise UserError(f"{merged}/manifest.jsonl: no samples in split {split!r}")
+        for shard in sorted({row["shard"] for row in self.rows}):
+            self._check_shard(shard)
+        self._parts: dict[tuple[str, str], object] = {}  # opened lazily, per DataLoader worker
+
+    def _check_shard(self, shard: str) -> None:
+        shard_meta = read_json(self.root / shard / "meta.json")
+        expected = self.meta["verifier"]["fingerprint"]
+        if shard_meta["verifier"]["fingerprint"] != expected:
+            raise UserError(
+                f"{self.root / shard}/meta.json: verifier {shard_meta['verifier']['fingerprint']} != {expected} "
+                "of the merged manifest; re-run `dvc repro`"
+            )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_parts": {}}  # memory maps are not sent to worker processes
+
+    def _part(self, shard: str, part: str):
+        from safetensors import safe_open
+
+        key = (shard, part)
+        if key not in self._parts:
+            self._parts[key] = safe_open(self.root / shard / part, framework="pt")
+        return self._parts[key]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        row = self.rows[i]
+        names = ["input_ids", "loss_mask", "aux", "aux_scale", "final", "final_scale"]
+        stored = read_rows(self._part(row["shard"], row["part"]), names, row["offset"], row["offset"] + row["length"])
+        return {
+            "input_ids": stored["input_ids"].long(),
+            "loss_mask": stored["loss_mask"].bool(),
+            "aux": decode_states(stored, "aux"),
+            "final": decode_states(stored, "final"),
+        }
+
+
+def collate(items: list[dict[str, torch.Tensor]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad a list of items to the longest: every [T, ...] becomes [B, T_max, ...].
+
+    Adds ``attention_mask`` [B, T_max] bool (True on real tokens) and ``lengths`` [B] int64.
+    Padded positions have ``loss_mask`` False and zero hidden states.
+    """
+    from torch.nn.utils.rnn import pad_sequence
+
+    lengths = torch.tensor([len(item["input_ids"]) for item in items])
+    batch = {
+        key: pad_sequence([item[key] for item in items], batch_first=True, padding_value=pad_token_id if key == "input_ids" else 0)
+        for key in ("input_ids", "loss_mask", "aux", "final")
+    }
+    batch["attention_mask"] = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]  # [B, T_max]
+    batch["lengths"] = lengths
+    return batch
+
+
+def make_loader(
+    merged: str | Path,
+    hidden_states: str | Path,
+    split: str,
+    batch_size: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    num_workers: int = 0,
+    pad_token_id: int = 0,
+) -> DataLoader:
+    """A DataLoader over one split of the merge manifest, reshuffled each epoch from ``seed``."""
+    dataset = HiddenStates(merged, hidden_states, split)
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        generator=generator,
+        num_workers=num_workers,
+        collate_fn=partial(collate, pad_token_id=pad_token_id),
+    )

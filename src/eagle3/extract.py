@@ -1,0 +1,486 @@
+"""Stage ``extract``: the verifier's hidden states at the tapped layers, per token, for one shard.
+
+    python -m eagle3.extract models/verifier data/generated/<shard> data/hidden_states/<shard>
+    # params.yaml: extract, model (aux_layers, final_state, chat format), layout (device, dtype, workers)
+
+Each generated conversation is rendered with the verifier's chat template into ``input_ids`` and
+a ``loss_mask`` over the answer (``render``), run through the verifier's decoder (no lm_head) in
+batches of similar lengths, checked, and stored in the ``eagle3.data`` format:
+
+- ``part-<first record>.safetensors``: samples concatenated along the token axis (~``part_bytes``);
+- ``index.jsonl``: per stored sample, in record order: id, record, part, offset, length, masked, truncated;
+- ``rejected.jsonl``: per rejected record: id, record, reason (nothing is dropped silently);
+- ``meta.json``: verifier fingerprint, tapped layers and their convention, final-state norm, dtype, counts.
+
+Conventions (also written to meta.json):
+- ``aux[:, i*H:(i+1)*H]`` is the residual stream *entering* decoder layer ``aux_layers[i]``, i.e.
+  HF ``output_hidden_states[aux_layers[i]]`` (index 0 = embedding output), ascending;
+- ``final`` is HF's last hidden state, *after* the final norm: ``lm_head(final)`` = the logits;
+- ``loss_mask[t] = 1`` iff token t belongs to the generated answer (reasoning and the end-of-turn
+  token included, template scaffolding excluded); it is not shifted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from eagle3.common import UserError, atomic_dir, load_params, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl
+from eagle3.data import STORAGE_DTYPES, decode_states, encode_states
+from eagle3.verifier import load_tokenizer, load_verifier, read_meta
+
+log = logging.getLogger(__name__)
+
+DISK_FREE_ENV = "EAGLE3_DISK_FREE_BYTES"  # overrides the measured free space (tests, quotas)
+INDEX_BYTES_PER_SAMPLE = 256  # index.jsonl line + share of a part header
+FIXED_OVERHEAD_BYTES = 1 << 20  # meta.json, rejected.jsonl, slack
+LAYER_CONVENTION = "aux layer k = residual stream entering decoder layer k = HF output_hidden_states[k] (0 = embeddings)"
+
+
+class RenderError(ValueError):
+    """A conversation the chat template cannot turn into an answer span; the record is rejected."""
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """How a conversation becomes tokens and which tokens are the answer (from params ``model``)."""
+
+    chat_template: str | None  # Jinja template; None: the tokenizer's own
+    reasoning_format: str  # "template": the template renders reasoning_content; else a prefix with {reasoning}
+    end_of_turn: str  # the marker closing the answer (masked: the drafter must predict it)
+
+    @classmethod
+    def from_params(cls, model: DictConfig, tokenizer) -> ChatFormat:
+        return cls(model.chat_template, model.reasoning_format, model.end_of_turn or tokenizer.eos_token)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``extract`` reads from params: its section, the taps, and the layout (hardware only)."""
+
+    aux_layers: tuple[int, ...]
+    dtype: str  # storage dtype (params extract.dtype)
+    max_length: int
+    batch_tokens: int
+    part_bytes: int
+    device: str
+    compute_dtype: str
+    workers: int
+    threads: int
+
+    @classmethod
+    def from_params(cls, params: DictConfig) -> Settings:
+        extract, layout = params.extract, params.layout
+        if extract.dtype not in STORAGE_DTYPES:
+            raise UserError(f"params.yaml: extract.dtype {extract.dtype!r} is not one of {list(STORAGE_DTYPES)}")
+        if params.model.final_state != "post-norm":
+            raise UserError("params.yaml: model.final_state must be post-norm (train applies only the lm_head to `final`)")
+        return cls(
+            tuple(params.model.aux_layers), extract.dtype, int(extract.max_length), int(extract.batch_tokens),
+            int(extract.part_bytes), layout.device, layout.dtype, int(layout.extract_workers), int(layout.threads),
+        )
+
+
+@dataclass
+class Sample:
+    """A rendered conversation: what the verifier reads and which tokens the drafter learns."""
+
+    id: str
+    record: int  # 0-based position in records.jsonl
+    input_ids: list[int]
+    loss_mask: list[int]
+    truncated: bool
+
+
+# --- rendering and the loss mask ------------------------------------------------------------------
+
+
+def with_reasoning(answer: dict, fmt: ChatFormat) -> dict:
+    """The answer message as the template must see it: reasoning prefixed unless the template renders it."""
+    reasoning = answer.get("reasoning_content")
+    if not reasoning or fmt.reasoning_format == "template":
+        return answer
+    return {"role": answer["role"], "content": fmt.reasoning_format.replace("{reasoning}", reasoning) + answer["content"]}
+
+
+def apply_template(tokenizer, messages: list[dict], fmt: ChatFormat, add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(
+        messages, chat_template=fmt.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def render(tokenizer, messages: list[dict], fmt: ChatFormat) -> tuple[list[int], list[int]]:
+    """``input_ids`` and ``loss_mask`` of a conversation whose last message is the generated answer.
+
+    The answer span is found by rendering twice: the prompt with the generation prompt (the span
+    starts where that text ends) and the whole conversation (the span ends with the first
+    ``fmt.end_of_turn`` after the answer's content). Tokens overlapping the span, by character
+    offsets, are masked. Only the last (generated) turn is masked; earlier assistant turns of a
+    prompt were not written by the verifier. ChatML example:
+
+        ...<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello!<|im_end|>\\n
+        mask:  0         0  0    0       0      0          0     0  1      1       0
+    """
+    *prompt, answer = messages
+    answer = with_reasoning(answer, fmt)
+    head = apply_template(tokenizer, prompt, fmt, add_generation_prompt=True)
+    text = apply_template(tokenizer, [*prompt, answer], fmt, add_generation_prompt=False)
+    if not text.startswith(head):
+        raise RenderError("the chat template renders the prompt differently once the answer is added")
+    reasoning = answer.get("reasoning_content")
+    if reasoning and reasoning.strip() not in text[len(head):]:
+        raise UserError(
+            "model.reasoning_format is 'template' but the chat template drops reasoning_content; "
+            "set a prefix such as '<think>\\n{reasoning}\\n</think>\\n' in conf/model"
+        )
+    content = answer["content"].strip()  # templates may trim the content
+    content_at = text.find(content, len(head))
+    if content_at < 0:
+        raise RenderError("the answer's content does not appear in the rendered conversation")
+    end = text.find(fmt.end_of_turn, content_at + len(content))
+    if end < 0:
+        raise RenderError(f"no end-of-turn marker {fmt.end_of_turn!r} after the answer")
+    start, end = len(head), end + len(fmt.end_of_turn)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(stop > start and first < end) for first, stop in encoding["offset_mapping"]]
+    return list(encoding["input_ids"]), mask
+
+
+def record_problem(record: dict) -> str | None:
+    """Why a generated record is not a conversation ending with an answer, or None."""
+    messages = record.get("messages")
+    if not isinstance(messages, list) or len(messages) < 2:
+        return "record: messages must be a list of at least a prompt and an answer"
+    answer = messages[-1]
+    if not isinstance(answer, dict) or answer.get("role") != "assistant" or not isinstance(answer.get("content"), str):
+        return "record: the last message must be an assistant answer with string content"
+    return None
+
+
+def prepare(records: list[dict], tokenizer, fmt: ChatFormat, max_length: int) -> tuple[list[Sample], list[dict]]:
+    """Render every record; returns the samples and the rejections (id, record, reason)."""
+    samples, rejected = [], []
+    for number, record in enumerate(tqdm(records, desc="render", unit="rec")):
+        problem = record_problem(record)
+        if problem is None:
+            try:
+                ids, mask = render(tokenizer, record["messages"], fmt)
+            except RenderError as err:
+                problem = f"render: {err}"
+        if problem is None:
+            truncated = len(ids) > max_length
+            ids, mask = ids[:max_length], mask[:max_length]
+            problem = mask_problem(mask, truncated)
+        if problem is None:
+            samples.append(Sample(str(record.get("id")), number, ids, mask, truncated))
+        else:
+            rejected.append({"id": record.get("id"), "record": number, "reason": problem})
+    return samples, rejected
+
+
+def mask_problem(mask: list[int], truncated: bool) -> str | None:
+    if not any(mask):
+        return "loss_mask is all zero" + (" after truncation to extract.max_length" if truncated else "")
+    if all(mask):
+        return "loss_mask is all one (no prompt tokens)"
+    return None
+
+
+# --- the verifier forward -------------------------------------------------------------------------
+
+
+def batches(samples: list[Sample], batch_tokens: int) -> Iterator[list[Sample]]:
+    """Samples by ascending length, grouped so that a padded batch holds ≤ batch_tokens (≥ 1 sample)."""
+    batch: list[Sample] = []
+    for sample in sorted(samples, key=lambda s: (len(s.input_ids), s.record)):
+        if batch and len(sample.input_ids) * (len(batch) + 1) > batch_tokens:
+            yield batch
+            batch = []
+        batch.append(sample)
+    if batch:
+        yield batch
+
+
+@torch.inference_mode()
+def hidden_states(
+    model, batch: list[Sample], aux_layers: tuple[int, ...], pad_id: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """One decoder forward over a right-padded batch; per sample ``(input_ids [T], aux [T, 3H], final [T, H])``.
+
+    Right padding leaves the real tokens' states unchanged (causal attention never looks right,
+    positions start at 0), so each sample's first T rows are its states. The base model is called,
+    not the CausalLM: no lm_head over every position.
+    """
+    lengths = torch.tensor([len(s.input_ids) for s in batch])
+    width = int(lengths.max())
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, W]
+    for row, sample in enumerate(batch):
+        ids[row, : len(sample.input_ids)] = torch.tensor(sample.input_ids)
+    attention_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()  # [B, W]
+    device = model.device
+    out = model.base_model(
+        input_ids=ids.to(device), attention_mask=attention_mask.to(device), output_hidden_states=True, use_cache=False
+    )
+    states = out.hidden_states  # L+1 tensors [B, W, H]: [k] enters layer k, [L] is after the final norm
+    aux = torch.cat([states[k] for k in aux_layers], dim=-1)  # [B, W, 3H]
+    final = states[-1]  # [B, W, H]
+    for row, length in enumerate(lengths.tolist()):
+        yield ids[row, :length], aux[row, :length].float().cpu(), final[row, :length].float().cpu()
+
+
+def encode_sample(ids: torch.Tensor, mask: list[int], aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """The tensors stored for one sample (``eagle3.data`` format)."""
+    groups = aux.shape[1] // final.shape[1]
+    return {
+        "input_ids": ids.to(torch.int32),
+        "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+        **encode_states("aux", aux, dtype, groups),
+        **encode_states("final", final, dtype, 1),
+    }
+
+
+def check_sample(sample: Sample, stored: dict[str, torch.Tensor]) -> str | None:
+    """Why the tensors about to be stored for ``sample`` must not be trained on, or None."""
+    if stored["input_ids"].tolist() != sample.input_ids:
+        return "stored input_ids differ from the rendered conversation"
+    for name in ("aux", "final"):
+        if not torch.isfinite(decode_states(stored, name)).all():
+            return f"non-finite values (NaN/Inf) in {name}"
+    return None
+
+
+class PartWriter:
+    """Concatenates samples into safetensors parts of about ``part_bytes`` and indexes them."""
+
+    def __init__(self, folder: Path, part_bytes: int):
+        self.folder, self.part_bytes = folder, part_bytes
+        self.pending: list[tuple[Sample, dict[str, torch.Tensor]]] = []
+        self.pending_bytes = 0
+        self.index: list[dict[str, Any]] = []
+
+    def add(self, sample: Sample, stored: dict[str, torch.Tensor]) -> None:
+        self.pending.append((sample, stored))
+        self.pending_bytes += sum(t.nbytes for t in stored.values())
+        if self.pending_bytes >= self.part_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        name = f"part-{min(s.record for s, _ in self.pending):06d}.safetensors"  # records are unique across parts
+        keys = self.pending[0][1].keys()
+        save_file({key: torch.cat([stored[key] for _, stored in self.pending]) for key in keys}, self.folder / name)
+        offset = 0
+        for sample, _ in self.pending:
+            length = len(sample.input_ids)
+            self.index.append(
+                {"id": sample.id, "record": sample.record, "part": name, "offset": offset, "length": length,
+                 "masked": sum(sample.loss_mask), "truncated": sample.truncated}
+            )
+            offset += length
+        self.pending, self.pending_bytes = [], 0
+
+
+def extract_samples(model, samples: list[Sample], settings: Settings, folder: Path, pad_id: int) -> tuple[list[dict], list[dict]]:
+    """Run, check and store ``samples``; returns (index entries, rejections)."""
+    writer, rejected = PartWriter(folder, settings.part_bytes), []
+    progress = tqdm(total=sum(len(s.input_ids) for s in samples), desc="extract", unit="tok")
+    for batch in batches(samples, settings.batch_tokens):
+        for sample, (ids, aux, final) in zip(batch, hidden_states(model, batch, settings.aux_layers, pad_id)):
+            stored = encode_sample(ids, sample.loss_mask, aux, final, settings.dtype)
+            reason = check_sample(sample, stored)
+            if reason is None:
+                writer.add(sample, stored)
+            else:
+                rejected.append({"id": sample.id, "record": sample.record, "reason": reason})
+        progress.update(sum(len(s.input_ids) for s in batch))
+    writer.flush()
+    progress.close()
+    return writer.index, rejected
+
+
+# --- scale: disk preflight and data-parallel workers ----------------------------------------------
+
+
+def bytes_per_token(hidden_size: int, groups: int, dtype: str) -> int:
+    """Stored bytes per token: aux (groups·H) + final (H) + input_ids (int32) + loss_mask (uint8) [+ fp8 scales]."""
+    element = 2 if dtype == "bfloat16" else 1
+    scales = 4 * (groups + 1) if dtype == "float8_e4m3fn" else 0
+    return (groups + 1) * hidden_size * element + scales + 4 + 1
+
+
+def size(n: int) -> str:
+    """Bytes in GB, or in MB below 0.01 GB."""
+    return f"{n / 1e9:.2f} GB" if n >= 10**7 else f"{n / 1e6:.2f} MB"
+
+
+def disk_free(path: Path) -> tuple[int, Path]:
+    """Free bytes where ``path`` will be written (its nearest existing ancestor), or $EAGLE3_DISK_FREE_BYTES."""
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    override = os.environ.get(DISK_FREE_ENV)
+    return (int(override) if override else shutil.disk_usage(existing).free), existing
+
+
+def preflight(samples: list[Sample], hidden_size: int, settings: Settings, out: Path) -> int:
+    """Refuse to start when the disk cannot hold the output; returns the estimated bytes."""
+    tokens = sum(len(s.input_ids) for s in samples)
+    need = tokens * bytes_per_token(hidden_size, len(settings.aux_layers), settings.dtype)
+    need += len(samples) * INDEX_BYTES_PER_SAMPLE + FIXED_OVERHEAD_BYTES
+    free, where = disk_free(out)
+    if need > free:
+        raise UserError(
+            f"extract: needs {size(need)}, {size(free)} free on {where}; free space, "
+            "or store less (extract.dtype=float8_e4m3fn halves it, or lower extract.max_length)"
+        )
+    log.info("preflight: %d tokens -> %s, %s free on %s", tokens, size(need), size(free), where)
+    return need
+
+
+def device_of(device: str, rank: int) -> str:
+    """Worker ``rank``'s device: ``cuda`` -> ``cuda:<rank>``; anything else as given."""
+    return f"cuda:{rank}" if device == "cuda" else device
+
+
+def run_worker(rank: int, verifier: Path, samples: list[Sample], settings: Settings, folder: Path, trust_remote_code: bool, pad_id: int) -> tuple[list[dict], list[dict]]:
+    torch.set_num_threads(settings.threads)
+    model = load_verifier(verifier, device_of(settings.device, rank), settings.compute_dtype, trust_remote_code)
+    return extract_samples(model, samples, settings, folder, pad_id)
+
+
+def _spawned_worker(rank: int, result: Path, *args) -> None:
+    """Entry point of a spawned worker: its results go to a JSON file the parent reads."""
+    index, rejected = run_worker(rank, *args)
+    write_json(result, {"index": index, "rejected": rejected})
+
+
+def run_workers(verifier: Path, samples: list[Sample], settings: Settings, folder: Path, trust_remote_code: bool, pad_id: int) -> tuple[list[dict], list[dict]]:
+    """Extract in this process, or in ``settings.workers`` spawned processes, each on a contiguous slice."""
+    if settings.workers <= 1:
+        return run_worker(0, verifier, samples, settings, folder, trust_remote_code, pad_id)
+    import torch.multiprocessing as mp
+
+    size = -(-len(samples) // settings.workers)  # ceil
+    context = mp.get_context("spawn")
+    jobs = []
+    for rank in range(settings.workers):
+        result = folder / f".worker-{rank}.json"
+        args = (rank, result, verifier, samples[rank * size : (rank + 1) * size], settings, folder, trust_remote_code, pad_id)
+        process = context.Process(target=_spawned_worker, args=args)
+        process.start()
+        jobs.append((process, result))
+    index, rejected = [], []
+    for rank, (process, result) in enumerate(jobs):
+        process.join()
+        if process.exitcode != 0:
+            raise RuntimeError(f"extract worker {rank} failed (exit code {process.exitcode}); see its log above")
+        part = read_json(result)
+        result.unlink()
+        index += part["index"]
+        rejected += part["rejected"]
+    return index, rejected
+
+
+# --- the stage ------------------------------------------------------------------------------------
+
+
+def check_generated(generated: Path, fingerprint: str) -> None:
+    """Refuse conversations that another verifier produced (when their meta.json says so)."""
+    meta_path = generated / "meta.json"
+    if not meta_path.is_file():
+        return
+    recorded = read_json(meta_path).get("verifier", {}).get("fingerprint")
+    if recorded is not None and recorded != fingerprint:
+        raise UserError(f"{meta_path}: generated by verifier {recorded}, models/verifier is {fingerprint}; re-run `dvc repro`")
+
+
+def verifier_shape(verifier: Path, settings: Settings, trust_remote_code: bool) -> dict[str, int]:
+    """Hidden size, vocabulary and layer count from the verifier's config (no weights loaded)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(verifier, trust_remote_code=trust_remote_code).get_text_config()
+    shape = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size, "num_layers": config.num_hidden_layers}
+    if max(settings.aux_layers) >= shape["num_layers"]:
+        raise UserError(f"params.yaml: model.aux_layers {list(settings.aux_layers)} exceed the verifier's {shape['num_layers']} layers")
+    return shape
+
+
+def extract_shard(verifier: Path, generated: Path, out: Path, params: DictConfig) -> dict[str, Any]:
+    """The whole stage for one shard; returns the written meta.json."""
+    settings = Settings.from_params(params)
+    trust = bool(params.model.trust_remote_code)
+    verifier_meta = read_meta(verifier)
+    fingerprint = verifier_meta["fingerprint"]["id"]
+    check_generated(generated, fingerprint)
+    tokenizer = load_tokenizer(verifier, trust)
+    fmt = ChatFormat.from_params(params.model, tokenizer)
+    records = list(read_jsonl(generated / "records.jsonl"))
+    samples, rejected = prepare(records, tokenizer, fmt, settings.max_length)
+    if not samples:
+        reasons = Counter(r["reason"] for r in rejected)
+        raise UserError(f"{generated}/records.jsonl: none of {len(records)} records is usable ({dict(reasons)})")
+    shape = verifier_shape(verifier, settings, trust)
+    estimate = preflight(samples, shape["hidden_size"], settings, out)
+    with atomic_dir(out) as tmp:
+        index, late = run_workers(verifier, samples, settings, tmp, trust, tokenizer.pad_token_id or 0)
+        index.sort(key=lambda entry: entry["record"])
+        rejected = sorted(rejected + late, key=lambda entry: entry["record"])
+        if len(index) + len(rejected) != len(records):
+            raise RuntimeError(f"accounting: {len(index)} stored + {len(rejected)} rejected != {len(records)} records")
+        write_jsonl(tmp / "index.jsonl", index)
+        write_jsonl(tmp / "rejected.jsonl", rejected)
+        meta = {
+            "verifier": {"name": verifier_meta["name"], "fingerprint": fingerprint},
+            **shape,
+            "aux_layers": list(settings.aux_layers),
+            "layer_convention": LAYER_CONVENTION,
+            "final_state": "post-norm",  # HF's last hidden state: the final norm is applied; train applies lm_head only
+            "dtype": settings.dtype,
+            "fp8_scale": "per token and tapped layer: aux_scale [N, 3], final_scale [N, 1]" if settings.dtype != "bfloat16" else None,
+            "max_length": settings.max_length,
+            "loss_mask": "1 on the generated answer (reasoning and end-of-turn included), unshifted",
+            "chat": {"chat_template": fmt.chat_template, "reasoning_format": fmt.reasoning_format, "end_of_turn": fmt.end_of_turn},
+            "counts": {
+                "records": len(records),
+                "samples": len(index),
+                "rejected": len(rejected),
+                "tokens": sum(e["length"] for e in index),
+                "masked_tokens": sum(e["masked"] for e in index),
+                "truncated": sum(e["truncated"] for e in index),
+                "rejected_by_reason": dict(Counter(r["reason"] for r in rejected)),
+            },
+            "estimated_bytes": estimate,
+            "parts": sorted({e["part"] for e in index}),
+            "params": to_plain(params.extract),
+        }
+        write_json(tmp / "meta.json", meta)
+    counts = meta["counts"]
+    log.info("%s: %d samples, %d tokens, %d rejected, %d truncated", out, counts["samples"], counts["tokens"], counts["rejected"], counts["truncated"])
+    return meta
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eagle3.extract", description="capture the verifier's hidden states of one shard")
+    parser.add_argument("verifier", type=Path, help="verifier folder, e.g. models/verifier")
+    parser.add_argument("generated", type=Path, help="generated shard, e.g. data/generated/000000-000032")
+    parser.add_argument("out", type=Path, help="output folder, e.g. data/hidden_states/000000-000032")
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    extract_shard(args.verifier, args.generated, args.out, load_params(args.params))
+
+
+if __name__ == "__main__":
+    stage_main(main)

@@ -1,0 +1,268 @@
+"""Stage ``extract``: answer masks on the real SmolLM2 template, taps equal to HF's hidden states,
+post-norm final states, FP8 error bound, validation, disk preflight, data-parallel workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from eagle3.common import UserError, read_json, read_jsonl, write_jsonl
+from eagle3.data import dequantize_fp8, quantize_fp8, read_rows
+from eagle3.extract import ChatFormat, Sample, Settings, check_sample, extract_samples, extract_shard, prepare, render
+from eagle3.verifier import load_tokenizer, load_verifier, read_meta
+
+from conftest import project_params
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts tokens that the verifier accepts or rejects.",
+    "Water boils at one hundred degrees Celsius at sea level.",
+    "def add(a, b):\n    return a + b",
+    "Les chats dorment beaucoup pendant la journée.",
+    "A prime number has exactly two divisors.",
+    "Hidden states are stored in safetensors parts.",
+    "The mitochondria is the powerhouse of the cell.",
+]
+
+
+def conversation(i: int, answer_sentences: int | None = None, reasoning: str | None = None) -> dict:
+    """A generated record in the contract's shape (data/generated/<shard>/records.jsonl)."""
+    n = answer_sentences if answer_sentences is not None else 1 + i % 4
+    answer = " ".join(SENTENCES[(i + k) % len(SENTENCES)] for k in range(n))
+    messages = [
+        {"role": "user", "content": f"Question {i}: tell me about this. {SENTENCES[i % len(SENTENCES)]}"},
+        {"role": "assistant", "content": answer, "reasoning_content": reasoning},
+    ]
+    return {
+        "id": f"{i:016x}", "prompt_id": f"p{i:015x}", "source": "tests", "messages": messages,
+        "finish_reason": "stop", "prompt_tokens": 0, "completion_tokens": 0, "generation": {"temperature": 0.0},
+    }
+
+
+def write_generated(folder: Path, records: list[dict]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    write_jsonl(folder / "records.jsonl", records)
+    return folder
+
+
+def tiny_params(tiny_model_params, **extract):
+    """Project params with the tiny verifier's model section and small batches/parts."""
+    params = project_params()
+    params.model = tiny_model_params
+    params.extract = OmegaConf.merge(params.extract, {"batch_tokens": 256, "part_bytes": 40_000, **extract})
+    return params
+
+
+def smollm2_format(tokenizer) -> ChatFormat:
+    return ChatFormat.from_params(project_params().model, tokenizer)
+
+
+def masked_text(tokenizer, ids: list[int], mask: list[int]) -> str:
+    spans = [i for i, m in enumerate(mask) if m]
+    assert spans == list(range(spans[0], spans[-1] + 1)), "the answer mask must be one contiguous span"
+    return tokenizer.decode([ids[i] for i in spans])
+
+
+# --- loss mask on the real SmolLM2 template ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "messages, expected",
+    [
+        ([{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "2+2 is 4."}], "2+2 is 4.<|im_end|>"),
+        (
+            [
+                {"role": "system", "content": "Answer in French."},
+                {"role": "user", "content": "Hello"},
+                {"role": "assistant", "content": "An earlier answer, not the verifier's."},
+                {"role": "user", "content": "And now?"},
+                {"role": "assistant", "content": "Maintenant, bonjour !\n\n```python\nprint(1)\n```"},
+            ],
+            "Maintenant, bonjour !\n\n```python\nprint(1)\n```<|im_end|>",
+        ),
+        (
+            [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Because.", "reasoning_content": "Think first."}],
+            "<think>\nThink first.\n</think>\nBecause.<|im_end|>",
+        ),
+    ],
+)
+def test_mask_covers_exactly_the_answer_on_smollm2(smollm2_dir, messages, expected):
+    tokenizer = load_tokenizer(smollm2_dir)
+    ids, mask = render(tokenizer, messages, smollm2_format(tokenizer))
+    assert tokenizer.decode(ids).endswith("<|im_end|>\n")
+    assert masked_text(tokenizer, ids, mask) == expected
+    assert 0 < sum(mask) < len(mask)
+    assert mask[-1] == 0  # the newline after <|im_end|> is template scaffolding
+
+
+def test_template_that_drops_reasoning_is_refused(smollm2_dir):
+    tokenizer = load_tokenizer(smollm2_dir)
+    fmt = ChatFormat(None, "template", "<|im_end|>")
+    messages = [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Because.", "reasoning_content": "hidden"}]
+    with pytest.raises(UserError, match="drops reasoning_content"):
+        render(tokenizer, messages, fmt)
+
+
+def test_bad_records_and_masks_are_rejected_with_reasons(smollm2_dir):
+    tokenizer = load_tokenizer(smollm2_dir)
+    records = [conversation(0), {"id": "x", "messages": [{"role": "user", "content": "no answer"}]}, conversation(1)]
+    samples, rejected = prepare(records, tokenizer, smollm2_format(tokenizer), max_length=10)
+    assert samples == []  # 10 tokens hold only the system prompt: the mask is all zero
+    assert [r["record"] for r in rejected] == [0, 1, 2]
+    assert "all zero after truncation" in rejected[0]["reason"] and rejected[1]["reason"].startswith("record:")
+
+
+# --- taps, final state, storage ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory, tiny_verifier_dir, tiny_model_params):
+    """One shard of 7 records on the tiny verifier: several batches and parts, one record truncated."""
+    root = tmp_path_factory.mktemp("extract")
+    records = [conversation(i) for i in range(6)] + [conversation(6, answer_sentences=30)]
+    generated = write_generated(root / "generated", records)
+    params = tiny_params(tiny_model_params, max_length=300)
+    meta = extract_shard(tiny_verifier_dir, generated, root / "hidden", params)
+    return root / "hidden", records, meta
+
+
+def stored_sample(folder: Path, entry: dict) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    with safe_open(folder / entry["part"], framework="pt") as part:
+        names = ["input_ids", "loss_mask", "aux", "aux_scale", "final", "final_scale"]
+        return read_rows(part, names, entry["offset"], entry["offset"] + entry["length"])
+
+
+def test_taps_equal_hf_hidden_states_and_final_is_post_norm(extracted, tiny_verifier_dir, tiny_model_params):
+    folder, records, meta = extracted
+    model = load_verifier(tiny_verifier_dir)
+    captured = {}
+    model.model.norm.register_forward_hook(lambda module, args, output: captured.update(norm_out=output))
+    index = list(read_jsonl(folder / "index.jsonl"))
+    assert len({e["part"] for e in index}) > 1
+    layers = list(tiny_model_params.aux_layers)
+    for entry in index:
+        stored = stored_sample(folder, entry)
+        ids = stored["input_ids"].long()[None]  # [1, T]
+        with torch.no_grad():
+            out = model(ids, output_hidden_states=True)  # the CausalLM, unbatched: the reference
+        reference = torch.cat([out.hidden_states[k][0] for k in layers], dim=-1)  # [T, 3H]
+        torch.testing.assert_close(stored["aux"].float(), reference.bfloat16().float(), rtol=1e-2, atol=1e-3)
+        other = torch.cat([out.hidden_states[k - 1][0] for k in layers], dim=-1)
+        assert not torch.allclose(stored["aux"].float(), other, rtol=1e-2, atol=1e-2)  # the taps are not off by one
+        torch.testing.assert_close(stored["final"].float(), captured["norm_out"][0].bfloat16().float(), rtol=1e-2, atol=1e-3)
+        logits = model.lm_head(stored["final"].float())  # what train does: lm_head only
+        torch.testing.assert_close(logits, out.logits[0], rtol=0.05, atol=0.05)
+    assert meta["final_state"] == "post-norm" and meta["aux_layers"] == layers
+    assert "output_hidden_states[k]" in meta["layer_convention"]
+
+
+def test_stored_ids_masks_index_and_counts(extracted, tiny_verifier_dir):
+    folder, records, meta = extracted
+    tokenizer = load_tokenizer(tiny_verifier_dir)
+    index = list(read_jsonl(folder / "index.jsonl"))
+    assert [e["record"] for e in index] == list(range(len(records)))
+    for entry, record in zip(index, records):
+        ids, mask = render(tokenizer, record["messages"], smollm2_format(tokenizer))
+        stored = stored_sample(folder, entry)
+        assert stored["input_ids"].tolist() == ids[:300] and stored["loss_mask"].tolist() == mask[:300]
+        assert entry["truncated"] == (len(ids) > 300) and entry["masked"] == sum(mask[:300])
+        assert stored["aux"].dtype == torch.bfloat16 and stored["aux"].shape == (entry["length"], 3 * 64)
+    counts = meta["counts"]
+    assert counts == {
+        "records": 7, "samples": 7, "rejected": 0, "tokens": sum(e["length"] for e in index),
+        "masked_tokens": sum(e["masked"] for e in index), "truncated": 1, "rejected_by_reason": {},
+    }
+    assert meta["verifier"]["fingerprint"] == read_meta(tiny_verifier_dir)["fingerprint"]["id"]
+    assert (folder / "rejected.jsonl").read_text() == ""
+    written = sum(f.stat().st_size for f in folder.iterdir())
+    assert written <= meta["estimated_bytes"] < written + (1 << 20) + 7 * 256 + 1  # the preflight's estimate
+
+
+def test_fp8_round_trip_error_is_bounded(tmp_path, tiny_verifier_dir, tiny_model_params, extracted):
+    folder, records, _ = extracted
+    generated = write_generated(tmp_path / "generated", records)
+    meta = extract_shard(tiny_verifier_dir, generated, tmp_path / "fp8", tiny_params(tiny_model_params, max_length=300, dtype="float8_e4m3fn"))
+    assert meta["dtype"] == "float8_e4m3fn"
+    model = load_verifier(tiny_verifier_dir)
+    for entry in read_jsonl(tmp_path / "fp8" / "index.jsonl"):
+        stored = stored_sample(tmp_path / "fp8", entry)
+        assert stored["aux"].dtype == torch.float8_e4m3fn and stored["aux_scale"].shape == (entry["length"], 3)
+        with torch.no_grad():
+            states = model(stored["input_ids"].long()[None], output_hidden_states=True).hidden_states
+        exact = torch.cat([states[k][0] for k in tiny_model_params.aux_layers], dim=-1)  # [T, 3H]
+        decoded = dequantize_fp8(stored["aux"], stored["aux_scale"])
+        scale = stored["aux_scale"].repeat_interleave(64, dim=1)  # [T, 3H]
+        # e4m3: 3 mantissa bits -> half an ulp is 2^-4 relative; subnormals are spaced scale·2^-9.
+        bound = exact.abs() * 2**-4 + scale * 2**-10 + 1e-5
+        assert ((decoded - exact).abs() <= bound).all()
+        assert (decoded - exact).norm() / exact.norm() < 0.05
+
+
+def test_fp8_scale_is_per_token_and_layer():
+    x = torch.randn(5, 3 * 8)
+    x[:, 16:] *= 1000.0  # a loud layer must not cost the quiet ones their precision
+    q, scale = quantize_fp8(x, groups=3)
+    assert scale.shape == (5, 3)
+    relative = (dequantize_fp8(q, scale) - x).abs() / x.abs().clamp_min(1e-3)
+    assert relative[:, :8].median() < 2**-4
+
+
+# --- validation, preflight, workers ------------------------------------------------------------------
+
+
+def test_validation_rejects_planted_nan(tmp_path, tiny_verifier_dir, tiny_model_params, smollm2_dir):
+    tokenizer = load_tokenizer(tiny_verifier_dir)
+    records = [conversation(i, answer_sentences=2 + i) for i in range(4)]
+    samples, _ = prepare(records, tokenizer, smollm2_format(tokenizer), max_length=2048)
+    model = load_verifier(tiny_verifier_dir)
+    poisoned = {"calls": 0}
+
+    def plant_nan(module, args, output):  # first batch, first row = the shortest record (0)
+        poisoned["calls"] += 1
+        if poisoned["calls"] == 1:
+            output[0, 3, 5] = float("nan")
+
+    model.model.layers[0].register_forward_hook(plant_nan)
+    settings = Settings.from_params(tiny_params(tiny_model_params, batch_tokens=10_000))
+    index, rejected = extract_samples(model, samples, settings, tmp_path, pad_id=2)
+    assert rejected == [{"id": records[0]["id"], "record": 0, "reason": "non-finite values (NaN/Inf) in aux"}]
+    assert [e["record"] for e in index] == [1, 2, 3]
+
+
+def test_validation_rejects_id_mismatch():
+    sample = Sample("a", 0, [5, 6, 7], [0, 1, 1], False)
+    stored = {"input_ids": torch.tensor([5, 6, 8], dtype=torch.int32), "aux": torch.zeros(3, 6), "final": torch.zeros(3, 2)}
+    assert check_sample(sample, stored) == "stored input_ids differ from the rendered conversation"
+    stored["input_ids"][2] = 7
+    assert check_sample(sample, stored) is None
+    stored["final"][1, 1] = float("inf")
+    assert check_sample(sample, stored) == "non-finite values (NaN/Inf) in final"
+
+
+def test_preflight_refuses_before_loading_the_model(tmp_path, tiny_verifier_dir, tiny_model_params, monkeypatch):
+    generated = write_generated(tmp_path / "generated", [conversation(i) for i in range(3)])
+    monkeypatch.setenv("EAGLE3_DISK_FREE_BYTES", "1000")
+    monkeypatch.setattr("eagle3.extract.load_verifier", lambda *a, **k: pytest.fail("model loaded before the preflight"))
+    with pytest.raises(UserError, match=r"extract: needs \d+\.\d\d MB, 0\.00 MB free on "):
+        extract_shard(tiny_verifier_dir, generated, tmp_path / "out", tiny_params(tiny_model_params))
+    assert not (tmp_path / "out").exists()
+
+
+def test_two_workers_store_the_same_samples(tmp_path, tiny_verifier_dir, tiny_model_params, extracted):
+    folder, records, _ = extracted
+    generated = write_generated(tmp_path / "generated", records)
+    params = tiny_params(tiny_model_params, max_length=300)
+    params.layout.extract_workers = 2
+    params.layout.threads = 1
+    meta = extract_shard(tiny_verifier_dir, generated, tmp_path / "hidden", params)
+    assert meta["counts"]["samples"] == len(records)
+    assert not list((tmp_path / "hidden").glob(".worker-*"))
+    one, two = list(read_jsonl(folder / "index.jsonl")), list(read_jsonl(tmp_path / "hidden" / "index.jsonl"))
+    assert [(e["id"], e["length"], e["masked"]) for e in one] == [(e["id"], e["length"], e["masked"]) for e in two]
+    for a, b in zip(one, two):
+        torch.testing.assert_close(stored_sample(folder, a)["aux"].float(), stored_sample(tmp_path / "hidden", b)["aux"].float(), rtol=1e-2, atol=1e-3)

@@ -1,0 +1,141 @@
+"""Stage ``merge`` and the loader: seeded manifest, dedupe, filters, draft vocabulary, statistics."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.numpy import load_file
+
+from eagle3.common import UserError, read_json, read_jsonl, write_json
+from eagle3.data import make_loader
+from eagle3.extract import extract_shard
+from eagle3.merge import draft_vocab, merge
+
+from conftest import project_params
+from test_extract import conversation, stored_sample, tiny_params, write_generated
+
+SHARDS = ["000000-000006", "000006-000012"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, tiny_verifier_dir, tiny_model_params):
+    """Two extracted shards; the second repeats a record of the first, has a too short and a too long answer."""
+    root = tmp_path_factory.mktemp("merge")
+    first = [conversation(i) for i in range(6)]
+    short = conversation(7)
+    short["messages"][-1]["content"] = "Yes."
+    second = [conversation(6), short, conversation(8, answer_sentences=25), {**conversation(2), "id": "dup"}, conversation(9), conversation(10)]
+    params = tiny_params(tiny_model_params)
+    for shard, records in zip(SHARDS, (first, second)):
+        extract_shard(tiny_verifier_dir, write_generated(root / "generated" / shard, records), root / "hidden" / shard, params)
+    return root
+
+
+def merge_params(seed: int = 0, **cfg):
+    params = project_params()
+    params.seed = seed
+    params.dataset.shards = SHARDS
+    params.merge = OmegaConf.merge(params.merge, {"max_tokens": 200, "val_fraction": 0.25, "draft_vocab_size": 64, **cfg})
+    return params
+
+
+def run_merge(root, verifier, name: str, **kwargs) -> dict:
+    return merge(verifier, root / "hidden", root / name, root / f"metrics-{name}", merge_params(**kwargs))
+
+
+def test_draft_vocab_rule():
+    counts = np.array([0, 5, 0, 9, 5, 1])
+    d2t, t2d, filled = draft_vocab(counts, 3)
+    target = np.arange(3) + d2t  # target = draft + d2t[draft]
+    assert target.tolist() == [1, 3, 4] and d2t.dtype == np.int64
+    assert t2d.tolist() == [False, True, False, True, True, False] and t2d.sum() == 3 and filled == 0
+    d2t, t2d, filled = draft_vocab(counts, 100)  # Vd = min(100, V); never-seen ids fill by id order
+    assert len(d2t) == 6 and t2d.all() and filled == 2
+    d2t, _, filled = draft_vocab(np.array([0, 0, 7, 0]), 2)
+    assert (np.arange(2) + d2t).tolist() == [0, 2] and filled == 1
+
+
+def test_merge_is_deterministic_filters_and_builds_the_vocab(shards, tiny_verifier_dir):
+    stats = run_merge(shards, tiny_verifier_dir, "a")
+    again = run_merge(shards, tiny_verifier_dir, "b")
+    other = run_merge(shards, tiny_verifier_dir, "c", seed=1)
+    for name in ("manifest.jsonl", "vocab.safetensors"):
+        assert (shards / "a" / name).read_bytes() == (shards / "b" / name).read_bytes()
+    assert stats == again
+    rows = list(read_jsonl(shards / "a" / "manifest.jsonl"))
+    shuffled = list(read_jsonl(shards / "c" / "manifest.jsonl"))
+    assert [r["id"] for r in rows] != [r["id"] for r in shuffled]  # another seed, another order
+    assert sorted(r["id"] for r in rows) == sorted(r["id"] for r in shuffled)
+    assert {"dup", conversation(7)["id"], conversation(8)["id"]}.isdisjoint(r["id"] for r in rows)
+    assert (stats["dropped_duplicates"], stats["dropped_too_few_masked"], stats["dropped_too_long"]) == (1, 1, 1)
+    assert stats["input_samples"] == 12 and stats["records"] == 9 == len(rows)
+    assert (stats["train_records"], stats["val_records"]) == (7, 2) == (sum(r["split"] == "train" for r in rows), sum(r["split"] == "val" for r in rows))
+
+    vocab = load_file(shards / "a" / "vocab.safetensors")
+    d2t, t2d = vocab["d2t"], vocab["t2d"]
+    assert d2t.dtype == np.int64 and d2t.shape == (64,) and t2d.dtype == bool and t2d.shape == (49152,)
+    target = np.arange(64) + d2t
+    assert (np.diff(target) > 0).all() and t2d.sum() == 64 and t2d[target].all()
+    counts = train_target_counts(shards, rows)
+    assert counts[target].min() >= counts[~t2d].max()  # the 64 most frequent targets
+    assert stats["vocab_coverage"] == pytest.approx(counts[target].sum() / counts.sum())
+    assert read_json(shards / "metrics-a" / "metrics.json")["vocab_coverage"] == stats["vocab_coverage"]
+    histogram = read_json(shards / "metrics-a" / "plots" / "custom" / "length_histogram.json")
+    assert sum(point["samples"] for point in histogram) == 9
+
+
+def train_target_counts(root, rows) -> np.ndarray:
+    counts = np.zeros(49152, dtype=np.int64)
+    for row in rows:
+        if row["split"] == "train":
+            stored = stored_sample(root / "hidden" / row["shard"], row)
+            np.add.at(counts, stored["input_ids"][stored["loss_mask"].bool()].numpy(), 1)
+    return counts
+
+
+def test_whole_vocabulary_when_vd_exceeds_v(shards, tiny_verifier_dir):
+    stats = run_merge(shards, tiny_verifier_dir, "full", draft_vocab_size=100_000)
+    vocab = load_file(shards / "full" / "vocab.safetensors")
+    assert vocab["d2t"].shape == (49152,) and (vocab["d2t"] == 0).all() and vocab["t2d"].all()
+    assert stats["vocab_coverage"] == 1.0 and stats["draft_vocab_filled"] == 49152 - stats["distinct_targets"]
+
+
+def test_merge_reads_only_listed_shards_and_refuses_another_verifier(shards, tiny_verifier_dir, tmp_path):
+    root = tmp_path / "hidden"
+    shutil.copytree(shards / "hidden", root)
+    shutil.copytree(root / SHARDS[1], root / "000012-000018")  # stale shard of a bigger scale
+    merge(tiny_verifier_dir, root, tmp_path / "merged", tmp_path / "metrics", merge_params())
+    assert {row["shard"] for row in read_jsonl(tmp_path / "merged" / "manifest.jsonl")} == set(SHARDS)
+    meta = read_json(root / SHARDS[1] / "meta.json")
+    meta["verifier"]["fingerprint"] = "0" * 16
+    write_json(root / SHARDS[1] / "meta.json", meta)
+    with pytest.raises(UserError, match=f"{SHARDS[1]}/meta.json: extracted with verifier 0+"):
+        merge(tiny_verifier_dir, root, tmp_path / "merged2", tmp_path / "metrics2", merge_params())
+    assert not (tmp_path / "merged2").exists()
+
+
+def test_loader_yields_padded_float_batches(shards, tiny_verifier_dir):
+    run_merge(shards, tiny_verifier_dir, "loader")
+    rows = [r for r in read_jsonl(shards / "loader" / "manifest.jsonl") if r["split"] == "train"]
+    loader = make_loader(shards / "loader", shards / "hidden", "train", batch_size=3, shuffle=False)
+    seen = 0
+    for batch in loader:
+        lengths = batch["lengths"].tolist()
+        size, width = len(lengths), max(lengths)
+        assert batch["input_ids"].dtype == torch.int64 and batch["loss_mask"].dtype == torch.bool
+        assert batch["aux"].shape == (size, width, 3 * 64) and batch["aux"].dtype == torch.float32
+        assert batch["final"].shape == (size, width, 64) and batch["attention_mask"].shape == (size, width)
+        for b, (row, length) in enumerate(zip(rows[seen : seen + size], lengths)):
+            stored = stored_sample(shards / "hidden" / row["shard"], row)
+            assert length == row["length"] and batch["attention_mask"][b].sum() == length
+            assert torch.equal(batch["input_ids"][b, :length], stored["input_ids"].long())
+            assert torch.equal(batch["aux"][b, :length], stored["aux"].float())
+            assert torch.equal(batch["final"][b, :length], stored["final"].float())
+            assert not batch["loss_mask"][b, length:].any() and not batch["aux"][b, length:].any()
+        seen += size
+    assert seen == len(rows) == 7
+    assert len(make_loader(shards / "loader", shards / "hidden", "val", batch_size=8).dataset) == 2
