@@ -1,18 +1,19 @@
 """The EAGLE-3 objective: training-time test (TTT) over K draft steps, and its metrics (DESIGN.md §5).
 
-    head = VerifierHead(lm_head_weight, d2t, norm_weight=None)     # frozen; None: `final` is post-norm
-    targets = head(final, loss_mask)                                # once per batch, no grad
-    ce, sums = TrainingTimeTest(drafter, steps=7)(input_ids, aux, targets)
-    loss = ttt_loss(ce, step_counts(targets, 7), decay=0.8)
+    selection = select_rows(loss_mask, steps=7)                    # on the host, from the batch
+    targets = VerifierHead(lm_head_weight, d2t)(final, selection.positions)   # frozen, no grad
+    ce, sums = TrainingTimeTest(drafter, steps=7)(input_ids, aux, targets, selection)
+    loss = ttt_loss(ce, step_counts(targets, selection), decay=0.8)
     StepMetrics(sums).summary(0.8)  # loss, loss_k, acc_k, cond_acc_k, sim_accept_len
 
-Alignment (T = sequence length, rows t = 0..T-1 in every step):
+Alignment (T = sequence length; rows t = 0..T-1 go through the layer in every step):
 
-- ``Targets`` are per position s: the verifier's distribution of x_{s+1} (restricted to the draft
-  vocabulary), valid where x_{s+1} is under the loss mask and the verifier's argmax is a draft token.
+- Targets sit at the positions s where x_{s+1} is under the loss mask: the verifier's distribution
+  of x_{s+1} restricted to the draft vocabulary; valid where its argmax is a draft token.
 - Step k, row t: token input x_{t+k+1}; hidden input fc(g_t) at k=0, else row t's h2 of step k-1;
-  RoPE position t+k; target = ``Targets`` at s = t+k+1 (the distribution of x_{t+k+2}).
-  Attention: context keys of step 0 at rows <= t, plus row t's keys of steps 1..k (model.py).
+  RoPE position t+k; target at s = t+k+1 (the distribution of x_{t+k+2}). Attention: step-0
+  keys of rows <= t plus row t's keys of steps 1..k (model.py). Only rows with a target get
+  logits: the lm_head over Vd is most of the cost, and prompts are most of the rows.
 
 Why a separate module: the model is one step; the unroll, the shifts and the metrics are the
 objective, and DDP/FSDP wrap ``TrainingTimeTest`` so one forward is one whole unroll.
@@ -34,32 +35,51 @@ def shift_left(x: Tensor, n: int, fill=0) -> Tensor:
     Worked example (T=5): shift_left([[a, b, c, d, e]], 2) == [[c, d, e, 0, 0]]: row t now holds
     x[t+2], and the last 2 rows, which have no such entry, hold ``fill``.
     """
-    T = x.shape[1]
-    n = min(n, T)
+    n = min(n, x.shape[1])
     pad = x.new_full((x.shape[0], n, *x.shape[2:]), fill)
     return torch.cat([x[:, n:], pad], 1)
 
 
 @dataclass
+class Selection:
+    """Which flat rows (b*T + t) each TTT step scores, and against which target (host-computed)."""
+
+    positions: Tensor  # [N] flat b*T + s of every target position (x_{s+1} under the loss mask)
+    rows: list[Tensor]  # step k: [N_k] flat rows b*T + t with t = s-k-1 >= 0
+    picks: list[Tensor]  # step k: [N_k] index into the N targets of each of those rows
+
+    def to(self, device, non_blocking: bool = False) -> Selection:
+        move = lambda x: x.to(device, non_blocking=non_blocking)  # noqa: E731
+        return Selection(move(self.positions), [move(r) for r in self.rows], [move(p) for p in self.picks])
+
+
+def select_rows(loss_mask: Tensor, steps: int) -> Selection:
+    """The rows each step trains, from loss_mask [B, T] (1 on tokens to predict).
+
+    Worked example (B=1, T=6, loss_mask [0, 0, 0, 1, 1, 0]): x_3 and x_4 are to be predicted, so
+    targets sit at s = 2, 3 (positions [2, 3]). Step 0 scores rows t = s-1 = [1, 2] (picks [0, 1]);
+    step 1 rows [0, 1] (picks [0, 1]); step 2 row [0] (pick [1]: target 0 would need row -1);
+    step 3 nothing. With B > 1, row b's flat indices are offset by b*T.
+    """
+    T = loss_mask.shape[1]
+    positions = shift_left(loss_mask.bool(), 1, False).flatten().nonzero().squeeze(1)  # [N]
+    s = positions % T
+    picks = [(s >= k + 1).nonzero().squeeze(1) for k in range(steps)]  # t = s-k-1 must be a row
+    return Selection(positions, [positions[p] - (k + 1) for k, p in enumerate(picks)], picks)
+
+
+@dataclass
 class Targets:
-    """The verifier's next-token targets at every position s (they describe x_{s+1})."""
+    """The verifier's targets at the N target positions of a ``Selection``."""
 
-    probs: Tensor  # [B, T, Vd] softmax of the verifier logits restricted to the draft vocab
-    index: Tensor  # [B, T] draft index of the verifier's argmax (meaningful where valid)
-    valid: Tensor  # [B, T] bool: loss_mask[s+1] and the argmax is in the draft vocab
-
-    def at_step(self, k: int) -> Targets:
-        """What row t of TTT step k is trained on: the targets at s = t+k+1.
-
-        Worked example (T=5, k=1): row 0 gets position 2 (the distribution of x_3), row 2 gets
-        position 4, rows 3 and 4 get nothing (probs 0, valid False).
-        """
-        return Targets(shift_left(self.probs, k + 1), shift_left(self.index, k + 1), shift_left(self.valid, k + 1, False))
+    probs: Tensor  # [N, Vd] softmax of the verifier logits restricted to the draft vocab
+    index: Tensor  # [N] draft index of the verifier's argmax (meaningful where valid)
+    valid: Tensor  # [N] bool: the argmax is a draft token (else the position is masked)
 
 
-def step_counts(targets: Targets, steps: int) -> Tensor:
-    """Valid positions of each TTT step [K] (float): the denominators of the per-step means."""
-    return torch.stack([targets.at_step(k).valid.sum() for k in range(steps)]).float()
+def step_counts(targets: Targets, selection: Selection) -> Tensor:
+    """Valid targets of each TTT step [K] (float): the denominators of the per-step means."""
+    return torch.stack([targets.valid[pick].sum() for pick in selection.picks]).float()
 
 
 class VerifierHead(nn.Module):
@@ -83,14 +103,15 @@ class VerifierHead(nn.Module):
             self.norm.weight.data.copy_(norm_weight)
 
     @torch.no_grad()
-    def forward(self, final: Tensor, loss_mask: Tensor) -> Targets:
-        """final [B, T, H], loss_mask [B, T] -> Targets at every position."""
-        hidden = final if self.norm is None else self.norm(final)
-        logits = hidden.to(self.weight.dtype) @ self.weight.T  # [B, T, V]
-        index = self.draft_index[logits.argmax(-1)]  # [B, T]; -1 where the argmax is not a draft token
-        probs = logits[..., self.draft_ids].float().softmax(-1)  # [B, T, Vd]
-        valid = shift_left(loss_mask.bool(), 1, False) & (index >= 0)  # position s predicts x_{s+1}
-        return Targets(probs, index.clamp(min=0), valid)
+    def forward(self, final: Tensor, positions: Tensor) -> Targets:
+        """final [B, T, H] at flat positions [N] -> Targets [N]."""
+        hidden = final.flatten(0, 1)[positions]  # [N, H]
+        if self.norm is not None:
+            hidden = self.norm(hidden)
+        logits = hidden.to(self.weight.dtype) @ self.weight.T  # [N, V]
+        index = self.draft_index[logits.argmax(-1)]  # [N]; -1 where the argmax is not a draft token
+        probs = logits[:, self.draft_ids].float().softmax(-1)  # [N, Vd]
+        return Targets(probs, index.clamp(min=0), index >= 0)
 
 
 class TrainingTimeTest(nn.Module):
@@ -101,25 +122,32 @@ class TrainingTimeTest(nn.Module):
         self.drafter = drafter
         self.steps = steps
 
-    def forward(self, input_ids: Tensor, aux: Tensor, targets: Targets) -> tuple[Tensor, Tensor]:
+    def forward(self, input_ids: Tensor, aux: Tensor, targets: Targets, selection: Selection) -> tuple[Tensor, Tensor]:
         """input_ids [B, T], aux [B, T, 3H] -> per-step summed soft CE [K] and ``StepMetrics`` sums."""
-        T = input_ids.shape[1]
+        B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device)  # row t of step k sits at position t+k
         cache, hidden = KVCache(), self.drafter.fc(aux)  # [B, T, H]
         ce, right, valid = [], [], []
         for k in range(self.steps):
             tokens = shift_left(input_ids, k + 1)  # row t: x_{t+k+1}
-            logits, hidden = self.drafter(tokens, hidden, positions + k, cache, None if k == 0 else positions)
-            step = targets.at_step(k)
-            ce.append(torch.where(step.valid, soft_cross_entropy(logits, step.probs), 0.0).sum())
-            right.append(logits.detach().argmax(-1) == step.index)  # [B, T]
-            valid.append(step.valid)
+            hidden = self.drafter.step(tokens, hidden, positions + k, cache, None if k == 0 else positions)
+            rows, pick = selection.rows[k], selection.picks[k]
+            logits = self.drafter.logits(hidden.flatten(0, 1)[rows])  # [N_k, Vd]
+            ok = targets.valid[pick]  # [N_k]
+            ce.append(torch.where(ok, soft_cross_entropy(logits, targets.probs[pick]), 0.0).sum())
+            right.append(on_rows(logits.detach().argmax(-1) == targets.index[pick], rows, B * T))
+            valid.append(on_rows(ok, rows, B * T))
         ce = torch.stack(ce)  # [K]
         return ce, metric_sums(ce.detach(), torch.stack(right), torch.stack(valid))
 
 
+def on_rows(values: Tensor, rows: Tensor, size: int) -> Tensor:
+    """Scatter per-row flags [N_k] onto all ``size`` flat rows (False elsewhere): [size]."""
+    return torch.zeros(size, dtype=torch.bool, device=values.device).index_put_((rows,), values)
+
+
 def soft_cross_entropy(logits: Tensor, probs: Tensor) -> Tensor:
-    """-Σ_v p_v log softmax(logits)_v per position: [B, T, Vd] x [B, T, Vd] -> [B, T]."""
+    """-Σ_v p_v log softmax(logits)_v per row: [N, Vd] x [N, Vd] -> [N]."""
     return -(probs * logits.float().log_softmax(-1)).sum(-1)
 
 
@@ -134,17 +162,11 @@ def ttt_loss(ce: Tensor, counts: Tensor, decay: float) -> Tensor:
 
 
 def metric_sums(ce: Tensor, right: Tensor, valid: Tensor) -> Tensor:
-    """Rows of ``StepMetrics`` [5, K] from ce [K], right/valid [K, B, T] (row t of step k)."""
+    """Rows of ``StepMetrics`` [5, K] from ce [K] and right/valid [K, R] (flat row r of step k)."""
     hit = right & valid
-    chain = torch.cumprod(hit.int(), 0).bool()  # [K, B, T]: right and valid at every step <= k
+    chain = torch.cumprod(hit.int(), 0).bool()  # [K, R]: right and valid at every step <= k
     before = torch.cat([torch.ones_like(chain[:1]), chain[:-1]])  # right and valid at every step < k
-    return torch.stack([
-        ce,
-        valid.sum((1, 2)).float(),
-        hit.sum((1, 2)).float(),
-        chain.sum((1, 2)).float(),
-        (before & valid).sum((1, 2)).float(),
-    ])
+    return torch.stack([ce, valid.sum(1).float(), hit.sum(1).float(), chain.sum(1).float(), (before & valid).sum(1).float()])
 
 
 @dataclass
@@ -156,16 +178,12 @@ class StepMetrics:
 
     sums: Tensor
 
-    def __add__(self, other: StepMetrics) -> StepMetrics:
-        return StepMetrics(self.sums + other.sums)
-
     def summary(self, decay: float) -> dict[str, float]:
         """loss, loss_k, acc_k (draft argmax == verifier argmax), cond_acc_k (given steps < k right),
         sim_accept_len = Σ_k Π_{j<=k} acc_j (draft tokens accepted per verify step, bonus token excluded)."""
         ce, count, hit, chain, candidates = self.sums.double().cpu()  # host sync: log time only
         acc = hit / count.clamp(min=1)
-        out = {"loss": float(ttt_loss(ce.float(), count.float(), decay)),
-               "sim_accept_len": float(torch.cumprod(acc, 0).sum())}
+        out = {"loss": float(ttt_loss(ce.float(), count.float(), decay)), "sim_accept_len": float(torch.cumprod(acc, 0).sum())}
         for k in range(len(ce)):
             out[f"loss_{k}"] = float(ce[k] / count[k].clamp(min=1))
             out[f"acc_{k}"] = float(acc[k])

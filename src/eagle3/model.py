@@ -329,7 +329,16 @@ class Eagle3Drafter(nn.Module):
     def forward(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor, cache: KVCache,
                 rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """One draft step: tokens [B, T], hidden [B, T, H] -> (logits [B, T, Vd], h2 [B, T, H])."""
+        h2 = self.step(input_ids, hidden, position_ids, cache, rows)
+        return self.logits(h2), h2
+
+    def step(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor, cache: KVCache,
+             rows: Tensor | None = None) -> Tensor:
+        """The decoder layer of one draft step: h2 [B, T, H] (``forward`` without the lm_head)."""
         cos, sin = self.rotary(position_ids, hidden.dtype)
         embeds = F.embedding(input_ids, self.embed_tokens)  # [B, T, H]
-        h2 = self.midlayer(embeds, hidden, cos, sin, cache, rows)
-        return self.lm_head(self.norm(h2)), h2
+        return self.midlayer(embeds, hidden, cos, sin, cache, rows)
+
+    def logits(self, h2: Tensor) -> Tensor:
+        """Draft-vocab logits [..., Vd] of pre-norm states h2 [..., H]."""
+        return self.lm_head(self.norm(h2))
