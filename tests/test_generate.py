@@ -23,7 +23,7 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Wr
 def stage_params(tmp_path: Path, *overrides: str):
     """params.yaml composed from conf/ (as DVC does) with test-sized overrides."""
     out = tmp_path / "params.yaml"
-    compose_params(["backend.threads=1", *overrides], conf_dir=ROOT / "conf", output=out)
+    compose_params(["layout.threads=1", *overrides], conf_dir=ROOT / "conf", output=out)
     return OmegaConf.load(out)
 
 

@@ -109,7 +109,7 @@ def parse_answer(body: dict, think_tags: Sequence[str] | None) -> Answer:
         raise Retry("malformed response: text is not valid UTF-8")
     if reasoning is None:
         reasoning, content = split_reasoning(content, think_tags)
-    if not content.strip() and not (reasoning or "").strip():
+    if not content and not reasoning:  # a server glitch more often than a model's choice; whitespace counts
         raise Retry("empty answer")
     return Answer(content, reasoning, finish_reason, prompt_tokens, completion_tokens)
 
