@@ -98,6 +98,14 @@ def test_mask_covers_exactly_the_answer_on_smollm2(smollm2_dir, messages, expect
     assert mask[-1] == 0  # the newline after <|im_end|> is template scaffolding
 
 
+def test_answer_cut_at_the_token_limit_has_no_end_of_turn_in_its_mask(smollm2_dir):
+    tokenizer = load_tokenizer(smollm2_dir)
+    messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "1, 2, 3, 4"}]
+    ids, mask = render(tokenizer, messages, smollm2_format(tokenizer), finished=False)
+    assert masked_text(tokenizer, ids, mask) == "1, 2, 3, 4"
+    assert tokenizer.decode(ids).endswith("1, 2, 3, 4<|im_end|>\n")  # the template still closes the turn
+
+
 def test_template_that_drops_reasoning_is_refused(smollm2_dir):
     tokenizer = load_tokenizer(smollm2_dir)
     fmt = ChatFormat(None, "template", "<|im_end|>")

@@ -17,7 +17,8 @@ Conventions (also written to meta.json):
   HF ``output_hidden_states[aux_layers[i]]`` (index 0 = embedding output), ascending;
 - ``final`` is HF's last hidden state, *after* the final norm: ``lm_head(final)`` = the logits;
 - ``loss_mask[t] = 1`` iff token t belongs to the generated answer (reasoning and the end-of-turn
-  token included, template scaffolding excluded); it is not shifted.
+  token included, unless the answer was cut at the token limit; template scaffolding excluded);
+  it is not shifted.
 """
 
 from __future__ import annotations
@@ -121,14 +122,15 @@ def apply_template(tokenizer, messages: list[dict], fmt: ChatFormat, add_generat
     )
 
 
-def render(tokenizer, messages: list[dict], fmt: ChatFormat) -> tuple[list[int], list[int]]:
+def render(tokenizer, messages: list[dict], fmt: ChatFormat, finished: bool = True) -> tuple[list[int], list[int]]:
     """``input_ids`` and ``loss_mask`` of a conversation whose last message is the generated answer.
 
     The answer span is found by rendering twice: the prompt with the generation prompt (the span
     starts where that text ends) and the whole conversation (the span ends with the first
     ``fmt.end_of_turn`` after the answer's content). Tokens overlapping the span, by character
     offsets, are masked. Only the last (generated) turn is masked; earlier assistant turns of a
-    prompt were not written by the verifier. ChatML example:
+    prompt were not written by the verifier. An answer cut by the token limit (``finished``
+    False) never produced the end-of-turn token: the span then ends with the content. ChatML:
 
         ...<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello!<|im_end|>\\n
         mask:  0         0  0    0       0      0          0     0  1      1       0
@@ -149,10 +151,10 @@ def render(tokenizer, messages: list[dict], fmt: ChatFormat) -> tuple[list[int],
     content_at = text.find(content, len(head))
     if content_at < 0:
         raise RenderError("the answer's content does not appear in the rendered conversation")
-    end = text.find(fmt.end_of_turn, content_at + len(content))
-    if end < 0:
+    marker_at = text.find(fmt.end_of_turn, content_at + len(content))
+    if marker_at < 0:
         raise RenderError(f"no end-of-turn marker {fmt.end_of_turn!r} after the answer")
-    start, end = len(head), end + len(fmt.end_of_turn)
+    start, end = len(head), marker_at + len(fmt.end_of_turn) if finished else content_at + len(content)
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(stop > start and first < end) for first, stop in encoding["offset_mapping"]]
     return list(encoding["input_ids"]), mask
@@ -176,7 +178,7 @@ def prepare(records: list[dict], tokenizer, fmt: ChatFormat, max_length: int) ->
         problem = record_problem(record)
         if problem is None:
             try:
-                ids, mask = render(tokenizer, record["messages"], fmt)
+                ids, mask = render(tokenizer, record["messages"], fmt, record.get("finish_reason") != "length")
             except RenderError as err:
                 problem = f"render: {err}"
         if problem is None:
@@ -454,7 +456,7 @@ def extract_shard(verifier: Path, generated: Path, out: Path, params: DictConfig
             "dtype": settings.dtype,
             "fp8_scale": "per token and tapped layer: aux_scale [N, 3], final_scale [N, 1]" if settings.dtype != "bfloat16" else None,
             "max_length": settings.max_length,
-            "loss_mask": "1 on the generated answer (reasoning and end-of-turn included), unshifted",
+            "loss_mask": "1 on the generated answer (reasoning included; end-of-turn included unless cut at the token limit), unshifted",
             "chat": {"chat_template": fmt.chat_template, "reasoning_format": fmt.reasoning_format, "end_of_turn": fmt.end_of_turn},
             "counts": {
                 "records": len(records),
