@@ -12,7 +12,7 @@ from transformers import AutoConfig
 from eagle3.cli import main as cli
 from eagle3.export import check_drafter, load_drafter, verifier_facts, write_drafter
 from eagle3.model import DraftConfig, Eagle3Drafter, KVCache
-from tiny_drafter import draft_d2t, make_drafter
+from tiny_drafter import draft_d2t, make_drafter, one_thread  # noqa: F401 (autouse fixture)
 
 VERIFIER = {"name": "debug", "fingerprint": "0123456789abcdef", "num_layers": 4, "vocab_size": 512, "hidden_size": 64,
             "max_position_embeddings": 2048}

@@ -7,7 +7,7 @@ import torch
 
 from eagle3.loss import StepMetrics, TrainingTimeTest, VerifierHead, metric_sums, select_rows, shift_left, step_counts, ttt_loss
 from reference import reference_ttt_loss
-from tiny_drafter import make_drafter, random_batch, verifier_head_weight
+from tiny_drafter import make_drafter, random_batch, verifier_head_weight, one_thread  # noqa: F401 (autouse fixture)
 
 
 def test_shift_left_and_select_rows_worked_examples():

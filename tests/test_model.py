@@ -9,7 +9,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from eagle3.model import LLAMA3_ROPE, DraftConfig, KVCache, cached_attention, rope_frequencies
 from reference import explicit_attention
-from tiny_drafter import make_drafter
+from tiny_drafter import make_drafter, one_thread  # noqa: F401 (autouse fixture)
 
 STATE_KEYS = {
     "fc.weight",

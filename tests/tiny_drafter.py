@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eagle3.model import DraftConfig, Eagle3Drafter
@@ -44,3 +45,12 @@ def verifier_head_weight(cfg: DraftConfig, d2t: torch.Tensor, seed: int = 0) -> 
     weight = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
     weight[torch.arange(len(d2t)) + d2t] *= 1.4
     return weight
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two threads run several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

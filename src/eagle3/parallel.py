@@ -1,0 +1,122 @@
+"""How training is spread over processes: torchrun setup, DDP/FSDP wrapping, collectives, state.
+
+    torchrun --nproc-per-node 8 --nnodes 1 -m eagle3.train ...   # WORLD_SIZE/RANK/LOCAL_RANK set
+    python -m eagle3.train ...                                     # world of one, no process group
+
+Why: model.py and loss.py are single-device and never read the world size; everything
+distributed is applied here from outside, in one fixed order (see ``wrap``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place: rank among ``size`` processes, and its device."""
+
+    rank: int
+    size: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_world(device: str) -> World:
+    """Join the torchrun process group (NCCL on GPUs, gloo on CPUs), or run alone."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        where = torch.device("cuda", local_rank)
+    else:
+        where = torch.device(device)
+    if size == 1:
+        return World(0, 1, where)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if where.type == "cuda" else "gloo", device_id=where if where.type == "cuda" else None)
+    return World(dist.get_rank(), dist.get_world_size(), where)
+
+
+def close_world(world: World) -> None:
+    if world.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(x: Tensor, world: World) -> Tensor:
+    """Sum of ``x`` over all processes (in place; no host sync)."""
+    if world.size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def barrier(world: World) -> None:
+    if world.size > 1:
+        dist.barrier()
+
+
+def wrap(module: nn.Module, world: World, fsdp: bool) -> nn.Module:
+    """Data parallelism around the TTT module, applied last so it wraps everything else.
+
+    Order: (1) FSDP shards the draft layer and the lm_head as their own units, then the root
+    (fc and norms), so at most one large unit is gathered at a time; or (2) DDP replicates the
+    whole module. The frozen verifier embedding is a buffer: never sharded, reduced or broadcast.
+    In a world of one, neither is applied.
+    """
+    if world.size == 1:
+        return module
+    if fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if world.device.type == "cuda" else MixedPrecisionPolicy()
+        drafter = module.drafter
+        fully_shard(drafter.midlayer, mp_policy=policy)
+        fully_shard(drafter.lm_head, mp_policy=policy)
+        fully_shard(module, mp_policy=policy)
+        return module
+    return DistributedDataParallel(module, device_ids=[world.device] if world.device.type == "cuda" else None, broadcast_buffers=False)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce on all but the last micro-batch of an accumulation."""
+    if isinstance(model, DistributedDataParallel) and not enabled:
+        with model.no_sync():
+            yield
+        return
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+    yield
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on GPUs; full fp32 on CPUs (bf16 is several times slower there)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Unsharded CPU state dicts of model and optimizer, keyed by plain names (a collective under FSDP)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict  # slow import: only here
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
+    """Inverse of ``full_state``, on every process."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,468 @@
+"""Stage ``train``: the EAGLE-3 drafter, trained with training-time test, exported for SGLang/vLLM.
+
+    python -m eagle3.train models/verifier data/merged data/hidden_states models/drafter \\
+        --checkpoints .eagle3/checkpoints/train --live dvclive/train --device cpu --threads 2
+    torchrun --nproc-per-node N --nnodes M ... -m eagle3.train (same arguments)   # DDP, or FSDP
+    # params.yaml: seed, train, model.draft_head
+
+``fit`` reads top to bottom: ``train_step`` (verifier targets, TTT forward, loss, backward, clip,
+optimizer step) for every optimizer step; ``validate`` every ``val_every`` steps, keeping the
+weights of the best validation simulated acceptance length; ``save_checkpoint`` every
+``checkpoint_every`` steps into ``<checkpoints>/<run hash>/`` (outside the DVC outputs). A killed
+run started again with the same inputs resumes from its last checkpoint: weights, optimizer,
+scheduler, step (which fixes the data position: the order is a function of seed and step) and
+RNG states. At the end the best weights are exported and checked (``eagle3.export``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, fields
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from eagle3 import parallel
+from eagle3.common import UserError, atomic_dir, load_params, read_json, sha256_file, stable_hash, stage_main, to_plain
+from eagle3.export import check_drafter, verifier_facts, write_drafter
+from eagle3.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
+from eagle3.model import DraftConfig, Eagle3Drafter
+from eagle3.parallel import World
+
+log = logging.getLogger(__name__)
+
+VERIFIER_KEYS = {"embed": "model.embed_tokens.weight", "head": "lm_head.weight", "norm": "model.norm.weight"}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The ``train`` params section; each key is documented in conf/train/default.yaml."""
+
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    epochs: int = 2
+    max_steps: int = 0
+    batch_size: int = 4
+    grad_accum: int = 1
+    clip: float = 1.0
+    log_every: int = 1
+    val_every: int = 20
+    checkpoint_every: int = 20
+    fsdp: bool = False
+    num_workers: int = 0
+
+    @classmethod
+    def from_params(cls, section) -> TrainConfig:
+        values = {k: v for k, v in to_plain(section).items() if k != "name"}
+        known = {f.name for f in fields(cls)}
+        if set(values) - known:
+            raise UserError(f"params.yaml: train: unknown key(s) {sorted(set(values) - known)}; known: {sorted(known)}")
+        cfg = cls(**values)
+        for name in ("ttt_steps", "batch_size", "grad_accum", "log_every", "val_every", "checkpoint_every"):
+            if getattr(cfg, name) < 1:
+                raise UserError(f"params.yaml: train.{name} must be >= 1, got {getattr(cfg, name)}")
+        if cfg.max_steps < 0 or cfg.epochs < 1 or cfg.lr <= 0 or not 0 <= cfg.min_lr_ratio <= 1:
+            raise UserError("params.yaml: train needs max_steps >= 0, epochs >= 1, lr > 0 and 0 <= min_lr_ratio <= 1")
+        return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Data order: a pure function of (seed, step), so resuming needs only the step.
+
+
+def steps_per_epoch(num_samples: int, global_batch: int) -> int:
+    if num_samples < global_batch:
+        raise UserError(f"train split: {num_samples} samples, fewer than one global batch of {global_batch} "
+                        "(train.batch_size x train.grad_accum x processes); lower train.batch_size or grad_accum")
+    return num_samples // global_batch
+
+
+def step_batches(num_samples: int, step: int, cfg: TrainConfig, seed: int, world: World) -> list[list[int]]:
+    """This process's ``grad_accum`` micro-batches (sample indices) of optimizer step ``step``.
+
+    The global batch (G = batch_size x grad_accum x world samples) of step s is slice s mod E of
+    epoch e = s // E's permutation (E = num_samples // G; an epoch's tail is dropped), cut into
+    world x grad_accum micro-batches; process r takes micro-batches r*grad_accum ... .
+
+    Worked example: 10 samples, batch_size 2, grad_accum 1, world 2: G = 4, E = 2; step 3 is
+    epoch 1's second slice perm_1[4:8]; process 0 takes perm_1[4:6], process 1 perm_1[6:8].
+    """
+    size = cfg.batch_size * cfg.grad_accum * world.size
+    epoch, slot = divmod(step, steps_per_epoch(num_samples, size))
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    mine = order[slot * size : (slot + 1) * size].view(world.size, cfg.grad_accum, cfg.batch_size)[world.rank]
+    return mine.tolist()
+
+
+class StepSampler(Sampler):
+    """Batch sampler: this process's micro-batches of steps ``start`` .. ``stop - 1``, in order."""
+
+    def __init__(self, num_samples: int, start: int, stop: int, cfg: TrainConfig, seed: int, world: World):
+        self.args = (num_samples, cfg, seed, world)
+        self.start, self.stop, self.accum = start, stop, cfg.grad_accum
+
+    def __iter__(self):
+        num_samples, cfg, seed, world = self.args
+        for step in range(self.start, self.stop):
+            yield from step_batches(num_samples, step, cfg, seed, world)
+
+    def __len__(self) -> int:
+        return (self.stop - self.start) * self.accum
+
+
+def collate_ttt(items: list[dict[str, Tensor]], steps: int) -> dict[str, Any]:
+    """``eagle3.data.collate`` plus the rows each TTT step scores and the token count (host side)."""
+    from eagle3.data import collate
+
+    batch = collate(items)
+    return {"input_ids": batch["input_ids"], "aux": batch["aux"], "final": batch["final"],
+            "selection": select_rows(batch["loss_mask"], steps), "tokens": int(batch["lengths"].sum())}
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    moved = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, Tensor)}
+    return {**batch, **moved, "selection": batch["selection"].to(device, non_blocking=True)}
+
+
+def loader(dataset: Dataset, sampler: Sampler, cfg: TrainConfig, world: World) -> DataLoader:
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=partial(collate_ttt, steps=cfg.ttt_steps),
+                      num_workers=cfg.num_workers, pin_memory=world.device.type == "cuda")
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimisation
+
+
+def lr_factor(step: int, warmup: int, total: int, floor: float) -> float:
+    """Multiplier of the peak lr for optimizer step ``step`` (0-based): linear warmup, cosine decay.
+
+    Worked example (warmup 2, total 6, floor 0.1): steps 0, 1 -> 0.5, 1.0; then the cosine runs
+    from 1.0 at step 2 to 0.1 at step 6 (step 4 -> 0.55).
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint must restore besides model, optimizer and scheduler."""
+
+    step: int = 0  # optimizer steps done; also the data position
+    best: dict | None = None  # best validation summary so far, with its "step"
+
+
+def train_step(model, head: VerifierHead, micro: list[dict], optimizer, scheduler, cfg: TrainConfig, world: World) -> tuple[Tensor, Tensor]:
+    """One optimizer step over this process's micro-batches; returns (metric sums [5, K], grad norm).
+
+    The loss is normalised by the valid-position counts of the *global* batch (all-reduced before
+    any backward), and multiplied by the world size because DDP/FSDP average gradients: the
+    gradient equals that of one process holding the whole global batch.
+    """
+    targets = [head(b["final"], b["selection"].positions) for b in micro]  # no grad, once per batch
+    counts = parallel.all_reduce_sum(sum(step_counts(t, b["selection"]) for t, b in zip(targets, micro)), world)
+    sums = 0
+    for i, (batch, target) in enumerate(zip(micro, targets)):
+        with parallel.gradient_sync(model, enabled=i == len(micro) - 1), parallel.autocast(world.device):
+            ce, step_sums = model(batch["input_ids"], batch["aux"], target, batch["selection"])
+            loss = ttt_loss(ce, counts, cfg.step_decay) * world.size
+        loss.backward()
+        sums = sums + step_sums
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return sums, norm
+
+
+@torch.no_grad()
+def validate(model, head: VerifierHead, dataset: Dataset, cfg: TrainConfig, world: World) -> dict[str, float]:
+    """Metrics over the whole validation split (every process runs the same number of batches)."""
+    net = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    per_round = cfg.batch_size * world.size
+    rounds = math.ceil(len(dataset) / per_round)
+    total = torch.zeros(5, cfg.ttt_steps, device=world.device)
+    for j in range(rounds):
+        start = j * per_round + world.rank * cfg.batch_size
+        indices = list(range(start, min(start + cfg.batch_size, len(dataset))))
+        batch = to_device(collate_ttt([dataset[i] for i in indices or [0]], cfg.ttt_steps), world.device)
+        with parallel.autocast(world.device):
+            target = head(batch["final"], batch["selection"].positions)
+            _, sums = net(batch["input_ids"], batch["aux"], target, batch["selection"])
+        total += sums if indices else 0  # an idle process still joins FSDP's collectives
+    return StepMetrics(parallel.all_reduce_sum(total, world)).summary(cfg.step_decay)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_checkpoint(run_dir: Path, model, optimizer, scheduler, state: TrainState, world: World) -> None:
+    """``latest.pt``: everything to resume; written atomically by the main process."""
+    model_state, optim_state = parallel.full_state(model, optimizer)  # a collective under FSDP
+    if world.main:
+        save_atomic(run_dir / "latest.pt", {
+            "model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
+            "step": state.step, "best": state.best, "rng": rng_state(),
+        })
+    parallel.barrier(world)
+
+
+def save_best(run_dir: Path, model, optimizer, state: TrainState, world: World) -> None:
+    model_state, _ = parallel.full_state(model, optimizer)
+    if world.main:
+        save_atomic(run_dir / "best.pt", {"model": model_state, "step": state.step, "metrics": state.best})
+
+
+def resume(run_dir: Path, model, optimizer, scheduler, world: World) -> TrainState:
+    """The state of ``latest.pt`` loaded into model/optimizer/scheduler, or a fresh state."""
+    path = run_dir / "latest.pt"
+    if not path.is_file():
+        return TrainState()
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    parallel.load_full_state(model, optimizer, saved["model"], saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    set_rng_state(saved["rng"])
+    best = run_dir / "best.pt"
+    if world.main and best.is_file() and torch.load(best, map_location="cpu", weights_only=False)["step"] > saved["step"]:
+        best.unlink()  # written after the last checkpoint by the killed run; the replay rewrites it
+    log.info("resumed %s at step %d", run_dir, saved["step"])
+    return TrainState(step=saved["step"], best=saved["best"])
+
+
+def save_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
+def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: Dataset, cfg: TrainConfig, seed: int,
+        run_dir: Path, world: World, live=None) -> dict[str, Any]:
+    """Train until the last step (resuming from ``run_dir``); returns the run summary.
+
+    ``ttt`` and ``head`` are on ``world.device``; ``live`` (main process only) is a dvclive Live.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    total = cfg.max_steps or cfg.epochs * steps_per_epoch(len(train_set), cfg.batch_size * cfg.grad_accum * world.size)
+    model = parallel.wrap(ttt, world, cfg.fsdp)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
+                                  weight_decay=cfg.weight_decay, fused=world.device.type == "cuda")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, warmup=cfg.warmup_steps, total=total, floor=cfg.min_lr_ratio))
+    state = resume(run_dir, model, optimizer, scheduler, world)
+    batches = iter(loader(train_set, StepSampler(len(train_set), state.step, total, cfg, seed, world), cfg, world))
+    window, clock, last = torch.zeros(5, cfg.ttt_steps, device=world.device), Window(), {}
+    while state.step < total:
+        micro = [to_device(next(batches), world.device) for _ in range(cfg.grad_accum)]
+        sums, norm = train_step(model, head, micro, optimizer, scheduler, cfg, world)
+        state.step += 1
+        window += sums
+        clock.add(sum(b["tokens"] for b in micro), norm)
+        done = state.step == total
+        if state.step % cfg.log_every == 0 or done:
+            last = log_train(live, state.step, window, clock, scheduler.get_last_lr()[0], cfg, world)  # host sync
+            window.zero_()
+        if state.step % cfg.val_every == 0 or done:
+            metrics = validate(model, head, val_set, cfg, world)
+            log_metrics(live, state.step, "val", metrics)
+            if state.best is None or metrics["sim_accept_len"] > state.best["sim_accept_len"]:
+                state.best = {**metrics, "step": state.step}
+                save_best(run_dir, model, optimizer, state, world)
+        if state.step % cfg.checkpoint_every == 0 or done:
+            save_checkpoint(run_dir, model, optimizer, scheduler, state, world)
+    return {"steps": total, "train": last, "best": state.best}
+
+
+class Window:
+    """Tokens, time and gradient norms since the last log line."""
+
+    def __init__(self):
+        self.tokens, self.start, self.norms = 0, time.perf_counter(), []
+
+    def add(self, tokens: int, norm: Tensor) -> None:
+        self.tokens += tokens
+        self.norms.append(norm.detach())
+
+    def take(self, world: World) -> tuple[float, float]:
+        """(tokens/s over all processes, mean grad norm); resets the window."""
+        tokens = parallel.all_reduce_sum(torch.tensor([float(self.tokens)], device=world.device), world)
+        rate = float(tokens) / max(time.perf_counter() - self.start, 1e-9)
+        norm = float(torch.stack(self.norms).mean()) if self.norms else 0.0
+        self.__init__()
+        return rate, norm
+
+
+def log_train(live, step: int, window: Tensor, clock: Window, lr: float, cfg: TrainConfig, world: World) -> dict[str, float]:
+    metrics = StepMetrics(parallel.all_reduce_sum(window.clone(), world)).summary(cfg.step_decay)
+    tokens_per_s, grad_norm = clock.take(world)
+    metrics.update(lr=lr, tokens_per_s=tokens_per_s, grad_norm=grad_norm)
+    log_metrics(live, step, "train", metrics)
+    if world.main:
+        log.info("step %d loss %.4f acc_0 %.3f sim_accept_len %.3f lr %.2e %.0f tok/s", step, metrics["loss"],
+                 metrics["acc_0"], metrics["sim_accept_len"], lr, tokens_per_s)
+    return metrics
+
+
+def log_metrics(live, step: int, prefix: str, metrics: dict[str, float]) -> None:
+    if live is None:
+        return
+    live.step = step
+    for name, value in metrics.items():
+        live.log_metric(f"{prefix}/{name}", value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and outputs
+
+
+def verifier_parts(folder: Path) -> tuple[SimpleNamespace, dict[str, Tensor]]:
+    """The verifier's LM config and the three tensors training needs (embedding, lm_head, final
+    norm), read from its safetensors files without loading the model."""
+    from safetensors import safe_open
+
+    from eagle3.verifier import weights_dir
+
+    raw = read_json(folder / "config.json")
+    config = SimpleNamespace(**raw.get("text_config", raw))
+    found: dict[str, Tensor] = {}
+    for file in sorted(weights_dir(folder).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as part:
+            names = set(part.keys())
+            found.update({key: part.get_tensor(name) for key, name in VERIFIER_KEYS.items() if name in names})
+    if "head" not in found and getattr(config, "tie_word_embeddings", False) and "embed" in found:
+        found["head"] = found["embed"]
+    missing = [VERIFIER_KEYS[k] for k in VERIFIER_KEYS if k not in found]
+    if missing:
+        raise UserError(f"{folder}: verifier weights lack {missing}")
+    return config, found
+
+
+def open_data(merged: Path, hidden_states: Path, fingerprint: str) -> tuple[Dataset, Dataset, dict, Tensor]:
+    from safetensors.torch import load_file
+
+    from eagle3.data import HiddenStates
+
+    train_set, val_set = HiddenStates(merged, hidden_states, "train"), HiddenStates(merged, hidden_states, "val")
+    meta = train_set.meta
+    if meta["verifier"]["fingerprint"] != fingerprint:
+        raise UserError(f"{merged}/meta.json: built for verifier {meta['verifier']['fingerprint']}, models/verifier is {fingerprint}; re-run `dvc repro`")
+    if meta.get("final_state") not in ("post-norm", "pre-norm"):
+        raise UserError(f"{merged}/meta.json: final_state {meta.get('final_state')!r} is neither post-norm nor pre-norm")
+    return train_set, val_set, meta, load_file(merged / "vocab.safetensors")["d2t"]
+
+
+def run_id(cfg: TrainConfig, draft: DraftConfig, merged: Path, fingerprint: str, seed: int, world: World) -> str:
+    """Checkpoint folder name: changes with anything that would make resuming wrong."""
+    data = [sha256_file(merged / name) for name in ("manifest.jsonl", "vocab.safetensors")]
+    return stable_hash({"train": cfg.__dict__, "draft": draft.to_dict(), "data": data, "verifier": fingerprint,
+                        "seed": seed, "world": world.size})
+
+
+def export(out: Path, verifier: Path, state: dict[str, Tensor], draft: DraftConfig, embed: Tensor, d2t: Tensor, training: dict) -> None:
+    """Write the drafter of ``state`` (TTT module names) to ``out`` and refuse it unless check_drafter passes."""
+    drafter = Eagle3Drafter(draft, embed.cpu())
+    drafter.load_state_dict({k.removeprefix("drafter."): v for k, v in state.items()})
+    if not torch.equal(drafter.d2t, d2t):
+        raise RuntimeError("the trained drafter's d2t differs from data/merged's")
+    with atomic_dir(out) as tmp:
+        write_drafter(drafter, tmp, verifier_facts(verifier), training)
+        problems = check_drafter(tmp, verifier)
+        if problems:
+            raise UserError(f"{out}: the export fails check-drafter: {'; '.join(problems)}")
+    log.info("drafter exported to %s", out)
+
+
+def train(args: argparse.Namespace, params, world: World) -> dict[str, Any]:
+    """The whole stage on one process of the world."""
+    from eagle3.verifier import read_meta
+
+    cfg, seed = TrainConfig.from_params(params.train), int(params.seed)
+    fingerprint = read_meta(args.verifier)["fingerprint"]["id"]
+    train_set, val_set, meta, d2t = open_data(args.merged, args.hidden_states, fingerprint)
+    config, tensors = verifier_parts(args.verifier)
+    try:
+        draft = DraftConfig.from_verifier(config, len(d2t), meta["aux_layers"], to_plain(params.model.draft_head) or {})
+    except ValueError as err:
+        raise UserError(f"params.yaml: model.draft_head: {err}") from None
+    dtype = torch.bfloat16 if world.device.type == "cuda" else torch.float32
+    torch.manual_seed(seed)  # the same initial weights on every process
+    drafter = Eagle3Drafter(draft, tensors["embed"].to(world.device, dtype)).to(world.device)
+    drafter.set_draft_vocab(d2t.to(world.device))
+    norm = tensors["norm"] if meta["final_state"] == "pre-norm" else None
+    head = VerifierHead(tensors["head"].to(world.device, dtype), d2t.to(world.device), norm, draft.rms_norm_eps).to(world.device)
+    run_dir = args.checkpoints / run_id(cfg, draft, args.merged, fingerprint, seed, world)
+    live = None
+    if world.main:
+        from dvclive import Live
+
+        live = Live(str(args.live), dvcyaml=False, save_dvc_exp=False, resume=(run_dir / "latest.pt").is_file())
+    summary = fit(TrainingTimeTest(drafter, cfg.ttt_steps), head, train_set, val_set, cfg, seed, run_dir, world, live)
+    if world.main:
+        best = torch.load(run_dir / "best.pt", map_location="cpu", weights_only=False)
+        training = {**summary, "run": run_dir.name, "processes": world.size, "params": to_plain(params.train),
+                    "data": {"merged": str(args.merged), "train_samples": len(train_set), "val_samples": len(val_set)}}
+        export(args.out, args.verifier, best["model"], draft, tensors["embed"], d2t, training)
+        for name, value in (summary["best"] or {}).items():
+            live.log_metric(f"best/{name}", value, plot=False)
+        live.end()
+    parallel.barrier(world)
+    return summary
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eagle3.train", description="train and export the EAGLE-3 drafter")
+    parser.add_argument("verifier", type=Path, help="verifier folder, e.g. models/verifier")
+    parser.add_argument("merged", type=Path, help="training mixture, e.g. data/merged")
+    parser.add_argument("hidden_states", type=Path, help="extracted shards, e.g. data/hidden_states")
+    parser.add_argument("out", type=Path, help="export folder, e.g. models/drafter")
+    parser.add_argument("--checkpoints", type=Path, required=True, help="resumable checkpoints, outside DVC outputs")
+    parser.add_argument("--live", type=Path, required=True, help="dvclive folder for metrics and plots")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads per process (0: torch's default)")
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    world = parallel.init_world(args.device)
+    try:
+        train(args, load_params(args.params), world)
+    finally:
+        parallel.close_world(world)
+
+
+if __name__ == "__main__":
+    stage_main(main)
