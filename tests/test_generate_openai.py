@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from omegaconf import OmegaConf
 from openai_standin import SLOW_SECONDS, StandinServer
 from test_generate import generate, prompt, shard_file, stage_params
 
@@ -208,19 +207,17 @@ def test_sglang_server_is_stopped_on_errors(tmp_path, tiny_verifier_dir, monkeyp
     assert not pid_alive(read_json(tmp_path / "argv.json")["pid"])
 
 
-def test_sglang_server_dies_with_a_killed_stage(tmp_path, tiny_verifier_dir):
-    OmegaConf.save(sglang_params(tmp_path), tmp_path / "params.yaml")
-    prompts = shard_file(tmp_path, load_tokenizer(tiny_verifier_dir))
-    env = {**os.environ, "STANDIN_ARGV": str(tmp_path / "argv.json")}
-    stage = subprocess.Popen(
-        [sys.executable, "-m", "eagle3.generate", str(tiny_verifier_dir), str(prompts), str(tmp_path / "out"),
-         "--params", str(tmp_path / "params.yaml"), "--journal-dir", str(tmp_path / "journal")],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    wait_until(lambda: (tmp_path / "argv.json").exists(), 60, "the server to start")
-    server_pid = read_json(tmp_path / "argv.json")["pid"]
+def test_sglang_server_dies_with_a_killed_stage(tmp_path):
+    """The server gets SIGTERM when the process that started it is SIGKILLed (Linux PDEATHSIG)."""
+    port = free_port()
+    owner = (f"import sys, time\nfrom eagle3.backends.sglang import running_server\n"
+             f"with running_server(sys.argv[1:], '127.0.0.1', {port}, 30):\n    time.sleep(60)")
+    stage = subprocess.Popen([sys.executable, "-c", owner, sys.executable, str(STANDIN), "--model-path", "m", "--port", str(port)],
+                             env={**os.environ, "STANDIN_ARGV": str(tmp_path / "argv.json")}, stderr=subprocess.DEVNULL)
+    wait_until(lambda: healthy(f"http://127.0.0.1:{port}/health"), 30, "the server to start")
     stage.send_signal(signal.SIGKILL)
     stage.wait()
+    server_pid = read_json(tmp_path / "argv.json")["pid"]
     wait_until(lambda: not pid_alive(server_pid), 10, "the orphaned server to exit")
 
 

@@ -139,11 +139,13 @@ def generation_params(generate: DictConfig, backend_name: str) -> dict:
         "max_new_tokens": int(generate.max_new_tokens),
         "temperature": float(generate.temperature),
         "top_p": float(generate.top_p),
-        "seed": int(generate.seed),
+        "seed": int(generate.seed),  # the base; each record samples with a seed derived from its id
     }
 
 
-def plan(prompts: Sequence[dict], tokenizer, generate: DictConfig, generation: dict, verifier: str) -> tuple[list[Request], dict[str, dict]]:
+def plan(
+    prompts: Sequence[dict], tokenizer, generate: DictConfig, generation: dict, verifier: str
+) -> tuple[list[Request], dict[str, dict]]:
     """Requests for the prompts that can be sent, and skip records (by prompt id) for the others."""
     requests, skipped = [], {}
     limit = int(generate.context) - int(generate.max_new_tokens)
@@ -177,7 +179,7 @@ def to_record(prompt: dict, request: Request, answer: Answer, generation: dict) 
         "finish_reason": answer.finish_reason,
         "prompt_tokens": answer.prompt_tokens,
         "completion_tokens": answer.completion_tokens,
-        "generation": {**generation, "seed": request.seed},
+        "generation": {**generation, "seed": request.seed},  # this record's own sampling seed
     }
 
 

@@ -48,7 +48,7 @@ def launch_command(cfg: DictConfig, model_path: Path) -> list[str]:
     return command + [str(a) for a in cfg.extra_args]
 
 
-def wait_healthy(process: subprocess.Popen, url: str, timeout: float, poll: float = 1.0) -> None:
+def wait_healthy(process: subprocess.Popen, url: str, timeout: float, poll: float = 0.5) -> None:
     """Poll ``url`` until it answers 200; UserError if the server exits or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
