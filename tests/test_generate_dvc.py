@@ -51,7 +51,6 @@ def test_sigkill_mid_shard_then_dvc_repro_resumes_byte_identical(make_project, t
     reference = tmp_path / "reference"
     run_stage(repo / "models" / "verifier", prompts, reference, params, tmp_path / "journal", None)
     assert output_bytes(repo / "data" / "generated" / shard) == output_bytes(reference)
-    assert not list(journal_dir.iterdir())  # done without errors: the journal is gone
 
 
 def journaled(journal_dir) -> int:

@@ -116,7 +116,11 @@ def test_faults_are_retried_boundedly_and_accounted(tmp_path, tiny_verifier_dir,
     assert answers["q7"]["reasoning_content"] == "thinking about q7"
     assert answers["q0"]["reasoning_content"] is None
     assert read_json(tmp_path / "out" / "stats.json")["errors"] == 5
-    assert len(list((tmp_path / "journal").iterdir())) == 1  # kept: a forced rerun retries only the errors
+
+    params.backend.concurrency = 2  # transport: the journal still applies
+    again = generate(tmp_path, tiny_verifier_dir, prompts, params, "again")
+    assert again.records == shard.records and len(again.errors) == 5  # only the failed requests were sent again
+    assert standin.attempts["q0"] == 1 and standin.attempts["q12"] == 2
 
 
 def test_server_dying_mid_shard_stops_the_run_and_a_rerun_resumes(tmp_path, tiny_verifier_dir, standin):

@@ -10,11 +10,13 @@ template refuses), ``stats.json`` (also written to ``--metrics`` for DVC) and ``
 answers + errors + skipped == prompts is checked before anything is written.
 
 Every finished answer is appended (and fsync'd) to a journal in ``.eagle3/journal/generate/``
-named by the shard and a hash of all that determines the answers (prompt shard bytes, verifier
-fingerprint, ``generate`` and ``backend`` params). A killed run resumes from it, and the output
-is rebuilt in shard order, so for deterministic settings a resumed run writes the same bytes as
-an uninterrupted one. The journal is deleted once its shard is written without errors, and kept
-otherwise, so ``dvc repro -f generate@<shard>`` retries only the failed requests.
+named by the shard and a hash of all that determines the answers: prompt shard bytes, verifier
+fingerprint, ``generate`` params and the ``backend`` params except the transport ones (URLs,
+concurrency, timeouts, retries, port: TRANSPORT_KEYS). A killed run resumes from it, and the
+output is rebuilt in shard order, so for deterministic settings a resumed run writes the same
+bytes as an uninterrupted one. Journals are kept after success (scratch, safe to delete): a rerun
+that DVC asks for after a transport-only change, or ``dvc repro -f generate@<shard>`` to retry
+failed requests, sends only what the journal lacks.
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ from eagle3.common import UserError, atomic_dir, load_params, sha256_file, stabl
 from eagle3.verifier import load_tokenizer, read_meta
 
 log = logging.getLogger(__name__)
+
+# Backend keys that change how answers are fetched, not what they are: a new server URL or a
+# higher concurrency after a crash still resumes from the journal.
+TRANSPORT_KEYS = frozenset(
+    {"base_urls", "api_key_env", "concurrency", "timeout", "max_retries", "backoff", "backoff_max",
+     "host", "port", "launcher", "health_timeout"}
+)
 
 
 @dataclass
@@ -265,9 +274,10 @@ def shard_stats(prompts: int, records: list[dict], errors: list[dict], skipped: 
 
 
 def journal_path(journal_dir: Path, prompts: Path, verifier: str, generate: DictConfig, backend: DictConfig) -> Path:
-    """``<dir>/<shard>-<hash>.jsonl``: a journal only ever resumes the exact same work."""
+    """``<dir>/<shard>-<hash>.jsonl``: a journal only ever resumes work that gives the same answers."""
+    answering = {k: v for k, v in to_plain(backend).items() if k not in TRANSPORT_KEYS}
     key = stable_hash({"prompts": sha256_file(prompts), "verifier": verifier,
-                       "generate": to_plain(generate), "backend": to_plain(backend)})
+                       "generate": to_plain(generate), "backend": answering})
     return journal_dir / f"{prompts.stem}-{key}.jsonl"
 
 
@@ -303,8 +313,6 @@ def run_stage(verifier_dir: Path, prompts_path: Path, out: Path, params: DictCon
     if shard.errors:
         log.warning("generate %s: %d requests failed (see %s/errors.jsonl); `dvc repro -f` retries only those",
                     prompts_path.stem, len(shard.errors), out)
-    else:
-        journal.path.unlink(missing_ok=True)
     return shard
 
 
