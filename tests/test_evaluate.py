@@ -17,8 +17,10 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from conftest import project_params
-from eagle3.evaluate import acceptance_stats, main, most_frequent_token
+from eagle3.common import UserError
+from eagle3.evaluate import acceptance_stats, check_pair, main, most_frequent_token
 from eagle3.export import verifier_facts, write_drafter
+from eagle3.generate import prompt_ids
 from eagle3.model import DraftConfig, Eagle3Drafter, KVCache
 from eagle3.speculative import (
     ConstantDrafter,
@@ -50,14 +52,18 @@ class TableDrafter(nn.Module):
         self.table, self.vocab_size = table, vocab_size
         self.register_buffer("d2t", torch.zeros(vocab_size, dtype=torch.long))  # draft vocab = target vocab
 
-    def forward(self, input_ids, hidden, position_ids, cache, rows=None):
-        index = (position_ids + 2).clamp(max=len(self.table) - 1)  # [T]
-        return F.one_hot(self.table[index], self.vocab_size).float()[None], hidden  # [1, T, V]
+    def step(self, input_ids, hidden, position_ids, cache, rows=None):
+        self.positions = position_ids  # [T], read by the logits call that follows
+        return hidden
+
+    def logits(self, h2):
+        positions = self.positions[-h2.shape[1]:]  # the rows h2 holds: the last ones stepped
+        index = (positions + 2).clamp(max=len(self.table) - 1)  # [T]
+        return F.one_hot(self.table[index], self.vocab_size).float()[None]  # [1, T, V]
 
 
 def encode(tokenizer, question: str) -> torch.Tensor:
-    encoded = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True)
-    return torch.tensor([list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)])
+    return torch.tensor([prompt_ids(tokenizer, [{"role": "user", "content": question}])])  # [1, n]
 
 
 def greedy_table(verifier, prompt_ids: torch.Tensor, length: int) -> torch.Tensor:
@@ -169,10 +175,9 @@ class RecordingDrafter(TableDrafter):
         super().__init__(table, vocab_size)
         self.fed = []  # (chain step?, position, token, hidden [3H]) per row fed
 
-    def forward(self, input_ids, hidden, position_ids, cache, rows=None):
+    def step(self, input_ids, hidden, position_ids, cache, rows=None):
         self.fed += [(rows is not None, int(p), int(t), h) for p, t, h in zip(position_ids, input_ids[0], hidden[0])]
-        logits, _ = super().forward(input_ids, hidden, position_ids, cache, rows)
-        return logits, hidden + 1
+        return super().step(input_ids, hidden, position_ids, cache, rows) + 1
 
 
 def test_drafter_is_fed_like_sglang(tiny):
@@ -254,6 +259,15 @@ def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, mon
     assert metrics["tau"] == pytest.approx(1 + sum(row["drafter"] for row in acceptance), abs=1e-3)
     tau = json.loads((out / "plots" / "custom" / "tau" / "heldout.json").read_text())
     assert sum(row["fraction"] for row in tau) == pytest.approx(1)
+
+
+def test_drafter_of_another_verifier_is_refused(tmp_path, tiny_verifier_dir):
+    verifier = load_verifier(tiny_verifier_dir)
+    facts = {**verifier_facts(tiny_verifier_dir), "fingerprint": "0123456789abcdef"}
+    (tmp_path / "drafter").mkdir()
+    write_drafter(random_drafter(verifier, 512, TINY_TAPS), tmp_path / "drafter", facts, {})
+    with pytest.raises(UserError, match="trained for verifier 0123456789abcdef"):
+        check_pair(tiny_verifier_dir, tmp_path / "drafter", tmp_path / "prompts")
 
 
 @pytest.mark.slow

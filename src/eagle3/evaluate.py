@@ -1,6 +1,6 @@
 """Stage ``evaluate``: the drafter's measured acceptance length τ and speedup, by real speculative decoding.
 
-    python -m eagle3.evaluate models/verifier models/drafter data/prompts metrics/evaluate
+    python -m eagle3.evaluate models/verifier models/drafter data/prompts dvclive/evaluate
     # reads params.yaml: evaluate, layout.device/dtype/threads, model.trust_remote_code
 
 Why: training accuracy is a proxy; a drafter is judged by τ (tokens per verifier forward) and the
@@ -233,7 +233,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("verifier", type=Path, help="verifier folder, e.g. models/verifier")
     parser.add_argument("drafter", type=Path, help="exported drafter folder, e.g. models/drafter")
     parser.add_argument("prompts", type=Path, help="prompts folder with eval/<set>.jsonl, e.g. data/prompts")
-    parser.add_argument("out", type=Path, help="dvclive folder for metrics and plots, e.g. metrics/evaluate")
+    parser.add_argument("out", type=Path, help="dvclive folder for metrics and plots, e.g. dvclive/evaluate")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     settings = Settings.from_params(load_params(args.params))

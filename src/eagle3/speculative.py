@@ -29,8 +29,9 @@ d_3]; y_0 == d_1, y_1 != d_2, so the output grows by [d_1, y_1]; the verifier ca
 (g(d_1), y_1) at positions 5, 6, and its chain steps run at positions 7, 8, ... continuing row 6.
 
 The drafter interface is that of ``Eagle3Drafter``: ``fc`` (features [B, T, 3H] -> hidden),
-``forward(input_ids, hidden, position_ids, cache, rows) -> (logits over Vd, h2)`` and ``d2t``;
-``ConstantDrafter`` (the baseline) implements the same.
+``step(input_ids, hidden, position_ids, cache, rows) -> h2``, ``logits(h2) -> [..., Vd]`` and
+``d2t``; ``ConstantDrafter`` (the baseline) implements the same. Logits are computed for the
+rows that propose a token only (the context step's last row), never over a whole prompt.
 """
 
 from __future__ import annotations
@@ -64,9 +65,12 @@ class ConstantDrafter(nn.Module):
         self.fc = nn.Identity()
         self.register_buffer("d2t", torch.tensor([token_id]))
 
-    def forward(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor, cache: KVCache,
-                rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        return hidden.new_zeros(*input_ids.shape, 1), hidden  # logits [B, T, 1], h2 unused
+    def step(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor, cache: KVCache,
+             rows: Tensor | None = None) -> Tensor:
+        return hidden  # h2: unused
+
+    def logits(self, h2: Tensor) -> Tensor:
+        return h2.new_zeros(*h2.shape[:-1], 1)  # [..., Vd=1]: always draft id 0
 
 
 def tapped_features(hidden_states: Sequence[Tensor], layer_ids: Sequence[int]) -> Tensor:
@@ -108,15 +112,15 @@ def draft_k(drafter: nn.Module, cache: KVCache, features: Tensor, next_ids: Tens
     """
     m = next_ids.shape[0]
     positions = torch.arange(start, start + m, device=next_ids.device)  # [m]
-    logits, hidden = drafter(next_ids[None], drafter.fc(features), positions, cache)  # [1, m, Vd], [1, m, H]
-    logits, hidden = logits[:, -1:], hidden[:, -1:]  # the last row continues into the chain
+    h2 = drafter.step(next_ids[None], drafter.fc(features), positions, cache)  # [1, m, H]
+    hidden = h2[:, -1:]  # [1, 1, H]: the last row continues into the chain
     row = positions[-1:]  # [1] context index the chain continues
     drafts = []
     for step in range(k):
-        token = draft_ids_to_target(drafter, logits.argmax(-1))  # [1, 1]
+        token = draft_ids_to_target(drafter, drafter.logits(hidden).argmax(-1))  # [1, 1]
         drafts.append(token)
         if step < k - 1:
-            logits, hidden = drafter(token, hidden, row + step + 1, cache, rows=row)  # own h2 as hidden input
+            hidden = drafter.step(token, hidden, row + step + 1, cache, rows=row)  # own h2 as hidden input
     return torch.cat(drafts, 1)[0]
 
 
