@@ -29,6 +29,7 @@ from eagle3.backends import Answer, Done, Failure, Request, has_surrogates, spli
 from eagle3.common import UserError
 
 log = logging.getLogger(__name__)
+logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the progress bar
 
 T = TypeVar("T")
 FINISH_REASONS = {"stop", "length"}
