@@ -79,11 +79,14 @@ def wrap(module: nn.Module, world: World, fsdp: bool) -> nn.Module:
     if fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if world.device.type == "cuda" else MixedPrecisionPolicy()
-        drafter = module.drafter
-        fully_shard(drafter.midlayer, mp_policy=policy)
-        fully_shard(drafter.lm_head, mp_policy=policy)
-        fully_shard(module, mp_policy=policy)
+        gpu = world.device.type == "cuda"
+        # bf16 compute copies, fp32 gradient reduction on GPUs. Only the root casts its inputs: the
+        # draft layer is passed the KVCache it fills in place, which input casting would copy.
+        root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if gpu else MixedPrecisionPolicy()
+        inner = MixedPrecisionPolicy(param_dtype=root.param_dtype, reduce_dtype=root.reduce_dtype, cast_forward_inputs=False)
+        fully_shard(module.drafter.midlayer, mp_policy=inner)
+        fully_shard(module.drafter.lm_head, mp_policy=inner)
+        fully_shard(module, mp_policy=root)
         return module
     return DistributedDataParallel(module, device_ids=[world.device] if world.device.type == "cuda" else None, broadcast_buffers=False)
 
