@@ -96,7 +96,7 @@ def test_batches_are_sorted_by_length_and_fixed_by_the_shard():
 def test_sampling_is_seeded_per_record_not_per_batch(tmp_path, tiny_verifier_dir):
     tokenizer = load_tokenizer(tiny_verifier_dir)
     prompts = shard_file(tmp_path, tokenizer)
-    sample = ["generate.max_new_tokens=6", "generate.temperature=1.0", "generate.top_p=0.9"]
+    sample = ["generate.max_new_tokens=6", "generate.temperature=1.0"]  # top_p is tested on its own
     batched = generate(tmp_path, tiny_verifier_dir, prompts, stage_params(tmp_path, *sample, "backend.batch_size=3"), "a")
     alone = generate(tmp_path, tiny_verifier_dir, prompts, stage_params(tmp_path, *sample, "backend.batch_size=1"), "b")
     greedy = generate(tmp_path, tiny_verifier_dir, prompts, stage_params(tmp_path, "generate.max_new_tokens=6"), "c")
