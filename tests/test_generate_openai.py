@@ -120,6 +120,7 @@ def test_faults_are_retried_boundedly_and_accounted(tmp_path, tiny_verifier_dir,
     params.backend.concurrency = 2  # transport: the journal still applies
     again = generate(tmp_path, tiny_verifier_dir, prompts, params, "again")
     assert again.records == shard.records and len(again.errors) == 5  # only the failed requests were sent again
+    assert read_json(tmp_path / "again" / "meta.json") == read_json(tmp_path / "out" / "meta.json")
     assert standin.attempts["q0"] == 1 and standin.attempts["q12"] == 2
 
 

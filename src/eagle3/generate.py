@@ -42,7 +42,7 @@ from eagle3.verifier import load_tokenizer, read_meta
 log = logging.getLogger(__name__)
 
 # Backend keys that change how answers are fetched, not what they are: a new server URL or a
-# higher concurrency after a crash still resumes from the journal.
+# higher concurrency after a crash still resumes from the journal, and gives the same output bytes.
 TRANSPORT_KEYS = frozenset(
     {"base_urls", "api_key_env", "concurrency", "timeout", "max_retries", "backoff", "backoff_max",
      "host", "port", "launcher", "health_timeout"}
@@ -273,11 +273,15 @@ def shard_stats(prompts: int, records: list[dict], errors: list[dict], skipped: 
     }
 
 
+def answering(backend: DictConfig) -> dict:
+    """The backend params that can change an answer (all but TRANSPORT_KEYS)."""
+    return {k: v for k, v in to_plain(backend).items() if k not in TRANSPORT_KEYS}
+
+
 def journal_path(journal_dir: Path, prompts: Path, verifier: str, generate: DictConfig, backend: DictConfig) -> Path:
     """``<dir>/<shard>-<hash>.jsonl``: a journal only ever resumes work that gives the same answers."""
-    answering = {k: v for k, v in to_plain(backend).items() if k not in TRANSPORT_KEYS}
     key = stable_hash({"prompts": sha256_file(prompts), "verifier": verifier,
-                       "generate": to_plain(generate), "backend": answering})
+                       "generate": to_plain(generate), "backend": answering(backend)})
     return journal_dir / f"{prompts.stem}-{key}.jsonl"
 
 
@@ -303,8 +307,9 @@ def run_stage(verifier_dir: Path, prompts_path: Path, out: Path, params: DictCon
         shard = generate_shard(prompts_path.stem, prompts, backend, tokenizer, generate, generation, verifier, journal)
     finally:
         journal.close()
+    # Transport settings stay out of the outputs: moving servers leaves the shard's bytes (and extract) alone.
     meta = {"verifier": verifier, "prompts_sha256": sha256_file(prompts_path),
-            "generate": to_plain(generate), "backend": to_plain(backend_cfg)}
+            "generate": to_plain(generate), "backend": answering(backend_cfg)}
     write_shard(out, shard, meta)
     if metrics:
         metrics.parent.mkdir(parents=True, exist_ok=True)
