@@ -137,6 +137,11 @@ def extracted(tmp_path_factory, tiny_verifier_dir, tiny_model_params):
     return root / "hidden", records, meta
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tiny_verifier_dir):
+    return load_verifier(tiny_verifier_dir)
+
+
 def stored_sample(folder: Path, entry: dict) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
@@ -145,11 +150,10 @@ def stored_sample(folder: Path, entry: dict) -> dict[str, torch.Tensor]:
         return read_rows(part, names, entry["offset"], entry["offset"] + entry["length"])
 
 
-def test_taps_equal_hf_hidden_states_and_final_is_post_norm(extracted, tiny_verifier_dir, tiny_model_params):
+def test_taps_equal_hf_hidden_states_and_final_is_post_norm(extracted, tiny_model, tiny_model_params):
     folder, records, meta = extracted
-    model = load_verifier(tiny_verifier_dir)
-    captured = {}
-    model.model.norm.register_forward_hook(lambda module, args, output: captured.update(norm_out=output))
+    model, captured = tiny_model, {}
+    hook = model.model.norm.register_forward_hook(lambda module, args, output: captured.update(norm_out=output))
     index = list(read_jsonl(folder / "index.jsonl"))
     assert len({e["part"] for e in index}) > 1
     layers = list(tiny_model_params.aux_layers)
@@ -163,8 +167,9 @@ def test_taps_equal_hf_hidden_states_and_final_is_post_norm(extracted, tiny_veri
         other = torch.cat([out.hidden_states[k - 1][0] for k in layers], dim=-1)
         assert not torch.allclose(stored["aux"].float(), other, rtol=1e-2, atol=1e-2)  # the taps are not off by one
         torch.testing.assert_close(stored["final"].float(), captured["norm_out"][0].bfloat16().float(), rtol=1e-2, atol=1e-3)
-        logits = model.lm_head(stored["final"].float())  # what train does: lm_head only
-        torch.testing.assert_close(logits, out.logits[0], rtol=0.05, atol=0.05)
+        logits = model.lm_head(stored["final"][-8:].float())  # what train does: lm_head only
+        torch.testing.assert_close(logits, out.logits[0, -8:], rtol=0.05, atol=0.05)
+    hook.remove()
     assert meta["final_state"] == "post-norm" and meta["aux_layers"] == layers
     assert "output_hidden_states[k]" in meta["layer_convention"]
 
@@ -191,12 +196,12 @@ def test_stored_ids_masks_index_and_counts(extracted, tiny_verifier_dir):
     assert written <= meta["estimated_bytes"] < written + (1 << 20) + 7 * 256 + 1  # the preflight's estimate
 
 
-def test_fp8_round_trip_error_is_bounded(tmp_path, tiny_verifier_dir, tiny_model_params, extracted):
+def test_fp8_round_trip_error_is_bounded(tmp_path, tiny_verifier_dir, tiny_model, tiny_model_params, extracted):
     folder, records, _ = extracted
     generated = write_generated(tmp_path / "generated", records)
     meta = extract_shard(tiny_verifier_dir, generated, tmp_path / "fp8", tiny_params(tiny_model_params, max_length=300, dtype="float8_e4m3fn"))
     assert meta["dtype"] == "float8_e4m3fn"
-    model = load_verifier(tiny_verifier_dir)
+    model = tiny_model
     for entry in read_jsonl(tmp_path / "fp8" / "index.jsonl"):
         stored = stored_sample(tmp_path / "fp8", entry)
         assert stored["aux"].dtype == torch.float8_e4m3fn and stored["aux_scale"].shape == (entry["length"], 3)
@@ -227,7 +232,7 @@ def test_validation_rejects_planted_nan(tmp_path, tiny_verifier_dir, tiny_model_
     tokenizer = load_tokenizer(tiny_verifier_dir)
     records = [conversation(i, answer_sentences=2 + i) for i in range(4)]
     samples, _ = prepare(records, tokenizer, smollm2_format(tokenizer), max_length=2048)
-    model = load_verifier(tiny_verifier_dir)
+    model = load_verifier(tiny_verifier_dir)  # its own copy: the hook stays on it
     poisoned = {"calls": 0}
 
     def plant_nan(module, args, output):  # first batch, first row = the shortest record (0)
