@@ -8,8 +8,8 @@ that the kept revisions reference (default: the workspace, every branch tip and 
 ``--rev`` restricts to given revisions or ``A..B`` ranges, ``--all-commits`` takes every commit),
 directory outputs expanded to their ``.dir`` manifest and every file in it, and asks the remote
 for each one. It refuses, listing what is missing and the ``dvc push`` that uploads it, unless
-all are there; then it runs ``dvc gc -w -f``. It never deletes anything from the remote
-(no ``--cloud``).
+all are there; then it runs DVC's own ``gc --workspace --force``, holding the repo lock from
+the check to the deletion. It never deletes anything from the remote (no ``--cloud``).
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ class Ref:
 
     rev: str  # "workspace", branch/tag names joined by ",", or the revision as given
     path: str  # the output, or a file inside a directory output
-    oid: "HashInfo"
+    oid: HashInfo
     remote: str | None  # the output's own remote, None for the default
+    manifest: HashInfo | None = None  # for a file inside a directory output: that directory's .dir
 
 
 @dataclass
@@ -48,12 +49,8 @@ class Verdict:
     unlisted: list[Ref]  # directory manifests nowhere to be read: their files cannot be enumerated
     checked: int  # distinct objects asked for
 
-    @property
-    def safe(self) -> bool:
-        return not self.unpushed and not self.unlisted
 
-
-def expand_ranges(repo: "Repo", revs: Iterable[str]) -> list[str]:
+def expand_ranges(repo: Repo, revs: Iterable[str]) -> list[str]:
     """Revisions as given, with each ``A..B`` replaced by the commits of ``git rev-list A..B``."""
     expanded = []
     for rev in revs:
@@ -67,7 +64,7 @@ def expand_ranges(repo: "Repo", revs: Iterable[str]) -> list[str]:
     return expanded
 
 
-def load_manifest(odbs: Iterable, oid: "HashInfo") -> "Tree | None":
+def load_manifest(odbs: Iterable, oid: HashInfo) -> Tree | None:
     """A directory output's ``.dir`` manifest, from the first of ``odbs`` (cache, then remote) holding it."""
     from dvc_data.hashfile.tree import Tree
     from dvc_objects.errors import ObjectFormatError
@@ -80,7 +77,7 @@ def load_manifest(odbs: Iterable, oid: "HashInfo") -> "Tree | None":
     return None
 
 
-def revisions(repo: "Repo", scope: dict) -> Iterator[str]:
+def revisions(repo: Repo, scope: dict) -> Iterator[str]:
     """``repo.brancher`` (which switches ``repo`` to each revision in turn), with bad names as UserError."""
     from scmrepo.exceptions import RevError
 
@@ -90,7 +87,7 @@ def revisions(repo: "Repo", scope: dict) -> Iterator[str]:
         raise UserError(f"--rev: {err}") from None
 
 
-def kept_refs(repo: "Repo", revs: list[str], all_commits: bool, remote: str | None) -> Iterator[tuple[Ref, bool]]:
+def kept_refs(repo: Repo, revs: list[str], all_commits: bool, remote: str | None) -> Iterator[tuple[Ref, bool]]:
     """``(ref, listed)`` for every cached output of the kept revisions; directory outputs are expanded.
 
     ``listed`` is False for a ``.dir`` manifest that neither the cache nor the remote holds.
@@ -111,17 +108,17 @@ def kept_refs(repo: "Repo", revs: list[str], all_commits: bool, remote: str | No
             tree = manifests[out.hash_info.value]
             yield ref, tree is not None
             for key, _, oid in tree or ():
-                yield Ref(rev, "/".join([str(out), *key]), oid, out.remote), True
+                yield Ref(rev, "/".join([str(out), *key]), oid, out.remote, out.hash_info), True
 
 
-def cache_odb(repo: "Repo", oid: "HashInfo"):
+def cache_odb(repo: Repo, oid: HashInfo):
     """The local cache store for ``oid``'s kind of hash (DVC 3 md5, or DVC 2's md5-dos2unix)."""
     from dvc.cachemgr import LEGACY_HASH_NAMES
 
     return repo.cache.legacy if oid.name in LEGACY_HASH_NAMES else repo.cache.local
 
 
-def remote_odb(repo: "Repo", oid: "HashInfo", remote: str | None):
+def remote_odb(repo: Repo, oid: HashInfo, remote: str | None):
     """The object store of ``remote`` (None: the default remote) for ``oid``'s kind of hash."""
     from dvc.exceptions import DvcException
 
@@ -131,7 +128,7 @@ def remote_odb(repo: "Repo", oid: "HashInfo", remote: str | None):
         raise UserError(f".dvc/config: {err}") from None
 
 
-def check(repo: "Repo", revs: list[str], all_commits: bool, remote: str | None) -> Verdict:
+def check(repo: Repo, revs: list[str], all_commits: bool, remote: str | None) -> Verdict:
     """Ask the remote for every object the kept revisions reference (no remote index: a fresh listing)."""
     first: dict[tuple[str | None, str], Ref] = {}
     unlisted: list[Ref] = []
@@ -147,7 +144,7 @@ def check(repo: "Repo", revs: list[str], all_commits: bool, remote: str | None) 
     return verdict
 
 
-def absent(repo: "Repo", refs: list[Ref], remote: str | None) -> list[Ref]:
+def absent(repo: Repo, refs: list[Ref], remote: str | None) -> list[Ref]:
     """The refs whose object the remote does not hold."""
     missing = []
     for name in {ref.oid.name for ref in refs}:
@@ -157,7 +154,7 @@ def absent(repo: "Repo", refs: list[Ref], remote: str | None) -> list[Ref]:
     return missing
 
 
-def push_command(repo: "Repo", refs: list[Ref], remote: str | None) -> str:
+def push_command(repo: Repo, refs: list[Ref], remote: str | None) -> str:
     """The ``dvc push`` covering the revisions of ``refs``: plain for the workspace, -a/-T for tips, -A else."""
     names = {name for ref in refs if ref.rev != "workspace" for name in ref.rev.split(",")}
     branches, tags = set(repo.scm.list_branches()), set(repo.scm.list_tags())
@@ -175,36 +172,44 @@ def describe(refs: list[Ref], why: str) -> list[str]:
     return lines
 
 
-def run_gc(args: argparse.Namespace) -> None:
-    from dvc.repo import Repo
-
-    with Repo() as repo:
-        verdict = check(repo, expand_ranges(repo, args.rev), args.all_commits, args.remote)
-        remote_name = args.remote or repo.config["core"].get("remote")
-        fix = push_command(repo, verdict.unpushed, args.remote)
-        root = repo.root_dir
+def refusal(repo: Repo, verdict: Verdict, remote: str | None) -> str | None:
+    """Print what is missing; return the one-line reason to refuse, or None when ``dvc gc -w`` is safe."""
+    name = remote or repo.config["core"].get("remote")
     if verdict.lost:
-        print(f"warning: {len(verdict.lost)} objects of kept revisions are neither cached nor in the remote "
+        print(f"warning: {len(verdict.lost)} objects of kept revisions are neither cached nor in remote {name!r} "
               "(already unrecoverable here; gc does not change that):", file=sys.stderr)
         print("\n".join(describe(verdict.lost, "lost")), file=sys.stderr)
     if verdict.unlisted:
         print("\n".join(describe(verdict.unlisted, "manifest missing")), file=sys.stderr)
-        raise UserError(
-            f"{len(verdict.unlisted)} directory manifests of kept revisions are neither cached nor in the remote, so "
-            "`dvc gc` cannot tell which of their files to keep; rebuild them (`dvc repro` at that revision) or leave "
-            "that revision out with --rev"
-        )
-    if verdict.unpushed:
-        print("\n".join(describe(verdict.unpushed, "only in the local cache")), file=sys.stderr)
-        raise UserError(
-            f"refusing: {len(verdict.unpushed)} objects of kept revisions are not in remote {remote_name!r}; "
-            f"run `{fix}`, then `eagle3 gc` again"
-        )
-    print(f"all {verdict.checked} objects of the kept revisions are in remote {remote_name!r}")
-    gc = [sys.executable, "-m", "dvc", "gc", "--workspace", "--force", *(["--dry"] if args.dry_run else [])]
-    print("$ dvc " + " ".join(gc[3:]), flush=True)
-    if subprocess.run(gc, cwd=root).returncode != 0:
-        raise UserError("dvc gc failed (its output is above)")
+        return (f"{len(verdict.unlisted)} directory manifests of kept revisions are neither cached nor in remote "
+                f"{name!r}, so `dvc gc` cannot tell which of their files to keep; rebuild them (`dvc repro` at that "
+                "revision) or leave that revision out with --rev")
+    if not verdict.unpushed:
+        return None
+    print("\n".join(describe(verdict.unpushed, "only in the local cache")), file=sys.stderr)
+    fix = push_command(repo, verdict.unpushed, remote)
+    missing = {ref.oid.value for ref in verdict.unpushed}
+    # `dvc push` takes a .dir manifest on the remote as proof that all its files are there too.
+    trusted = {ref.manifest.value: ref.manifest for ref in verdict.unpushed
+               if ref.manifest is not None and ref.manifest.value not in missing}
+    if trusted:
+        odb = remote_odb(repo, next(iter(trusted.values())), remote)
+        urls = " ".join(odb.fs.unstrip_protocol(odb.oid_to_path(value)) for value in sorted(trusted))
+        fix = f"{fix}` after deleting their directory manifests from the remote (`dvc push` trusts them): `{urls}"
+    return f"refusing: {len(verdict.unpushed)} objects of kept revisions are not in remote {name!r}; run `{fix}`, then `eagle3 gc` again"
+
+
+def run_gc(args: argparse.Namespace) -> None:
+    from dvc.repo import Repo, lock_repo
+
+    with Repo() as repo, lock_repo(repo):  # held from the check to the deletion: no dvc command in between
+        verdict = check(repo, expand_ranges(repo, args.rev), args.all_commits, args.remote)
+        problem = refusal(repo, verdict, args.remote)
+        if problem:
+            raise UserError(problem)
+        print(f"all {verdict.checked} objects of the kept revisions are in the remote; "
+              f"running `dvc gc --workspace --force{' --dry' if args.dry_run else ''}`", flush=True)
+        repo.gc(workspace=True, force=True, dry=args.dry_run)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

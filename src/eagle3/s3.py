@@ -110,7 +110,6 @@ def load_credentials(home: ServerHome) -> Credentials:
         access_key_id="EAGLE3" + "".join(secrets.choice(alphabet) for _ in range(14)),
         secret_access_key=secrets.token_urlsafe(30),
     )
-    home.root.mkdir(parents=True, exist_ok=True)
     fd = os.open(home.credentials, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as handle:
         json.dump(vars(creds), handle)
@@ -119,9 +118,12 @@ def load_credentials(home: ServerHome) -> Credentials:
 
 def remote_url(repo_root: Path, remote: str | None) -> tuple[str, str]:
     """``(name, url)`` of ``remote`` (default: ``core.remote``) as configured for this repo."""
-    from dvc.config import Config
+    from dvc.config import Config, ConfigError
 
-    config = Config(dvc_dir=str(repo_root / ".dvc"), validate=False)
+    try:
+        config = Config(dvc_dir=str(repo_root / ".dvc"))
+    except ConfigError as err:
+        raise UserError(f".dvc/: {err}") from None
     name = remote or config["core"].get("remote")
     if not name:
         raise UserError(".dvc/config: no default remote; add one: `dvc remote add -d locals3 s3://eagle3/cache`")
@@ -245,6 +247,8 @@ def _home(args: argparse.Namespace) -> tuple[Path, ServerHome]:
 def serve(args: argparse.Namespace) -> None:
     root, home = _home(args)
     remote, url = remote_url(root, args.remote)
+    home.root.mkdir(parents=True, exist_ok=True)
+    (home.root / ".gitignore").write_text("*\n")  # credentials and data never reach git, whatever --dir is
     endpoint = f"http://{args.addr}"
     creds = load_credentials(home)
     home.aws_config.write_text(CHECKSUM_CONFIG)

@@ -1,0 +1,80 @@
+"""The artifact lifecycle on the real pipeline (tiny random verifier, real rclone S3 server, real dvc).
+
+Scale A, push; scale-up B reuses A's shard; a tapped-layer change C re-extracts every shard;
+`eagle3 gc` then removes exactly what only A and B referenced, and A comes back with `dvc pull`.
+"""
+
+import json
+
+import pytest
+import yaml
+
+from conftest import run
+from eagle3.config import compose_params
+from local_s3 import add_remote, cache_objects, file_hashes, local_s3, lock_objects  # noqa: F401
+
+TARGET = "extract"  # the stages up to the hidden states, the artifact gc is about
+# A small local prompt file instead of the 755 MB `evals` registry keeps the `prompts` stage quick.
+SOURCE = {"sources": [{"kind": "jsonl", "path": "prompts.jsonl"}], "heldout_fraction": 0.2,
+          "eval_sets": {"heldout": 1, "humaneval": 1}}
+SMALL = {"name": "small", "num_prompts": 6, "shards": ["000000-000006"], **SOURCE}
+BIGGER = {"name": "bigger", "num_prompts": 9, "shards": ["000000-000006", "000006-000009"], **SOURCE}
+FIXED = ["model=tiny-random", "generate.max_new_tokens=8"]
+
+
+def use(repo, *overrides: str) -> None:
+    """Recompose params.yaml (as `eagle3 params -S ...` does)."""
+    compose_params([*FIXED, *overrides], conf_dir=repo / "conf", output=repo / "params.yaml")
+
+
+def repro_and_commit(repo, tag: str) -> list[str]:
+    """`dvc repro extract`, commit and tag; returns the stages that ran."""
+    out = run(["dvc", "repro", TARGET], repo).stdout
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", tag], repo)
+    run(["git", "tag", tag], repo)
+    return [line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")]
+
+
+@pytest.mark.slow
+def test_push_invalidate_gc_and_restore(make_project, local_s3):
+    repo = make_project(*FIXED[1:])
+    demo = yaml.safe_load((repo / "conf" / "dataset" / "demo.yaml").read_text())
+    for spec in (SMALL, BIGGER):
+        (repo / "conf" / "dataset" / f"{spec['name']}.yaml").write_text(yaml.safe_dump({**demo, **spec}))
+    prompts = [{"messages": [{"role": "user", "content": f"Name a fact about the number {i}."}]} for i in range(30)]
+    (repo / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    add_remote(repo)
+    local_s3(repo)
+
+    use(repo, "dataset=small")
+    repro_and_commit(repo, "A")
+    run(["dvc", "push"], repo)
+    a_objects, a_files = lock_objects(repo), file_hashes(repo, "data", "models")
+    a_shard = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["extract@000000-000006"]["outs"][0]["md5"]
+
+    use(repo, "dataset=bigger")
+    ran = repro_and_commit(repo, "B")
+    assert "extract@000006-000009" in ran and not [s for s in ran if s.endswith("@000000-000006")], ran
+    run(["dvc", "push"], repo)
+    b_objects = lock_objects(repo)
+    assert a_shard in b_objects  # scale-up: the first shard's hidden states stay referenced, not garbage
+
+    use(repo, "dataset=bigger", "model.aux_layers=[0,1,2]")  # other taps: new hidden states for every shard
+    ran = repro_and_commit(repo, "C")
+    assert sorted(ran) == ["extract@000000-000006", "extract@000006-000009"], ran
+    run(["dvc", "push"], repo)
+    c_objects = lock_objects(repo)
+
+    before = cache_objects(repo)
+    assert before == a_objects | b_objects | c_objects
+    run(["eagle3", "gc"], repo)
+    after = cache_objects(repo)
+    assert after == c_objects and before - after == (a_objects | b_objects) - c_objects
+    assert a_shard in before - after
+
+    run(["git", "checkout", "-q", "A"], repo)
+    run(["dvc", "pull", "--with-deps", TARGET], repo)
+    assert "up to date" in run(["dvc", "status", TARGET], repo).stdout
+    restored = file_hashes(repo, "data", "models")  # plus B's and C's second shard, untracked at A
+    assert {path: restored.get(path) for path in a_files} == a_files

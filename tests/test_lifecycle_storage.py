@@ -1,0 +1,181 @@
+"""The local S3 server and `eagle3 gc` on a minimal pipeline of known sizes: real dvc, real rclone server.
+
+The pipeline writes ``blobs/`` (a directory output of ``count`` random parts of ``kib`` KiB) and
+``index.txt`` (a file output) from a seed, so a seed change orphans exactly 2 + count objects.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import run
+from local_s3 import (  # noqa: F401
+    add_remote, cache_objects, delete_remote_object, file_hashes, local_s3, lock_objects, manifest)
+
+MAKE_BLOBS = """\
+import random, sys
+from pathlib import Path
+seed, count, kib = map(int, sys.argv[1:4])
+Path("blobs").mkdir()
+for i in range(count):
+    Path(f"blobs/part-{i:03d}.bin").write_bytes(random.Random(seed * 1000 + i).randbytes(kib << 10))
+Path("index.txt").write_text(f"seed {seed}: {count} parts of {kib} KiB\\n")
+"""
+DVC_YAML = {"stages": {"blobs": {
+    "cmd": "python make_blobs.py ${blobs.seed} ${blobs.count} ${blobs.kib}",
+    "deps": ["make_blobs.py"], "params": ["blobs"], "outs": ["blobs", "index.txt"]}}}
+
+
+def set_blobs(repo: Path, seed: int, count: int = 3, kib: int = 64) -> None:
+    (repo / "params.yaml").write_text(yaml.safe_dump({"blobs": {"seed": seed, "count": count, "kib": kib}}))
+
+
+def commit(repo: Path, message: str) -> None:
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", message], repo)
+
+
+@pytest.fixture
+def blob_repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "blobs-project"
+    repo.mkdir()
+    run(["git", "init", "-q", "-b", "main"], repo)
+    run(["git", "config", "user.email", "test@eagle3"], repo)
+    run(["git", "config", "user.name", "eagle3 test"], repo)
+    run(["dvc", "init", "-q"], repo)
+    (repo / ".dvc" / "config").write_text("[cache]\n    type = hardlink\n")
+    add_remote(repo)
+    (repo / "make_blobs.py").write_text(MAKE_BLOBS)
+    (repo / "dvc.yaml").write_text(yaml.safe_dump(DVC_YAML, sort_keys=False))
+    set_blobs(repo, seed=1)
+    commit(repo, "pipeline")
+    return repo
+
+
+def gc(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    return run(["eagle3", "gc", *args], repo, check=False)
+
+
+def outs(repo: Path) -> dict[str, str]:
+    """Output path -> object id, from the workspace's dvc.lock."""
+    return {out["path"]: out["md5"] for out in yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["blobs"]["outs"]}
+
+
+def test_gc_refuses_until_every_kept_object_is_in_the_remote(blob_repo, local_s3):
+    repo = blob_repo
+    port = local_s3(repo)
+    run(["dvc", "repro"], repo)
+    commit(repo, "seed 1")
+    run(["git", "tag", "seed-1"], repo)
+    run(["dvc", "push"], repo)
+    first = lock_objects(repo)
+    set_blobs(repo, seed=2)
+    run(["dvc", "repro"], repo)
+    commit(repo, "seed 2")
+    second = lock_objects(repo)
+    assert len(first) == len(second) == 5 and not first & second  # 3 parts + .dir + index.txt each
+
+    before = cache_objects(repo)
+    refused = gc(repo)
+    assert refused.returncode != 0
+    assert "refusing: 5 objects" in refused.stderr and "run `dvc push`" in refused.stderr
+    assert "blobs/part-000.bin" in refused.stderr and "index.txt" in refused.stderr
+    assert cache_objects(repo) == before  # nothing deleted
+
+    run(["dvc", "push"], repo)
+    passed = gc(repo)
+    assert passed.returncode == 0, passed.stderr
+    assert "all 10 objects" in passed.stdout
+    assert cache_objects(repo) == second  # exactly the seed-1 objects went
+
+    # A file gone from the remote while its directory's .dir is still there: `dvc status -c` and
+    # `dvc push` trust the manifest; the check looks at every file and says how to repair.
+    blobs = outs(repo)["blobs"]
+    lost_file = manifest(repo, blobs)[0]
+    delete_remote_object(repo, port, lost_file)
+    refused = gc(repo)
+    assert refused.returncode != 0 and lost_file in refused.stderr
+    assert f"s3://eagle3/cache/files/md5/{blobs[:2]}/{blobs[2:]}" in refused.stderr
+    delete_remote_object(repo, port, blobs)
+    run(["dvc", "push"], repo)
+    assert gc(repo, "--dry-run").returncode == 0
+
+    # An object of a kept tag that is neither cached nor in the remote is reported, and gc goes on:
+    # deleting local cache cannot make it worse. `--rev main` leaves the tag out.
+    delete_remote_object(repo, port, sorted(o for o in first if not o.endswith(".dir"))[0])
+    warned = gc(repo, "--dry-run")
+    assert warned.returncode == 0 and "neither cached nor in remote" in warned.stderr and "seed-1" in warned.stderr
+    assert "neither cached" not in gc(repo, "--dry-run", "--rev", "main").stderr
+
+
+def wait_for_upload(data: Path, timeout: float = 30.0) -> None:
+    """Return once rclone is midway through writing an object (a temp file holding > 4 MiB)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for path in data.rglob(".rclone_temp*"):
+            try:
+                if path.stat().st_size > 4 << 20:
+                    return
+            except FileNotFoundError:
+                continue
+        time.sleep(0.02)
+    raise AssertionError("no upload seen in progress")
+
+
+def test_interrupted_push_resumes_and_server_keeps_data_across_restarts(blob_repo, local_s3, tmp_path):
+    repo = blob_repo
+    set_blobs(repo, seed=7, count=2, kib=56 << 10)  # 2 x 56 MiB: above the 50 MiB checksum threshold
+    run(["dvc", "repro"], repo)
+    commit(repo, "big parts")
+    home = repo / ".eagle3" / "s3"
+    port = local_s3(repo)
+
+    # One attempt per request: the client gives up in seconds instead of backing off for ~30 s.
+    push = subprocess.Popen(["dvc", "push"], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, AWS_MAX_ATTEMPTS="1"))
+    wait_for_upload(home / "data")
+    os.kill(json.loads((home / "server.json").read_text())["pid"], signal.SIGKILL)
+    output, _ = push.communicate(timeout=120)
+    assert push.returncode != 0, output
+
+    local_s3(repo, port=port)  # same data folder, same credentials
+    run(["dvc", "push"], repo)
+    assert "in sync" in run(["dvc", "status", "-c"], repo).stdout
+    run(["eagle3", "s3", "stop"], repo)
+    assert run(["eagle3", "s3", "status"], repo, check=False).returncode != 0
+    local_s3(repo, port=port)
+    assert "in sync" in run(["dvc", "status", "-c"], repo).stdout  # the restarted server kept everything
+
+    # A fresh clone restores the bytes (pulls of > 50 MiB objects need the checksum settings).
+    clone = tmp_path / "clone"
+    run(["git", "clone", "-q", str(repo), str(clone)], tmp_path)
+    run(["eagle3", "s3", "serve", "--background", "--addr", f"127.0.0.1:{port}", "--dir", str(home)], clone)
+    run(["dvc", "pull"], clone)
+    assert file_hashes(clone, "blobs") == file_hashes(repo, "blobs")
+    assert "up to date" in run(["dvc", "status"], clone).stdout
+
+
+def test_credentials_never_reach_git(tmp_path, local_s3):
+    repo = tmp_path / "fresh"
+    repo.mkdir()
+    run(["git", "init", "-q", "-b", "main"], repo)
+    run(["dvc", "init", "-q"], repo)
+    add_remote(repo)
+    local_s3(repo, home=repo / "storage")  # even outside .eagle3/, the server folder ignores itself
+    run(["git", "add", "-A"], repo)
+    run(["git", "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "all"], repo)
+    creds = json.loads((repo / "storage" / "credentials.json").read_text())
+    local = (repo / ".dvc" / "config.local").read_text()
+    assert creds["secret_access_key"] in local and creds["access_key_id"] in local
+    tracked = run(["git", "ls-files"], repo).stdout.split()
+    assert ".dvc/config" in tracked and not [p for p in tracked if p.startswith("storage") or p.endswith(".local")]
+    for path in tracked:
+        text = (repo / path).read_bytes()
+        assert creds["secret_access_key"].encode() not in text and creds["access_key_id"].encode() not in text, path
+    assert oct((repo / "storage" / "credentials.json").stat().st_mode & 0o777) == "0o600"
