@@ -9,6 +9,7 @@ off-by-one in the decoding loop shows up as a lost oracle token.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
-from conftest import project_params
+from conftest import project_params, run
 from eagle3.common import UserError
 from eagle3.evaluate import acceptance_stats, check_pair, main, most_frequent_token
 from eagle3.export import verifier_facts, write_drafter
@@ -286,3 +287,25 @@ def test_smollm2_random_and_partly_right_drafters_are_lossless(smollm2_dir):
     table[::3] = (table[::3] + 1) % verifier.config.vocab_size
     spec = speculative_decode(verifier, TableDrafter(table, verifier.config.vocab_size), ids, taps, K, 16, eos)
     assert spec.tokens == expected and max(spec.accepted) > 0
+
+
+@pytest.mark.slow
+def test_dvc_repro_evaluate_lists_tau_and_speedup_and_renders_plots(make_project, tiny_verifier_dir):
+    """The dvc.yaml block: deps and params resolve, metrics reach `dvc exp show`, plots render."""
+    repo = make_project("evaluate.max_prompts=2", "evaluate.max_new_tokens=6", "evaluate.draft_tokens=3",
+                        "evaluate.sets=[heldout]", "layout.threads=1")
+    shutil.copytree(tiny_verifier_dir, repo / "models" / "verifier")
+    verifier = load_verifier(tiny_verifier_dir)
+    (repo / "models" / "drafter").mkdir()
+    write_drafter(random_drafter(verifier, 512, TINY_TAPS), repo / "models" / "drafter", verifier_facts(tiny_verifier_dir), {})
+    (repo / "data" / "prompts" / "eval").mkdir(parents=True)
+    (repo / "data" / "prompts" / "meta.json").write_text(json.dumps({"verifier": read_meta(tiny_verifier_dir)["fingerprint"]["id"]}))
+    records = [{"id": str(i), "messages": [{"role": "user", "content": q}]} for i, q in enumerate(QUESTIONS)]
+    (repo / "data" / "prompts" / "eval" / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    run(["dvc", "repro", "-s", "evaluate"], repo)
+    shown = run(["dvc", "exp", "show", "--csv"], repo).stdout
+    assert "heldout.tau" in shown and "heldout.speedup" in shown
+    plots = json.loads(run(["dvc", "plots", "show", "--json"], repo).stdout)["data"]
+    for path in ("dvclive/evaluate/plots/custom/acceptance/heldout.json", "dvclive/evaluate/plots/custom/tau/heldout.json"):
+        assert plots[path][0]["type"] == "vega" and plots[path][0]["content"]["data"]["values"]
