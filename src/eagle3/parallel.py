@@ -110,11 +110,17 @@ def autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Unsharded CPU state dicts of model and optimizer, keyed by plain names (a collective under FSDP)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict  # slow import: only here
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict | None]:
+    """Unsharded CPU state dicts of model and optimizer (None: model only), keyed by plain names.
 
-    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    A collective under FSDP: every process calls it; the main process gets the tensors.
+    """
+    from torch.distributed.checkpoint import state_dict as dcp  # slow import: only here
+
+    options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if optimizer is None:
+        return dcp.get_model_state_dict(model, options=options), None
+    return dcp.get_state_dict(model, optimizer, options=options)
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:

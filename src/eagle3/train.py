@@ -224,8 +224,9 @@ def save_checkpoint(run_dir: Path, model, optimizer, scheduler, state: TrainStat
     parallel.barrier(world)
 
 
-def save_best(run_dir: Path, model, optimizer, state: TrainState, world: World) -> None:
-    model_state, _ = parallel.full_state(model, optimizer)
+def save_best(run_dir: Path, model, state: TrainState, world: World) -> None:
+    """``best.pt``: the weights of the best validation so far (what is exported at the end)."""
+    model_state, _ = parallel.full_state(model)
     if world.main:
         save_atomic(run_dir / "best.pt", {"model": model_state, "step": state.step, "metrics": state.best})
 
@@ -301,7 +302,7 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: 
             log_metrics(live, state.step, "val", metrics)
             if state.best is None or metrics["sim_accept_len"] > state.best["sim_accept_len"]:
                 state.best = {**metrics, "step": state.step}
-                save_best(run_dir, model, optimizer, state, world)
+                save_best(run_dir, model, state, world)
         if state.step % cfg.checkpoint_every == 0 or done:
             save_checkpoint(run_dir, model, optimizer, scheduler, state, world)
     return {"steps": total, "train": last, "best": state.best}
@@ -386,9 +387,10 @@ def open_data(merged: Path, hidden_states: Path, fingerprint: str) -> tuple[Data
 
 
 def run_id(cfg: TrainConfig, draft: DraftConfig, merged: Path, fingerprint: str, seed: int, world: World) -> str:
-    """Checkpoint folder name: changes with anything that would make resuming wrong."""
+    """Checkpoint folder name: changes with anything that would make resuming wrong (the code included)."""
     data = [sha256_file(merged / name) for name in ("manifest.jsonl", "vocab.safetensors")]
-    return stable_hash({"train": cfg.__dict__, "draft": draft.to_dict(), "data": data, "verifier": fingerprint,
+    code = [sha256_file(Path(__file__).with_name(name)) for name in ("train.py", "loss.py", "model.py", "parallel.py", "data.py")]
+    return stable_hash({"train": cfg.__dict__, "draft": draft.to_dict(), "data": data, "code": code, "verifier": fingerprint,
                         "seed": seed, "world": world.size})
 
 
