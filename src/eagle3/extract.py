@@ -360,38 +360,53 @@ def device_of(device: str, rank: int) -> str:
     return f"cuda:{rank}" if device == "cuda" else device
 
 
-def run_worker(rank: int, verifier: Path, samples: list[Sample], settings: Settings, folder: Path, trust_remote_code: bool, pad_id: int) -> tuple[list[dict], list[dict]]:
-    torch.set_num_threads(settings.threads)
-    model = load_verifier(verifier, device_of(settings.device, rank), settings.compute_dtype, trust_remote_code)
-    return extract_samples(model, samples, settings, folder, pad_id)
+@dataclass(frozen=True)
+class Job:
+    """What every extraction worker shares."""
+
+    verifier: Path
+    settings: Settings
+    folder: Path  # where the parts are written
+    trust_remote_code: bool
+    pad_id: int
 
 
-def _spawned_worker(rank: int, result: Path, *args) -> None:
+def run_worker(rank: int, job: Job, samples: list[Sample]) -> tuple[list[dict], list[dict]]:
+    torch.set_num_threads(job.settings.threads)
+    settings = job.settings
+    model = load_verifier(job.verifier, device_of(settings.device, rank), settings.compute_dtype, job.trust_remote_code)
+    return extract_samples(model, samples, settings, job.folder, job.pad_id)
+
+
+def _spawned_worker(rank: int, job: Job, samples: list[Sample], result: Path) -> None:
     """Entry point of a spawned worker: its results go to a JSON file the parent reads."""
-    index, rejected = run_worker(rank, *args)
+    index, rejected = run_worker(rank, job, samples)
     write_json(result, {"index": index, "rejected": rejected})
 
 
-def run_workers(verifier: Path, samples: list[Sample], settings: Settings, folder: Path, trust_remote_code: bool, pad_id: int) -> tuple[list[dict], list[dict]]:
-    """Extract in this process, or in ``settings.workers`` spawned processes, each on a contiguous slice."""
-    if settings.workers <= 1:
-        return run_worker(0, verifier, samples, settings, folder, trust_remote_code, pad_id)
+def run_workers(job: Job, samples: list[Sample]) -> tuple[list[dict], list[dict]]:
+    """Extract in this process, or in ``layout.extract_workers`` spawned processes, each on a contiguous slice."""
+    workers = job.settings.workers
+    if workers <= 1:
+        return run_worker(0, job, samples)
     import torch.multiprocessing as mp
 
-    size = -(-len(samples) // settings.workers)  # ceil
+    per_worker = -(-len(samples) // workers)  # ceil
     context = mp.get_context("spawn")
     jobs = []
-    for rank in range(settings.workers):
-        result = folder / f".worker-{rank}.json"
-        args = (rank, result, verifier, samples[rank * size : (rank + 1) * size], settings, folder, trust_remote_code, pad_id)
-        process = context.Process(target=_spawned_worker, args=args)
+    for rank in range(workers):
+        result = job.folder / f".worker-{rank}.json"
+        mine = samples[rank * per_worker : (rank + 1) * per_worker]
+        process = context.Process(target=_spawned_worker, args=(rank, job, mine, result))
         process.start()
         jobs.append((process, result))
-    index, rejected = [], []
-    for rank, (process, result) in enumerate(jobs):
+    for process, _ in jobs:  # all of them, so that none outlives a failed sibling's cleanup
         process.join()
-        if process.exitcode != 0:
-            raise RuntimeError(f"extract worker {rank} failed (exit code {process.exitcode}); see its log above")
+    failed = [rank for rank, (process, _) in enumerate(jobs) if process.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"extract workers {failed} failed; see their logs above")
+    index, rejected = [], []
+    for _, result in jobs:
         part = read_json(result)
         result.unlink()
         index += part["index"]
@@ -440,7 +455,7 @@ def extract_shard(verifier: Path, generated: Path, out: Path, params: DictConfig
     shape = verifier_shape(verifier, settings, trust)
     estimate = preflight(samples, shape["hidden_size"], settings, out)
     with atomic_dir(out) as tmp:
-        index, late = run_workers(verifier, samples, settings, tmp, trust, tokenizer.pad_token_id or 0)
+        index, late = run_workers(Job(verifier, settings, tmp, trust, tokenizer.pad_token_id or 0), samples)
         index.sort(key=lambda entry: entry["record"])
         rejected = sorted(rejected + late, key=lambda entry: entry["record"])
         if len(index) + len(rejected) != len(records):
