@@ -36,6 +36,7 @@ rows that propose a token only (the context step's last row), never over a whole
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -78,14 +79,21 @@ def tapped_features(hidden_states: Sequence[Tensor], layer_ids: Sequence[int]) -
     return torch.cat([hidden_states[k] for k in layer_ids], -1)
 
 
+def cache_kwargs(verifier, cache: DynamicCache) -> dict:
+    """The KV-cache arguments of the verifier's forward: ``cache`` in recent transformers 5, else (older 5.x,
+    remote code) ``past_key_values``."""
+    name = "cache" if "cache" in inspect.signature(verifier.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
+
+
 def forward_verifier(verifier, cache: DynamicCache, input_ids: Tensor, layer_ids: Sequence[int],
                      logits_to_keep: int = 0) -> tuple[Tensor, Tensor]:
     """Verifier over input_ids [1, T] appended to ``cache``: (greedy next ids [T'], features [1, T, 3H]).
 
     T' = T, or the last ``logits_to_keep`` positions when it is > 0.
     """
-    out = verifier(input_ids=input_ids, cache=cache, use_cache=True, output_hidden_states=True,
-                   logits_to_keep=logits_to_keep)
+    out = verifier(input_ids=input_ids, output_hidden_states=True, logits_to_keep=logits_to_keep,
+                   **cache_kwargs(verifier, cache))
     return out.logits[0].argmax(-1), tapped_features(out.hidden_states, layer_ids)
 
 
@@ -177,7 +185,7 @@ def greedy_decode(verifier, prompt_ids: Tensor, max_new_tokens: int, eos_ids: se
     cache = DynamicCache(config=verifier.config)
     input_ids, tokens = prompt_ids, []
     while len(tokens) < max_new_tokens and not (tokens and tokens[-1] in eos_ids):
-        logits = verifier(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+        logits = verifier(input_ids=input_ids, logits_to_keep=1, **cache_kwargs(verifier, cache)).logits
         input_ids = logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
         tokens.append(int(input_ids))
     return tokens
