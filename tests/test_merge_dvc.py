@@ -19,7 +19,7 @@ from conftest import ROOT, project_params
 from test_extract import conversation, write_generated
 
 SHARDS = ["000000-000004", "000004-000008"]
-MODULES = ["src/eagle3/extract.py", "src/eagle3/data.py", "src/eagle3/merge.py"]
+MODULES = ["src/eagle3/extract.py", "src/eagle3/storage.py", "src/eagle3/merge.py"]
 
 
 def run(repo: Path, *command: str) -> str:

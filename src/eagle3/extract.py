@@ -5,7 +5,7 @@
 
 Each generated conversation is rendered with the verifier's chat template into ``input_ids`` and
 a ``loss_mask`` over the answer (``render``), run through the verifier's decoder (no lm_head) in
-batches of similar lengths, checked, and stored in the ``eagle3.data`` format:
+batches of similar lengths, checked, and stored in the ``eagle3.storage`` format:
 
 - ``part-<first record>.safetensors``: samples concatenated along the token axis (~``part_bytes``);
 - ``index.jsonl``: per stored sample, in record order: id, record, part, offset, length, masked, truncated;
@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from eagle3.common import UserError, atomic_dir, load_params, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl
-from eagle3.data import STORAGE_DTYPES, decode_states, encode_states
+from eagle3.storage import STORAGE_DTYPES, decode_states, encode_states
 from eagle3.verifier import load_tokenizer, load_verifier, read_meta
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ def hidden_states(
 
 
 def encode_sample(ids: torch.Tensor, mask: list[int], aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
-    """The tensors stored for one sample (``eagle3.data`` format), hidden states still on their device."""
+    """The tensors stored for one sample (``eagle3.storage`` format), hidden states still on their device."""
     groups = aux.shape[1] // final.shape[1]
     return {
         "input_ids": ids.to(torch.int32),
