@@ -18,6 +18,8 @@ from conftest import run
 from local_s3 import (  # noqa: F401
     add_remote, cache_objects, delete_remote_object, file_hashes, local_s3, lock_objects, manifest)
 
+pytestmark = pytest.mark.slow  # real dvc pipelines
+
 MAKE_BLOBS = """\
 import random, sys
 from pathlib import Path

@@ -27,6 +27,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import string
 import subprocess
 import time
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DIR = ".eagle3/s3"
 DEFAULT_ADDR = "127.0.0.1:9000"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 READY_TIMEOUT_S = 15.0
 # botocore's defaults since 1.36 validate a whole-object CRC that rclone returns for ranged GETs too.
 CHECKSUM_CONFIG = """\
@@ -117,21 +119,28 @@ def load_credentials(home: ServerHome) -> Credentials:
 
 
 def remote_url(repo_root: Path, remote: str | None) -> tuple[str, str]:
-    """``(name, url)`` of ``remote`` (default: ``core.remote``) as configured for this repo."""
+    """``(name, url)`` of ``remote`` (default: ``core.remote``), which must be meant for a loopback server.
+
+    The committed endpoint (local config aside) must be http on 127.0.0.1/localhost, so that serving
+    never redirects a remote that points at a real bucket.
+    """
     from dvc.config import Config, ConfigError
 
     try:
         config = Config(dvc_dir=str(repo_root / ".dvc"))
     except ConfigError as err:
         raise UserError(f".dvc/: {err}") from None
+    shared = config.load_config_to_level("local")  # every level except .dvc/config.local
     name = remote or config["core"].get("remote")
-    if not name:
-        raise UserError(".dvc/config: no default remote; add one: `dvc remote add -d locals3 s3://eagle3/cache`")
-    section = config["remote"].get(name)
-    if section is None:
-        raise UserError(f".dvc/config: no remote {name!r}; add it: `dvc remote add {name} s3://eagle3/cache`")
-    if not section["url"].startswith("s3://"):
-        raise UserError(f".dvc/config: remote {name!r} is {section['url']}, not an s3:// URL")
+    if not name or name not in shared.get("remote", {}):
+        raise UserError(f".dvc/config: no remote {name or '(default)'!r}; add one: "
+                        "`dvc remote add -d local-s3 s3://eagle3/cache` and "
+                        "`dvc remote modify local-s3 endpointurl http://127.0.0.1:9000`")
+    section = shared["remote"][name]
+    endpoint = urlparse(section.get("endpointurl", ""))
+    if not section["url"].startswith("s3://") or endpoint.scheme != "http" or endpoint.hostname not in LOOPBACK:
+        raise UserError(f".dvc/config: remote {name!r} ({section['url']} at {section.get('endpointurl', 'AWS')}) is not "
+                        "an s3:// remote at a loopback http endpoint; serve another one with --remote NAME")
     return name, section["url"]
 
 
@@ -190,8 +199,21 @@ def create_bucket(endpoint: str, creds: Credentials, bucket: str) -> None:
     try:
         s3_client(endpoint, creds).create_bucket(Bucket=bucket)
     except ClientError as err:
-        if err.response["Error"]["Code"] not in ("BucketAlreadyExists", "BucketAlreadyOwnedByYou"):
-            raise
+        code = err.response["Error"]["Code"]
+        if code not in ("BucketAlreadyExists", "BucketAlreadyOwnedByYou"):
+            raise UserError(f"cannot create bucket {bucket!r} at {endpoint}: {code} ({err.response['Error'].get('Message', '')})") from None
+
+
+def port_free(addr: str) -> bool:
+    """Whether nothing listens on ``host:port`` (SO_REUSEADDR as rclone sets it: TIME_WAIT does not count)."""
+    host, _, port = addr.rpartition(":")
+    with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host.strip("[]"), int(port)))
+        except OSError:
+            return False
+    return True
 
 
 def running_pid(home: ServerHome) -> int | None:
@@ -250,19 +272,24 @@ def serve(args: argparse.Namespace) -> None:
     home.root.mkdir(parents=True, exist_ok=True)
     (home.root / ".gitignore").write_text("*\n")  # credentials and data never reach git, whatever --dir is
     endpoint = f"http://{args.addr}"
+    pid = running_pid(home)
+    if pid is not None and json.loads(home.state.read_text())["addr"] != args.addr:
+        raise UserError(f"{home.state}: this server already runs at another address (pid {pid}); `eagle3 s3 stop` first")
+    if pid is None and not port_free(args.addr):
+        raise UserError(f"--addr {args.addr}: something else listens there; choose another port")
     creds = load_credentials(home)
     home.aws_config.write_text(CHECKSUM_CONFIG)
     configure_remote(root, remote, endpoint, creds, home.aws_config)
-    pid = running_pid(home)
     if pid is not None:
-        state = json.loads(home.state.read_text())
-        if state["addr"] != args.addr:
-            raise UserError(f"{home.state}: a server already runs at {state['addr']} (pid {pid}); `eagle3 s3 stop` first")
         print(f"already serving at {endpoint} (pid {pid})")
         return
     process = start(home, args.addr, creds)
-    wait_ready(process, endpoint, creds, home.log)
-    create_bucket(endpoint, creds, urlparse(url).netloc)
+    try:
+        wait_ready(process, endpoint, creds, home.log)
+        create_bucket(endpoint, creds, urlparse(url).netloc)
+    except UserError:
+        stop(home)
+        raise
     print(f"serving {url} for remote {remote!r} at {endpoint} (pid {process.pid}, data in {home.data})")
     if args.background:
         return
