@@ -12,9 +12,18 @@ BIGGER = {"name": "bigger", "num_prompts": 12, "shards": ["000000-000008", "0000
           "eval_sets": {"heldout": 2, "humaneval": 1}}
 
 
+# The tiny verifier, short answers and a few training steps: the whole pipeline in about a minute.
+FAST = ["model=tiny-random", "generate.max_new_tokens=16", "merge.min_tokens=4", "train=debug",
+        "evaluate.max_new_tokens=8", "layout.threads=1"]
+
+
 def add_dataset(repo, spec):
     demo = yaml.safe_load((repo / "conf" / "dataset" / "demo.yaml").read_text())
     (repo / "conf" / "dataset" / f"{spec['name']}.yaml").write_text(yaml.safe_dump({**demo, **spec}))
+
+
+def overrides(*pairs: str) -> list[str]:
+    return [arg for pair in pairs for arg in ("-S", pair)]
 
 
 def stage_lines(output: str) -> list[str]:
@@ -23,10 +32,10 @@ def stage_lines(output: str) -> list[str]:
 
 @pytest.mark.slow
 def test_repro_then_scale_up_recomputes_only_new_shards(make_project):
-    repo = make_project("generate.max_new_tokens=8")
+    repo = make_project(*FAST[1:])
     for spec in (SMALL, BIGGER):
         add_dataset(repo, spec)
-    run(["eagle3", "params", "-S", "model=tiny-random", "-S", "dataset=small", "-S", "generate.max_new_tokens=8"], repo)
+    run(["eagle3", "params", *overrides(*FAST, "dataset=small")], repo)
     first = run(["dvc", "repro"], repo)
     assert {"verifier", "prompts"} <= set(stage_lines(first.stdout))
     assert "up to date" in run(["dvc", "status"], repo).stdout
@@ -35,7 +44,7 @@ def test_repro_then_scale_up_recomputes_only_new_shards(make_project):
     run(["git", "commit", "-qm", "small"], repo)
 
     # Like Hydra, `dvc exp run -S` composes from the defaults: repeat every non-default choice.
-    scaled = run(["dvc", "exp", "run", "-S", "model=tiny-random", "-S", "dataset=bigger", "-S", "generate.max_new_tokens=8"], repo)
+    scaled = run(["dvc", "exp", "run", *overrides(*FAST, "dataset=bigger")], repo)
     ran = stage_lines(scaled.stdout)
     assert "verifier" not in ran and "prompts" in ran
     assert not [s for s in ran if s.endswith("@000000-000008")], ran  # the first shard is reused
