@@ -13,7 +13,7 @@ BIGGER = {"name": "bigger", "num_prompts": 12, "shards": ["000000-000008", "0000
 
 
 # The tiny verifier, short answers and a few training steps: the whole pipeline in about a minute.
-FAST = ["model=tiny-random", "generate.max_new_tokens=16", "merge.min_tokens=4", "train=debug",
+FAST = ["model=tiny-random", "generate.max_new_tokens=16", "merge.min_tokens=1", "train=debug",
         "evaluate.max_new_tokens=8", "layout.threads=1"]
 
 
