@@ -21,7 +21,7 @@ from conftest import project_params, run
 from eagle3.common import UserError
 from eagle3.evaluate import acceptance_stats, check_pair, main, most_frequent_token
 from eagle3.export import verifier_facts, write_drafter
-from eagle3.generate import prompt_ids
+from eagle3.verifier import prompt_ids
 from eagle3.model import DraftConfig, Eagle3Drafter, KVCache
 from eagle3.speculative import (
     ConstantDrafter,

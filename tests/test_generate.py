@@ -13,7 +13,8 @@ from eagle3.backends import Request, split_reasoning
 from eagle3.backends.local import LocalBackend, SeededSampling, plan_batches, top_p_filter
 from eagle3.common import UserError, read_json, stable_hash, write_jsonl
 from eagle3.config import compose_params
-from eagle3.generate import Journal, prompt_ids, read_prompts, run_stage
+from eagle3.generate import Journal, read_prompts, run_stage
+from eagle3.verifier import prompt_ids
 from eagle3.verifier import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

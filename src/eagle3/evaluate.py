@@ -37,9 +37,8 @@ from tqdm import tqdm
 
 from eagle3.common import UserError, atomic_dir, load_params, read_json, read_jsonl, stage_main
 from eagle3.export import check_drafter, load_drafter
-from eagle3.generate import prompt_ids
 from eagle3.speculative import ConstantDrafter, Decoded, greedy_decode, speculative_decode
-from eagle3.verifier import load_tokenizer, load_verifier, read_meta
+from eagle3.verifier import eos_token_ids, load_tokenizer, load_verifier, prompt_ids, read_meta
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +105,6 @@ def load_eval_sets(prompts_dir: Path, sets: Sequence[str], max_prompts: int | No
             raise UserError(f"{path}: no prompts; the prompts stage wrote an empty eval set")
         loaded[name] = records
     return loaded
-
-
-def eos_token_ids(verifier, tokenizer) -> set[int]:
-    """The verifier's stop tokens (generation config, else the tokenizer's EOS), as ``generate`` uses them."""
-    eos = verifier.generation_config.eos_token_id
-    return set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
 
 
 def check_pair(verifier_dir: Path, drafter_dir: Path, prompts_dir: Path) -> None:

@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from eagle3.backends import Answer, Backend, Failure, Request, has_surrogates, make_backend
 from eagle3.common import UserError, atomic_dir, load_params, sha256_file, stable_hash, stage_main, to_plain, write_json, write_jsonl
-from eagle3.verifier import load_tokenizer, read_meta
+from eagle3.verifier import load_tokenizer, prompt_ids, read_meta
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +134,6 @@ def prompt_problem(record) -> str | None:
     if messages[-1]["role"] != "user":
         return "the last message must be a user turn"
     return None
-
-
-def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
 def generation_params(generate: DictConfig, backend_name: str) -> dict:

@@ -42,7 +42,7 @@ from eagle3.common import (
     write_jsonl,
 )
 from eagle3.config import shard_range
-from eagle3.verifier import load_tokenizer, package_file, read_meta
+from eagle3.verifier import load_tokenizer, package_file, prompt_ids, read_meta
 
 log = logging.getLogger(__name__)
 
@@ -176,8 +176,7 @@ class PromptCounter:
         self.tokenizer = tokenizer
 
     def __call__(self, messages: list[dict]) -> int:
-        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return len(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+        return len(prompt_ids(self.tokenizer, messages))
 
 
 def select_prompts(

@@ -211,6 +211,18 @@ def load_tokenizer(folder: str | Path, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
 
 
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a chat under the verifier's template, with the generation prompt appended."""
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """Every token that ends an answer: the generation config's EOS ids, else the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
+
+
 def load_verifier(folder: str | Path, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False):
     """The verifier as an eval-mode ``AutoModelForCausalLM`` on ``device`` in ``dtype``."""
     from transformers import AutoModelForCausalLM

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from eagle3.backends import Answer, Done, Request, split_reasoning
-from eagle3.verifier import load_tokenizer, load_verifier
+from eagle3.verifier import eos_token_ids, load_tokenizer, load_verifier
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,7 @@ class LocalBackend:
         self.tokenizer = load_tokenizer(verifier, trust)
         self.batch_size = int(cfg.batch_size)
         self.generate_cfg = generate
-        eos = self.model.generation_config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else self.tokenizer.eos_token_id])
+        self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
 
