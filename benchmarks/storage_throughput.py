@@ -72,8 +72,10 @@ def write_shards(folder: Path, count: int, mib: int) -> None:
 def throughput(root: Path, args: argparse.Namespace) -> dict[str, float]:
     """Median MB/s of dvc push, dvc pull and a plain copy of the same shard files."""
     repo = new_repo(root / "throughput")
+    addr = f"127.0.0.1:{free_port()}"
     sh(["dvc", "remote", "add", "-d", "bench", "s3://eagle3/cache"], repo)
-    sh(["eagle3", "s3", "serve", "--background", "--addr", f"127.0.0.1:{free_port()}"], repo)
+    sh(["dvc", "remote", "modify", "bench", "endpointurl", f"http://{addr}"], repo)
+    sh(["eagle3", "s3", "serve", "--background", "--addr", addr], repo)
     try:
         write_shards(repo / "shards", args.shards, args.shard_mib)
         sh(["dvc", "add", "-q", "shards"], repo)

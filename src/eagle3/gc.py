@@ -15,6 +15,7 @@ the check to the deletion. It never deletes anything from the remote (no ``--clo
 from __future__ import annotations
 
 import argparse
+import logging
 import subprocess
 import sys
 from collections.abc import Iterable, Iterator
@@ -202,6 +203,8 @@ def refusal(repo: Repo, verdict: Verdict, remote: str | None) -> str | None:
 def run_gc(args: argparse.Namespace) -> None:
     from dvc.repo import Repo, lock_repo
 
+    for name in ("dvc", "dvc_objects", "dvc_data"):  # DVC's own console handlers print these once already
+        logging.getLogger(name).propagate = False
     with Repo() as repo, lock_repo(repo):  # held from the check to the deletion: no dvc command in between
         verdict = check(repo, expand_ranges(repo, args.rev), args.all_commits, args.remote)
         problem = refusal(repo, verdict, args.remote)
