@@ -60,7 +60,8 @@ def expand_ranges(repo: Repo, revs: Iterable[str]) -> list[str]:
             continue
         result = subprocess.run(["git", "rev-list", rev], cwd=repo.scm.root_dir, capture_output=True, text=True)
         if result.returncode != 0 or not result.stdout.split():
-            raise UserError(f"--rev {rev}: not a git range with commits ({result.stderr.strip() or 'empty'})")
+            reason = (result.stderr.strip().splitlines() or ["no commits"])[0]
+            raise UserError(f"--rev {rev}: not a git range with commits ({reason})")
         expanded.extend(result.stdout.split())
     return expanded
 
@@ -80,7 +81,7 @@ def load_manifest(odbs: Iterable, oid: HashInfo) -> Tree | None:
 
 def revisions(repo: Repo, scope: dict) -> Iterator[str]:
     """``repo.brancher`` (which switches ``repo`` to each revision in turn), with bad names as UserError."""
-    from scmrepo.exceptions import RevError
+    from dvc.scm import RevError
 
     try:
         yield from repo.brancher(**scope)
