@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 log = logging.getLogger("eagle3")
 
@@ -137,4 +137,4 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
 
 def to_plain(cfg: Any) -> Any:
     """A params section as plain dicts/lists (for JSON metadata and hashing)."""
-    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig | type(OmegaConf.create([]))) else cfg
+    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig | ListConfig) else cfg
