@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor
 from transformers import AutoConfig, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -129,3 +130,36 @@ def test_chain_step_needs_context_and_same_rows():
     drafter(torch.zeros(1, 4, dtype=torch.long), hidden, torch.arange(4) + 1, cache, torch.arange(4))
     with pytest.raises(ValueError, match="chain step over 1 rows"):
         drafter(torch.zeros(1, 1, dtype=torch.long), hidden[:, :1], torch.tensor([5]), cache, torch.tensor([3]))
+    causal = KVCache(causal=True)
+    drafter(torch.zeros(1, 4, dtype=torch.long), hidden, torch.arange(4), causal)
+    with pytest.raises(ValueError, match="cover all 4 rows"):
+        drafter(torch.zeros(1, 1, dtype=torch.long), hidden[:, :1], torch.tensor([5]), causal, torch.tensor([3]))
+    with pytest.raises(ValueError, match="one context step"):
+        drafter(torch.zeros(1, 4, dtype=torch.long), hidden, torch.arange(4) + 4, causal)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel (FlexAttention) runs on CUDA")
+@pytest.mark.parametrize("T", [37, 300])  # not multiples of the kernel's 128-row blocks
+def test_fused_ttt_attention_matches_masked_on_gpu(T):
+    """Three TTT steps through the fused causal kernel == the masked path: outputs and gradients."""
+    torch.manual_seed(0)
+    B, nkv, nh, hd = 2, 3, 9, 64  # SmolLM2's grouping: 3 query heads per KV head
+    leaves = [torch.randn(B, heads, T, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+              for heads in [nh] * 3 + [nkv] * 6]
+    queries, keys = leaves[:3], leaves[3:]
+
+    def unroll(causal: bool) -> list[Tensor]:
+        cache, rows, outs = KVCache(causal=causal), torch.arange(T, device="cuda"), []
+        for step, q in enumerate(queries):
+            k, v = keys[2 * step], keys[2 * step + 1]
+            last = cache.add_context(k, v) if step == 0 else cache.add_chain(k, v, rows)
+            outs.append(cached_attention(q, cache, last))
+        return outs
+
+    fused, masked = unroll(True), unroll(False)
+    grads = [torch.autograd.grad(sum((o.float() * w).sum() for o, w in zip(outs, (1.0, 2.0, 3.0))), leaves)
+             for outs in (fused, masked)]
+    for a, b in zip(fused, masked):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)

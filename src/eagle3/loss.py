@@ -126,7 +126,7 @@ class TrainingTimeTest(nn.Module):
         """input_ids [B, T], aux [B, T, 3H] -> per-step summed soft CE [K] and ``StepMetrics`` sums."""
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device)  # row t of step k sits at position t+k
-        cache, hidden = KVCache(), self.drafter.fc(aux)  # [B, T, H]
+        cache, hidden = KVCache(causal=True), self.drafter.fc(aux)  # [B, T, H]
         ce, right, valid = [], [], []
         for k in range(self.steps):
             tokens = shift_left(input_ids, k + 1)  # row t: x_{t+k+1}

@@ -37,6 +37,7 @@ rows 0..4 at positions 0..4; the drafts are chain steps with rows=[4] at positio
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field, fields
 
@@ -92,23 +93,31 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x [B, heads, T, hd] by cos/sin [..., T, hd] (half-split layout, as HF Llama)."""
-    cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # [..., 1, T, hd]: broadcast over heads
+    cos, sin = cos.unsqueeze(-3).to(x.dtype), sin.unsqueeze(-3).to(x.dtype)  # [..., 1, T, hd]: broadcast over heads
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-second, first], -1) * sin
 
 
 @dataclass
 class KVCache:
-    """Keys/values of the draft layer (RoPE applied); see the module docstring for who sees what."""
+    """Keys/values of the draft layer (RoPE applied); see the module docstring for who sees what.
+
+    ``causal`` promises that the context was written by one context step from position 0 and every
+    query is over all of its rows in order (training-time test): each query row r sees context keys
+    0..r, so on GPUs that part runs in a fused causal attention kernel instead of a masked matmul.
+    """
 
     k: Tensor | None = None  # [B, nkv, S, hd] context keys
     v: Tensor | None = None  # [B, nkv, S, hd]
     chain_k: Tensor | None = None  # [B, nkv, R, J, hd] J chain steps for each of R rows
     chain_v: Tensor | None = None  # [B, nkv, R, J, hd]
+    causal: bool = False
 
     def add_context(self, k: Tensor, v: Tensor) -> Tensor:
         """Append T context keys [B, nkv, T, hd]; returns the last context index each query sees [T]."""
         start = 0 if self.k is None else self.k.shape[2]
+        if self.causal and start:
+            raise ValueError("a causal cache holds one context step")
         self.k = k if self.k is None else torch.cat([self.k, k], 2)
         self.v = v if self.v is None else torch.cat([self.v, v], 2)
         self.chain_k = self.chain_v = None
@@ -120,29 +129,75 @@ class KVCache:
             raise ValueError("a chain step needs a context step first")
         if self.chain_k is not None and self.chain_k.shape[2] != k.shape[2]:
             raise ValueError(f"chain step over {k.shape[2]} rows, the chain has {self.chain_k.shape[2]}")
+        if self.causal and k.shape[2] != self.k.shape[2]:
+            raise ValueError(f"a causal cache's chain steps cover all {self.k.shape[2]} rows, not {k.shape[2]}")
         k, v = k.unsqueeze(3), v.unsqueeze(3)  # [B, nkv, R, 1, hd]
         self.chain_k = k if self.chain_k is None else torch.cat([self.chain_k, k], 3)
         self.chain_v = v if self.chain_v is None else torch.cat([self.chain_v, v], 3)
         return rows
 
 
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
+    """q [B, nh, R, hd] over keys 0..last[r] of k, v [B, nkv, S, hd] -> (out [B, nh, R, hd], lse [B, nh, R] fp32)."""
+    B, nh, R, hd = q.shape
+    nkv = k.shape[1]
+    qg = q.view(B, nkv, nh // nkv, R, hd)  # query head h uses KV head h // (nh / nkv)
+    scores = (qg @ k.unsqueeze(2).transpose(-1, -2)).float() / math.sqrt(hd)  # [B, nkv, g, R, S]
+    visible = torch.arange(k.shape[2], device=q.device) <= last[:, None]  # [R, S]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = scores.logsumexp(-1)  # [B, nkv, g, R]
+    out = (scores - lse[..., None]).exp().to(q.dtype) @ v.unsqueeze(2)  # [B, nkv, g, R, hd]
+    return out.reshape(B, nh, R, hd), lse.reshape(B, nh, R)
+
+
+@functools.cache
+def compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)  # uncompiled, flex attention materialises the scores
+
+
+@functools.lru_cache(maxsize=64)
+def causal_block_mask(length: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, q, k: q >= k, None, None, length, length, device=device)
+
+
+def fused_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Causal q [B, nh, T, hd] over k, v [B, nkv, T, hd] in one kernel (FlexAttention; CUDA only).
+
+    Same contract as ``masked_attention`` with last = 0..T-1. The log-sum-exp is differentiable,
+    which the chain keys of training-time test need: they are merged in outside the kernel.
+    """
+    out, lse = compiled_flex_attention()(
+        q, k, v, block_mask=causal_block_mask(q.shape[2], q.device),
+        enable_gqa=q.shape[1] != k.shape[1], return_lse=True,
+    )
+    return out, lse.float()
+
+
 def cached_attention(q: Tensor, cache: KVCache, last: Tensor) -> Tensor:
-    """Attention of q [B, nh, R, hd] over the cache: context keys 0..last[r], plus row r's chain keys."""
+    """Attention of q [B, nh, R, hd] over the cache: context keys 0..last[r], plus row r's chain keys.
+
+    The context part comes with its log-sum-exp, so the few chain keys of each row are merged in
+    exactly (one softmax over both) without ever forming a [R, S + J] score matrix per row.
+    """
+    if cache.causal and q.is_cuda:
+        out, lse = fused_causal_attention(q, cache.k, cache.v)
+    else:
+        out, lse = masked_attention(q, cache.k, cache.v, last)
+    if cache.chain_k is None:
+        return out
     B, nh, R, hd = q.shape
     nkv = cache.k.shape[1]
-    qg = q.view(B, nkv, nh // nkv, R, hd)  # query head h uses KV head h // (nh / nkv)
-    scores = qg @ cache.k.unsqueeze(2).transpose(-1, -2)  # [B, nkv, g, R, S]
-    visible = torch.arange(cache.k.shape[2], device=q.device) <= last[:, None]  # [R, S]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    if cache.chain_k is not None:
-        chain = torch.einsum("bkgrd,bkrjd->bkgrj", qg, cache.chain_k)  # [B, nkv, g, R, J]
-        scores = torch.cat([scores, chain], -1)  # [B, nkv, g, R, S + J]
-    probs = (scores.float() / math.sqrt(hd)).softmax(-1).to(q.dtype)
-    S = cache.k.shape[2]
-    out = probs[..., :S] @ cache.v.unsqueeze(2)  # [B, nkv, g, R, hd]
-    if cache.chain_k is not None:
-        out = out + torch.einsum("bkgrj,bkrjd->bkgrd", probs[..., S:], cache.chain_v)
-    return out.reshape(B, nh, R, hd)
+    qg = q.view(B, nkv, nh // nkv, R, hd)
+    chain = torch.einsum("bkgrd,bkrjd->bkgrj", qg, cache.chain_k).float() / math.sqrt(hd)  # [B, nkv, g, R, J]
+    chain = chain.reshape(B, nh, R, -1)
+    total = torch.logaddexp(lse, chain.logsumexp(-1))  # [B, nh, R]: log-normaliser over context and chain
+    chain_probs = (chain - total[..., None]).exp().to(q.dtype).view(B, nkv, nh // nkv, R, -1)
+    chain_out = torch.einsum("bkgrj,bkrjd->bkgrd", chain_probs, cache.chain_v).reshape(B, nh, R, hd)
+    return ((lse - total).exp()[..., None] * out.float() + chain_out.float()).to(q.dtype)
 
 
 class Attention(nn.Module):
