@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from eagle3.common import UserError, read_jsonl, write_json, write_jsonl
 from eagle3.storage import dequantize_fp8, quantize_fp8, read_rows
-from eagle3.extract import ChatFormat, Sample, Settings, check_sample, extract_samples, extract_shard, prepare, render
+from eagle3.extract import ChatFormat, PartWriter, Sample, Settings, check_sample, extract_samples, extract_shard, prepare, render
 from eagle3.verifier import load_tokenizer, load_verifier, read_meta
 
 from conftest import project_params
@@ -286,3 +286,14 @@ def test_two_workers_store_the_same_samples(tmp_path, tiny_verifier_dir, tiny_mo
     assert [(e["id"], e["length"], e["masked"]) for e in one] == [(e["id"], e["length"], e["masked"]) for e in two]
     for a, b in zip(one, two):
         torch.testing.assert_close(stored_sample(folder, a)["aux"].float(), stored_sample(tmp_path / "hidden", b)["aux"].float(), rtol=1e-2, atol=1e-3)
+
+
+def test_background_part_write_failure_reaches_the_extractor(tmp_path):
+    """A part the writer thread cannot write fails the extraction, not silently."""
+    sample = Sample("a", 0, [1, 2, 3], [0, 1, 1], False)
+    tensors = {"input_ids": torch.tensor([1, 2, 3], dtype=torch.int32)}
+    with pytest.raises(Exception, match="No such file|not found|os error"):
+        with PartWriter(tmp_path / "missing" / "folder", part_bytes=1) as writer:
+            writer.add(sample, tensors)  # full at once: handed to the writer thread
+            writer.add(Sample("b", 1, [4], [1], False), {"input_ids": torch.tensor([4], dtype=torch.int32)})
+    assert [entry["id"] for entry in writer.index] == ["a", "b"]

@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -265,13 +266,21 @@ def check_sample(sample: Sample, stored: dict[str, torch.Tensor]) -> str | None:
 
 
 class PartWriter:
-    """Concatenates samples into safetensors parts of about ``part_bytes`` and indexes them."""
+    """Concatenates samples into safetensors parts of about ``part_bytes`` and indexes them.
+
+    Parts are written by one background thread while the verifier runs the next batches (at 8B the
+    writes took as long as the forward). At most one part is being written while the next fills,
+    so host memory stays at about two parts. Use it as a context manager: leaving without an error
+    writes the rest and waits for it (raising a failed write's error); with one, it only waits.
+    """
 
     def __init__(self, folder: Path, part_bytes: int):
         self.folder, self.part_bytes = folder, part_bytes
         self.pending: list[tuple[Sample, dict[str, torch.Tensor]]] = []
         self.pending_bytes = 0
         self.index: list[dict[str, Any]] = []
+        self.background = ThreadPoolExecutor(1, thread_name_prefix="part-writer")
+        self.writing: Future | None = None
 
     def add(self, sample: Sample, stored: dict[str, torch.Tensor]) -> None:
         self.pending.append((sample, stored))
@@ -280,13 +289,9 @@ class PartWriter:
             self.flush()
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
-
         if not self.pending:
             return
         name = f"part-{min(s.record for s, _ in self.pending):06d}.safetensors"  # records are unique across parts
-        keys = self.pending[0][1].keys()
-        save_file({key: torch.cat([stored[key] for _, stored in self.pending]) for key in keys}, self.folder / name)
         offset = 0
         for sample, _ in self.pending:
             length = len(sample.input_ids)
@@ -295,23 +300,48 @@ class PartWriter:
                  "masked": sum(sample.loss_mask), "truncated": sample.truncated}
             )
             offset += length
+        self.wait()
+        self.writing = self.background.submit(write_part, self.folder / name, [stored for _, stored in self.pending])
         self.pending, self.pending_bytes = [], 0
+
+    def wait(self) -> None:
+        if self.writing is not None:
+            self.writing.result()  # re-raises a failed write here, in the extracting thread
+            self.writing = None
+
+    def __enter__(self) -> PartWriter:
+        return self
+
+    def __exit__(self, error_type, *_) -> None:
+        try:
+            if error_type is None:
+                self.flush()
+                self.wait()
+        finally:
+            self.background.shutdown()
+
+
+def write_part(path: Path, samples: list[dict[str, torch.Tensor]]) -> None:
+    """One safetensors part: each key's tensors of all ``samples`` concatenated along tokens."""
+    from safetensors.torch import save_file
+
+    save_file({key: torch.cat([stored[key] for stored in samples]) for key in samples[0]}, path)
 
 
 def extract_samples(model, samples: list[Sample], settings: Settings, folder: Path, pad_id: int) -> tuple[list[dict], list[dict]]:
     """Run, check and store ``samples``; returns (index entries, rejections)."""
-    writer, rejected = PartWriter(folder, settings.part_bytes), []
+    rejected = []
     progress = tqdm(total=sum(len(s.input_ids) for s in samples), desc="extract", unit="tok")
-    for batch in batches(samples, settings.batch_tokens):
-        for sample, (ids, aux, final) in zip(batch, hidden_states(model, batch, settings.aux_layers, pad_id)):
-            stored = encode_sample(ids, sample.loss_mask, aux, final, settings.dtype)
-            reason = check_sample(sample, stored)
-            if reason is None:
-                writer.add(sample, {name: tensor.cpu() for name, tensor in stored.items()})
-            else:
-                rejected.append({"id": sample.id, "record": sample.record, "reason": reason})
-        progress.update(sum(len(s.input_ids) for s in batch))
-    writer.flush()
+    with PartWriter(folder, settings.part_bytes) as writer:
+        for batch in batches(samples, settings.batch_tokens):
+            for sample, (ids, aux, final) in zip(batch, hidden_states(model, batch, settings.aux_layers, pad_id)):
+                stored = encode_sample(ids, sample.loss_mask, aux, final, settings.dtype)
+                reason = check_sample(sample, stored)
+                if reason is None:
+                    writer.add(sample, {name: tensor.cpu() for name, tensor in stored.items()})
+                else:
+                    rejected.append({"id": sample.id, "record": sample.record, "reason": reason})
+            progress.update(sum(len(s.input_ids) for s in batch))
     progress.close()
     return writer.index, rejected
 
