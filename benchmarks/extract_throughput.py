@@ -2,18 +2,29 @@
 
     python benchmarks/extract_throughput.py models/verifier            # or .eagle3/cache/smollm2-135m
     python benchmarks/extract_throughput.py models/verifier --runs 3 --samples 16 --tokens 512 --dvc-gb 1
+    python benchmarks/extract_throughput.py models/verifier --device cuda --compute-dtype bfloat16 \
+        --random-shape llama3-8b --workers 1 2          # 8B-shaped random weights; 1 and 2 GPUs
 
 Prints, as medians over ``--runs``:
+- the verifier forward's tokens/s alone (the ceiling: taps gathered, nothing stored);
 - extraction tokens/s of ``eagle3.extract.extract_samples`` (render excluded; forward, encode,
   checks and safetensors writes included) for bf16 and fp8 storage;
 - bytes per token actually written (parts only) next to ``bytes_per_token`` of the preflight;
 - ``dvc add`` time per GB of hidden-state parts (hash + move to cache + link) in a temporary
-  repository with ``cache.type hardlink``: the cost DVC adds when it commits extract's output.
+  repository with ``cache.type hardlink``: the cost DVC adds when it commits extract's output;
+- with ``--workers``, the data-parallel scaling of ``run_workers`` (``layout.extract_workers``
+  processes, worker r on cuda:r): wall time including spawn and model load, tokens/s, and the
+  efficiency against one worker.
+
+``--random-shape llama3-8b`` replaces the verifier's weights by random ones of Llama-3.1-8B's
+shape (saved once into a temporary folder with the verifier's tokenizer): what matters for
+throughput is the shape, and no 8B checkpoint is needed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -27,7 +38,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from eagle3.extract import ChatFormat, Settings, bytes_per_token, extract_samples, prepare
+from eagle3.common import write_json
+from eagle3.extract import ChatFormat, Job, Settings, batches, bytes_per_token, extract_samples, hidden_states, prepare, run_workers
 from eagle3.verifier import load_tokenizer, load_verifier
 
 TEXT = (
@@ -58,6 +70,62 @@ def time_extraction(model, samples, settings: Settings, pad_id: int) -> tuple[fl
     return seconds, written
 
 
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)
+
+
+def random_verifier(tokenizer_source: Path, folder: Path, device: str) -> Path:
+    """A Llama-3.1-8B-shaped verifier with random bf16 weights (built on ``device``) and the source's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_8B, dtype="bfloat16")).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    load_tokenizer(tokenizer_source).save_pretrained(folder)
+    write_json(folder / "meta.json", {"name": "random-llama3-8b", "weights_path": "."})  # a verifier folder (verifier.py)
+    del model
+    return folder
+
+
+def time_workers(verifier: Path, samples, settings: Settings, counts: list[int], pad_id: int) -> dict:
+    """Wall time of ``run_workers`` (spawn, load, extract, write) for each worker count, bf16 storage.
+
+    Each count also runs once on one sample per worker: that wall time is the start-up (process
+    spawn, imports, model load), and ``steady_tokens_per_s`` is what remains after it.
+    """
+    tokens = sum(len(s.input_ids) for s in samples)
+    results = {}
+    for workers in counts:
+        startup, seconds = (run_seconds(verifier, part, dataclasses.replace(settings, workers=workers), pad_id)
+                            for part in (samples[:workers], samples))  # one sample each, then all
+        results[workers] = {"wall_s": round(seconds, 1), "startup_s": round(startup, 1),
+                            "tokens_per_s": round(tokens / seconds, 1), "steady_tokens_per_s": round(tokens / (seconds - startup), 1)}
+    one = results[counts[0]]
+    for workers, row in results.items():  # 1.0: n workers take 1/n of the time of counts[0] workers
+        row["efficiency"] = round(row["tokens_per_s"] / one["tokens_per_s"] * counts[0] / workers, 3)
+        row["steady_efficiency"] = round(row["steady_tokens_per_s"] / one["steady_tokens_per_s"] * counts[0] / workers, 3)
+    return results
+
+
+def run_seconds(verifier: Path, samples, settings: Settings, pad_id: int) -> float:
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        run_workers(Job(verifier, settings, Path(folder), False, pad_id), samples)
+        return time.perf_counter() - start
+
+
+def time_forward(model, samples, settings: Settings, pad_id: int) -> float:
+    """Seconds of the verifier forwards alone (taps gathered, nothing encoded, checked or written)."""
+    start = time.perf_counter()
+    for batch in batches(samples, settings.batch_tokens):
+        for _ in hidden_states(model, batch, settings.aux_layers, pad_id):
+            pass
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def dvc_add_seconds(gigabytes: float, part_bytes: int) -> float:
     """Seconds of ``dvc add`` on ``gigabytes`` of part-sized files in a fresh hardlink-cache repo."""
     env = {**os.environ, "DVC_NO_ANALYTICS": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
@@ -86,6 +154,8 @@ def main() -> None:
     parser.add_argument("--compute-dtype", default="float32", help="float32 on CPU (bf16 is slower there)")
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--dvc-gb", type=float, default=1.0, help="GB of parts for the dvc add timing (0: skip)")
+    parser.add_argument("--random-shape", choices=["llama3-8b"], help="random weights of this shape, the verifier's tokenizer")
+    parser.add_argument("--workers", type=int, nargs="*", default=[], help="also time run_workers with these worker counts")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -93,22 +163,37 @@ def main() -> None:
     tokenizer = load_tokenizer(args.verifier)
     samples, _ = prepare(conversations(args.samples, args.tokens), tokenizer, ChatFormat.from_params(params.model, tokenizer), 8192)
     tokens = sum(len(s.input_ids) for s in samples)
-    model = load_verifier(args.verifier, args.device, args.compute_dtype)
+    with tempfile.TemporaryDirectory() as scratch:
+        verifier = random_verifier(args.verifier, Path(scratch), args.device) if args.random_shape else args.verifier
+        results = measure(args, params, verifier, samples, tokenizer.pad_token_id or 0)  # as the stage pads
+    results = {"device": args.device, "shape": args.random_shape or "verifier", "samples": len(samples), "tokens": tokens,
+               "threads": args.threads, "batch_tokens": args.batch_tokens, **results}
+    print(json.dumps(results, indent=2))
+
+
+def measure(args, params, verifier: Path, samples, pad_id: int) -> dict:
+    """Single-process throughput per storage dtype, then the optional worker scaling and dvc add timing."""
+    tokens = sum(len(s.input_ids) for s in samples)
+    model = load_verifier(verifier, args.device, args.compute_dtype)
     hidden = model.config.hidden_size
-    results = {"device": args.device, "samples": len(samples), "tokens": tokens, "threads": args.threads, "batch_tokens": args.batch_tokens}
+    results = {}
     for dtype in ("bfloat16", "float8_e4m3fn"):
         settings = Settings(tuple(params.model.aux_layers), dtype, 8192, args.batch_tokens, 256 << 20, args.device, args.compute_dtype, 1, args.threads)
-        time_extraction(model, samples[:1], settings, tokenizer.pad_token_id)  # warm-up: first-call kernel setup
-        runs = [time_extraction(model, samples, settings, tokenizer.pad_token_id) for _ in range(args.runs)]
+        time_extraction(model, samples[:1], settings, pad_id)  # warm-up: first-call kernel setup
+        runs = [time_extraction(model, samples, settings, pad_id) for _ in range(args.runs)]
         results[dtype] = {
             "tokens_per_s": round(tokens / statistics.median(s for s, _ in runs), 1),
             "bytes_per_token": round(runs[0][1] / tokens, 1),
             "estimated_bytes_per_token": bytes_per_token(hidden, len(params.model.aux_layers), dtype),
         }
+    results["forward_only_tokens_per_s"] = round(tokens / statistics.median(time_forward(model, samples, settings, pad_id) for _ in range(args.runs)), 1)
+    del model  # the workers load their own
+    if args.workers:
+        results["workers"] = time_workers(verifier, samples, dataclasses.replace(settings, dtype="bfloat16"), args.workers, pad_id)
     if args.dvc_gb > 0:
         seconds = [dvc_add_seconds(args.dvc_gb, 256 << 20) for _ in range(args.runs)]
         results["dvc_add_s_per_gb"] = round(statistics.median(seconds), 2)
-    print(json.dumps(results, indent=2))
+    return results
 
 
 if __name__ == "__main__":

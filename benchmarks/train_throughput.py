@@ -3,13 +3,15 @@
     python benchmarks/train_throughput.py                                  # CPU, SmolLM2-shaped drafter
     python benchmarks/train_throughput.py --device cuda                    # GPU, Llama-3.1-8B-shaped drafter
     python benchmarks/train_throughput.py --device cuda --batch 8 --seq 2048 --ttt-steps 7 --peak-tflops 989
+    torchrun --nproc-per-node 2 benchmarks/train_throughput.py --device cuda         # DDP (--fsdp: FSDP2)
 
 Runs the stage's own ``eagle3.train.train_step`` (verifier targets, K-step TTT forward, backward,
 clipping, AdamW, schedule) on random weights and random hidden states already on the device (the
 data loader is not measured), with bf16 autocast on GPUs and fp32 on CPUs, and no host sync
 inside the timed loop (one ``synchronize`` after it). Prints one JSON line: tokens/s (every
 position of every sequence), step time, model TFLOP/s, MFU against ``--peak-tflops`` and peak
-memory. FLOPs counted (``step_flops``): 6 x params per token for fc, the decoder layer on every
+memory. Under torchrun every process trains its own batch (the model wrapped as the ``train`` stage
+wraps it) and tokens/s counts all of them; MFU is per GPU. FLOPs counted (``step_flops``): 6 x params per token for fc, the decoder layer on every
 row of every step and the lm_head on the rows that have a target; causal attention (plus the
 chain keys of steps >= 1) x3 for the backward; 2 x H x V per target position for the frozen
 verifier head (the full-vocab logits decide which targets are in the draft vocab).
@@ -25,7 +27,7 @@ import torch
 
 from eagle3.loss import Selection, TrainingTimeTest, VerifierHead, select_rows
 from eagle3.model import DraftConfig, Eagle3Drafter
-from eagle3.parallel import World
+from eagle3.parallel import close_world, init_world, wrap
 from eagle3.train import TrainConfig, lr_factor, train_step
 
 
@@ -73,6 +75,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5, help="timed optimizer steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
     parser.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
+    parser.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
     parser.add_argument("--profile", action="store_true", help="also print the ops that take the most time in one step")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s of the GPU (H100/H200 SXM: 989)")
     args = parser.parse_args()
@@ -81,10 +84,10 @@ def main() -> None:
     batch, seq = args.batch or (4 if gpu else 2), args.seq or (2048 if gpu else 512)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    world = init_world(args.device)
+    device = world.device
     dtype = torch.bfloat16 if gpu else torch.float32
-    world = World(0, 1, device)
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(0)  # the same weights on every process
 
     cfg = DraftConfig.preset(preset)
     embed = (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=generator) * 0.02).to(device, dtype)
@@ -93,9 +96,10 @@ def main() -> None:
     drafter.set_draft_vocab(d2t)
     head = VerifierHead((torch.randn(cfg.vocab_size, cfg.hidden_size, generator=generator) * 0.02).to(device, dtype), d2t).to(device)
     train_cfg = TrainConfig(ttt_steps=args.ttt_steps)
-    model = TrainingTimeTest(drafter, args.ttt_steps)
+    model = wrap(TrainingTimeTest(drafter, args.ttt_steps), world, args.fsdp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, betas=(0.9, 0.95), fused=gpu)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, 10, 1000, 0.1))
+    generator.manual_seed(1 + world.rank)  # but a batch of its own
     micro = [random_batch(cfg, batch, seq, args.answer, args.ttt_steps, device, dtype, generator)]
 
     for _ in range(args.warmup):
@@ -112,16 +116,18 @@ def main() -> None:
     flops = step_flops(cfg, batch, seq, micro[0]["selection"])
     result = {
         "device": torch.cuda.get_device_name(0) if gpu else f"cpu x{torch.get_num_threads()} threads",
+        "processes": world.size, "parallel": ("fsdp" if args.fsdp else "ddp") if world.size > 1 else "none",
         "preset": preset, "H": cfg.hidden_size, "V": cfg.vocab_size, "Vd": cfg.draft_vocab_size, "batch": batch, "seq": seq,
         "ttt_steps": args.ttt_steps, "answer_fraction": args.answer, "dtype": str(dtype).removeprefix("torch."),
-        "step_s": round(seconds, 4), "tokens_per_s": round(batch * seq / seconds, 1),
+        "step_s": round(seconds, 4), "tokens_per_s": round(world.size * batch * seq / seconds, 1),
         "model_tflops": round(flops / seconds / 1e12, 3), "loss_finite": bool(torch.isfinite(sums[0]).all()),
     }
     if gpu:
         result["mfu"] = round(flops / seconds / 1e12 / args.peak_tflops, 4)
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    print(json.dumps(result))
-    if args.profile:
+    if world.main:
+        print(json.dumps(result))
+    if args.profile and world.main:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
@@ -129,6 +135,7 @@ def main() -> None:
             if gpu:
                 torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="self_cuda_time_total" if gpu else "self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    close_world(world)
 
 
 if __name__ == "__main__":
