@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor
-from transformers import AutoConfig, LlamaConfig
+from transformers import AutoConfig, DeepseekV3Config, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from eagle3.model import LLAMA3_ROPE, DraftConfig, KVCache, cached_attention, rope_frequencies
 from reference import explicit_attention
 from tiny_drafter import make_drafter, one_thread  # noqa: F401 (autouse fixture)
+
+CONF = Path(__file__).parent.parent / "conf"
 
 STATE_KEYS = {
     "fc.weight",
@@ -72,6 +77,20 @@ def test_from_verifier_and_overrides(tiny_verifier_dir, smollm2_dir):
         DraftConfig.preset("debug", hidden=3)
     with pytest.raises(ValueError, match="rope type 'yarn'"):
         DraftConfig.preset("debug", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+
+
+def test_kimi_description_gives_a_servable_drafter():
+    """Kimi-K2.5's YaRN and MLA head size are replaced by conf/model/kimi-k2.5.yaml's draft_head."""
+    kimi = DeepseekV3Config(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=64,
+                            num_hidden_layers=61, vocab_size=163840, max_position_embeddings=262144, rope_theta=50000.0,
+                            rope_scaling={"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                                          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+    with pytest.raises(ValueError, match="rope type 'yarn'"):
+        DraftConfig.from_verifier(kimi, 32000, [2, 30, 58])
+    overrides = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "kimi-k2.5.yaml").draft_head)
+    cfg = DraftConfig.from_verifier(kimi, 32000, [2, 30, 58], overrides)
+    assert (cfg.head_dim, cfg.num_attention_heads, cfg.rope_scaling, cfg.rope_theta) == (128, 64, None, 50000.0)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings) == (7168, 18432, 163840, 262144)
 
 
 def test_chain_attention_sees_own_row_only():
