@@ -40,7 +40,7 @@ from omegaconf import OmegaConf
 
 from eagle3.common import write_json
 from eagle3.extract import ChatFormat, Job, Settings, batches, bytes_per_token, extract_samples, hidden_states, prepare, run_workers
-from eagle3.verifier import load_tokenizer, load_verifier
+from eagle3.verifier import build_random, load_tokenizer, load_verifier
 
 TEXT = (
     "Speculative decoding lets a small draft model propose several tokens that the large verifier "
@@ -70,21 +70,16 @@ def time_extraction(model, samples, settings: Settings, pad_id: int) -> tuple[fl
     return seconds, written
 
 
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+LLAMA_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)
 
 
 def random_verifier(tokenizer_source: Path, folder: Path, device: str) -> Path:
-    """A Llama-3.1-8B-shaped verifier with random bf16 weights (built on ``device``) and the source's tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**LLAMA_8B, dtype="bfloat16")).to(torch.bfloat16)
-    model.save_pretrained(folder)
-    load_tokenizer(tokenizer_source).save_pretrained(folder)
-    write_json(folder / "meta.json", {"name": "random-llama3-8b", "weights_path": "."})  # a verifier folder (verifier.py)
-    del model
+    """A Llama-3.1-8B-shaped verifier folder: the ``verifier`` stage's random source, initialised on ``device``."""
+    source = OmegaConf.create({"tokenizer": str(tokenizer_source), "config": LLAMA_8B, "dtype": "bfloat16", "seed": 0})
+    with torch.device(device):  # random init of 8B parameters is minutes on a CPU, seconds on a GPU
+        build_random(source, folder)
+    write_json(folder / "meta.json", {"name": "random-llama3-8b", "weights_path": "."})  # no fingerprint: not a stage output
     return folder
 
 
