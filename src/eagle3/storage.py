@@ -8,7 +8,7 @@ the token axis:
     aux_scale [N, 3] and final_scale [N, 1] float32 (one scale per token and per tapped layer).
 
 A sample is the token range ``[offset, offset + length)`` of one part. This module is a
-dependency of every ``extract`` stage: a change here re-extracts, a change of the loader does not.
+dependency of every ``extract`` stage (a change here re-extracts) and of ``train``, which reads it.
 """
 
 from __future__ import annotations
