@@ -10,7 +10,16 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from eagle3.cli import main as cli
-from eagle3.export import check_drafter, load_drafter, verifier_facts, write_drafter
+from eagle3.export import (
+    ENGINE_TAPS,
+    check_drafter,
+    default_taps,
+    load_drafter,
+    sglang_taps,
+    verifier_facts,
+    vllm_taps,
+    write_drafter,
+)
 from eagle3.model import DraftConfig, Eagle3Drafter, KVCache
 from tiny_drafter import draft_d2t, make_drafter, one_thread  # noqa: F401 (autouse fixture)
 
@@ -52,9 +61,9 @@ def test_round_trip_same_logits(exported):
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
-    sglang = json.loads((folder / "config.sglang.json").read_text())
-    assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM: input of layer k
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # SGLang: captures k + 1
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "meta.json", "model.safetensors"]
     tensors = load_file(folder / "model.safetensors")
     assert tensors["lm_head.weight"].dtype == torch.bfloat16 and tensors["d2t"].dtype == torch.int64
     assert not any("embed" in name for name in tensors)
@@ -69,12 +78,16 @@ FAULTS = {
     "random embed_tokens": (lambda f: edit_tensors(f, lambda t: {**t, "embed_tokens.weight": torch.zeros(512, 64, dtype=torch.bfloat16)}), "embed_tokens"),
     "d2t outside the vocab": (lambda f: edit_tensors(f, lambda t: {**t, "d2t": t["d2t"] + 200}), "outside the verifier vocab"),
     "fp32 weights": (lambda f: edit_tensors(f, lambda t: {**t, "fc.weight": t["fc.weight"].float()}), "fc.weight is (64, 192) torch.float32"),
-    "layer ids in the sglang convention": (
-        lambda f: edit_json(f / "config.json", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 1, 2])),
-        "config.json: eagle_aux_hidden_state_layer_ids [0, 1, 2] != [1, 2, 3]"),
-    "sglang config in the vllm convention": (
-        lambda f: edit_json(f / "config.sglang.json", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3])),
-        "config.sglang.json: eagle_aux_hidden_state_layer_ids [1, 2, 3] != [0, 1, 2]"),
+    "vllm ids in the sglang convention": (
+        lambda f: edit_json(f / "config.json", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 2])),
+        "config.json: vllm would tap layers [0, 1, 2], the drafter was trained on [1, 2, 3]"),
+    "sglang ids in the vllm convention": (
+        lambda f: edit_json(f / "config.json", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3])),
+        "config.json: sglang would tap layers [2, 3, 4], the drafter was trained on [1, 2, 3]"),
+    "old export: only eagle_config, in the vllm convention": (
+        lambda f: edit_json(f / "config.json", lambda c: (c.pop("eagle_aux_hidden_state_layer_ids"),
+                                                          c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3]))),
+        "config.json: vllm would tap layers [2, 2, 1]"),  # vLLM's default taps of a 4-layer verifier
     "too small context": (lambda f: edit_json(f / "config.json", lambda c: c.update(max_position_embeddings=1024)), "max_position_embeddings 1024 <"),
     "taps beyond the verifier": (lambda f: edit_json(f / "meta.json", lambda m: m.update(aux_layers=[1, 2, 4])), "outside the verifier's layers"),
     "not the engine architecture": (lambda f: edit_json(f / "config.json", lambda c: c.update(architectures=["LlamaForCausalLM"])), "architectures"),
@@ -104,7 +117,49 @@ def test_against_real_verifier_folder(tmp_path, tiny_verifier_dir, capsys):
         write_drafter(drafter, folder, {**facts, "fingerprint": fingerprint}, {})
     assert check_drafter(good, tiny_verifier_dir) == []
     assert any("trained for verifier ffffffffffffffff" in p for p in check_drafter(stale, tiny_verifier_dir))
-    (good / "config.sglang.json").unlink()
-    cli(["check-drafter", str(good), "--verifier", str(tiny_verifier_dir), "--write-engine-configs", "--engine", "sglang"])
-    assert "ok" in capsys.readouterr().out
-    assert json.loads((good / "config.sglang.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+
+
+def export_with_taps(folder, taps, num_layers: int) -> None:
+    folder.mkdir()
+    write_drafter(make_drafter(aux_layers=taps), folder, {**VERIFIER, "num_layers": num_layers}, {})
+
+
+def old_style(folder) -> None:
+    """config.json as exported before: the taps only in eagle_config, in vLLM's convention."""
+    config = json.loads((folder / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = config.pop("eagle_aux_hidden_state_layer_ids")
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("taps,num_layers", [((1, 2, 3), 4), ((1, 3, 7), 8), ((2, 4, 5), 8)],
+                         ids=["tiny-verifier", "non-default", "default"])
+def test_both_engines_resolve_the_trained_taps(tmp_path, taps, num_layers, capsys):
+    """Each engine's lookup (vllm_taps, sglang_taps) gives the trained taps; an old-style config fails."""
+    folder = tmp_path / "drafter"
+    export_with_taps(folder, taps, num_layers)
+    config = json.loads((folder / "config.json").read_text())
+    for engine, resolve in ENGINE_TAPS.items():
+        assert resolve(config, num_layers) == taps, engine
+    assert check_drafter(folder) == []
+    old_style(folder)
+    problems = check_drafter(folder)
+    assert any(p.startswith("config.json: sglang would tap layers") for p in problems), problems
+    # vLLM falls back to its defaults, right only when the drafter was trained on them
+    assert any(p.startswith("config.json: vllm would tap") for p in problems) == (taps != default_taps(num_layers))
+    with pytest.raises(SystemExit):
+        cli(["check-drafter", str(folder)])
+    cli(["check-drafter", str(folder), "--rewrite-config"])
+    assert capsys.readouterr().out.rstrip().endswith(f"{folder}: ok")
+    assert json.loads((folder / "config.json").read_text()) == config
+
+
+def test_engine_lookups_without_taps_use_the_defaults():
+    assert vllm_taps({}, 30) == sglang_taps({}, 30) == (2, 15, 27)
+    assert sglang_taps({"eagle_config": {"use_aux_hidden_state": True}}, 30) == (2, 15, 27)
+    assert vllm_taps({"eagle_config": {"layer_ids": [3, 9, 20]}}, 30) == (3, 9, 20)
+
+
+def test_tap_zero_is_refused_at_export(tmp_path):
+    """Both engines capture hidden_states + residual before layer k, which does not exist before layer 0."""
+    with pytest.raises(ValueError, match="cannot be written for SGLang"):
+        export_with_taps(tmp_path / "drafter", (0, 1, 3), 4)

@@ -1,8 +1,8 @@
 """The ``eagle3`` command: project tools that are not pipeline stages.
 
     eagle3 params [-S group=option ...]   compose params.yaml from conf/ (as `dvc exp run -S` does)
-    eagle3 check-drafter DIR [--verifier models/verifier] [--write-engine-configs]
-                                          validate an exported drafter (DESIGN.md §6); exit 1 on faults
+    eagle3 check-drafter DIR [--verifier models/verifier] [--rewrite-config]
+                                          validate an exported drafter for SGLang and vLLM; exit 1 on faults
     eagle3 s3 serve|status|stop           local S3 server for the DVC remote (rclone serve s3)
     eagle3 gc [--rev REV ...] [--dry-run] `dvc gc -w`, only once every kept revision is in the remote
 """
@@ -23,11 +23,10 @@ def _params(args: argparse.Namespace) -> None:
 
 
 def _check_drafter(args: argparse.Namespace) -> None:
-    from eagle3.export import check_drafter, write_engine_configs
+    from eagle3.export import check_drafter, rewrite_config
 
-    if args.write_engine_configs:
-        for path in write_engine_configs(args.folder, args.engine or ("vllm", "sglang")):
-            print(f"wrote {path}")
+    if args.rewrite_config:
+        print(f"wrote {rewrite_config(args.folder)}")
     problems = check_drafter(args.folder, args.verifier)
     for problem in problems:
         print(f"{args.folder}: {problem}")
@@ -47,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check-drafter", help="validate an exported drafter for SGLang/vLLM")
     check.add_argument("folder", help="exported drafter folder, e.g. models/drafter")
     check.add_argument("--verifier", help="verifier folder to check sizes, context and fingerprint against")
-    check.add_argument("--write-engine-configs", action="store_true", help="write config.<engine>.json first")
-    check.add_argument("--engine", action="append", choices=["vllm", "sglang"], help="engine(s) to write (default both)")
+    check.add_argument("--rewrite-config", action="store_true",
+                       help="first rewrite config.json from meta.json's taps (exports of older versions)")
     check.set_defaults(func=_check_drafter)
     s3.add_parser(commands)
     gc.add_parser(commands)

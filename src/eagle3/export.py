@@ -1,16 +1,17 @@
-"""The drafter on disk: SGLang/vLLM's EAGLE-3 format, loading it back, and checking it (DESIGN.md §6).
+"""The drafter on disk: SGLang/vLLM's EAGLE-3 format, loading it back, and checking it.
 
-    eagle3 check-drafter models/drafter --verifier models/verifier [--write-engine-configs]
+    eagle3 check-drafter models/drafter --verifier models/verifier [--rewrite-config]
 
 Why: a checkpoint with ``layers.0.*`` instead of ``midlayer.*``, no ``lm_head`` or ``d2t``, layer
-ids in the wrong convention or a too small context loads without error and serves at acceptance
-length ~1. ``write_drafter`` writes exactly the keys the engines expect, through one rename table;
-``check_drafter`` re-reads a folder and names every such fault.
+ids one engine reads in another convention (or not at all, silently falling back to its default
+taps) or a too small context loads without error and serves at acceptance length ~1.
+``write_drafter`` writes exactly the keys the engines expect, through one rename table;
+``check_drafter`` re-reads a folder and names every such fault, resolving the tapped layers the
+way each engine's own lookup does (``vllm_taps``, ``sglang_taps``).
 
-Folder: ``config.json`` (layer ids in the vLLM convention), ``config.vllm.json`` and
-``config.sglang.json`` (one per engine: copy the one you serve with over ``config.json``),
-``model.safetensors`` (bf16 weights, int64 ``d2t``, bool ``t2d``), ``meta.json`` (verifier
-fingerprint, layer ids and their convention, training summary).
+Folder: ``config.json`` (served as is by both engines: the taps at the top level for vLLM and in
+``eagle_config`` for SGLang), ``model.safetensors`` (bf16 weights, int64 ``d2t``, bool ``t2d``),
+``meta.json`` (verifier fingerprint, taps in our convention, training summary).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.common import UserError, read_json, write_json
+from eagle3.common import read_json, write_json
 from eagle3.model import DraftConfig, Eagle3Drafter
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -47,22 +48,66 @@ EXPORT_NAMES = {
     "t2d": "t2d",
 }
 
-# How an engine reads an id of eagle_config.eagle_aux_hidden_state_layer_ids, as a shift from ours.
-# Ours (the data's): id k = the residual stream entering decoder layer k (HF output_hidden_states[k]).
-LAYER_ID_SHIFT = {
-    "vllm": 0,  # "input of layer k": the same ids
-    "sglang": -1,  # historically "output of layer k" = input of layer k+1: ids - 1
-}
-CONFIG_CONVENTION = "vllm"  # the convention of config.json itself
 OUR_CONVENTION = "residual stream entering decoder layer k (HF output_hidden_states[k])"
 
 
-def engine_layer_ids(ids, engine: str) -> list[int]:
-    """Our tap ids as ``engine`` reads them: [2, 30, 58] -> vllm [2, 30, 58], sglang [1, 29, 57]."""
-    shifted = [int(i) + LAYER_ID_SHIFT[engine] for i in ids]
+def default_taps(num_layers: int) -> tuple[int, int, int]:
+    """Both engines' taps when a drafter config names none: (2, L//2, L-3), in our convention."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def sglang_layer_ids(ids) -> list[int]:
+    """Our tap ids in SGLang's ``eagle_config`` convention, "output of layer k": [2, 15, 27] -> [1, 14, 26].
+
+    SGLang captures id + 1 (see ``sglang_taps``), so id k - 1 names the stream entering layer k.
+    """
+    shifted = [int(i) - 1 for i in ids]
     if min(shifted) < 0:
-        raise ValueError(f"layer ids {list(ids)} cannot be written in the {engine} convention (the embedding output is no layer's output)")
+        raise ValueError(f"layer ids {list(ids)} cannot be written for SGLang (it would capture the input of layer 0, "
+                         "which its Llama forward does not hold as a residual stream)")
     return shifted
+
+
+def vllm_taps(config: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The taps vLLM captures for this drafter config.json, in our convention (its own: input of layer k).
+
+    Mirrors vLLM ``vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py``:
+    ``get_eagle3_aux_layers_from_config`` reads the draft hf_config's top-level
+    ``eagle_aux_hidden_state_layer_ids``, then (DFlash/DSpark drafts, not ours) ``target_layer_ids``
+    + 1, then ``eagle_config["layer_ids"]``; with none, ``set_eagle3_aux_hidden_state_layers`` only
+    logs a warning and uses the model's ``get_eagle3_default_aux_hidden_state_layers`` = (2, L//2, L-3)
+    (``vllm/model_executor/models/llama.py``, whose forward appends ``hidden_states + residual``
+    before layer ``idx`` runs: the stream entering layer idx, our id). The nested
+    ``eagle_config.eagle_aux_hidden_state_layer_ids`` is never read.
+    """
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        ids = [i + 1 for i in ((config.get("dflash_config") or {}).get("target_layer_ids") or [])]
+    if not ids:
+        ids = [i + 1 for i in (config.get("target_layer_ids") or [])]
+    if not ids:
+        ids = (config.get("eagle_config") or {}).get("layer_ids")
+    return tuple(ids) if ids else default_taps(num_layers)
+
+
+def sglang_taps(config: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The taps SGLang captures for this drafter config.json, in our convention.
+
+    Mirrors SGLang ``python/sglang/srt/model_executor/model_runner.py`` ``ModelRunner.__init__`` (EAGLE-3:
+    ``eagle_config["eagle_aux_hidden_state_layer_ids"]``, any error, e.g. no ``eagle_config``, -> None;
+    the top-level key is never read) and ``python/sglang/srt/models/llama.py``
+    ``LlamaForCausalLM.set_eagle3_layers_to_capture``: None -> layers_to_capture [2, L//2, L-3], else
+    [id + 1 for each id]; ``LlamaModel.forward`` appends ``hidden_states + residual`` before layer i
+    runs, so layers_to_capture are our ids.
+    """
+    try:
+        ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    except (KeyError, TypeError):
+        ids = None
+    return default_taps(num_layers) if ids is None else tuple(int(i) + 1 for i in ids)
+
+
+ENGINE_TAPS = {"vllm": vllm_taps, "sglang": sglang_taps}
 
 
 def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -90,8 +135,13 @@ def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch
     return expected
 
 
-def engine_config(cfg: DraftConfig, engine: str = CONFIG_CONVENTION) -> dict[str, Any]:
-    """The HF-style config.json the engines read, with layer ids in ``engine``'s convention."""
+def engine_config(cfg: DraftConfig) -> dict[str, Any]:
+    """The HF-style config.json both engines read: the taps once per engine, each in its convention.
+
+    vLLM reads only the top-level ``eagle_aux_hidden_state_layer_ids`` (our ids), SGLang only the
+    nested ``eagle_config.eagle_aux_hidden_state_layer_ids`` (our ids - 1); see ``vllm_taps`` and
+    ``sglang_taps``. Example, taps (2, 15, 27): top level [2, 15, 27], eagle_config [1, 14, 26].
+    """
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -113,8 +163,9 @@ def engine_config(cfg: DraftConfig, engine: str = CONFIG_CONVENTION) -> dict[str
         "draft_vocab_size": cfg.draft_vocab_size,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),  # vLLM
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": engine_layer_ids(cfg.aux_layers, engine),
+            "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(cfg.aux_layers),  # SGLang
             "use_aux_hidden_state": True,
         },
     }
@@ -142,13 +193,10 @@ def write_drafter(drafter: Eagle3Drafter, out: Path, verifier: dict[str, Any], t
         tensors[name] = tensors[name].to(dtype)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     write_json(out / "config.json", engine_config(cfg))
-    for engine in LAYER_ID_SHIFT:
-        write_json(out / f"config.{engine}.json", engine_config(cfg, engine))
     write_json(out / "meta.json", {
         "verifier": verifier,
         "aux_layers": list(cfg.aux_layers),
         "aux_layers_convention": OUR_CONVENTION,
-        "config_layer_id_convention": CONFIG_CONVENTION,
         "draft_config": cfg.to_dict(),
         "training": training,
     })
@@ -181,8 +229,6 @@ def check_config(config: dict[str, Any]) -> list[str]:
         problems.append(f"num_hidden_layers is {config.get('num_hidden_layers')}, an EAGLE-3 drafter has 1")
     if config.get("tie_word_embeddings"):
         problems.append("tie_word_embeddings is true: lm_head is over the draft vocab and must not be tied")
-    if "eagle_aux_hidden_state_layer_ids" not in (config.get("eagle_config") or {}):
-        problems.append("eagle_config.eagle_aux_hidden_state_layer_ids is missing: engines would tap default layers")
     return [f"config.json: {p}" for p in problems]
 
 
@@ -222,28 +268,22 @@ def check_vocab(tensors: dict[str, torch.Tensor], cfg: DraftConfig) -> list[str]
     return [f"model.safetensors: {p}" for p in problems]
 
 
-def check_layer_ids(folder: Path, meta: dict[str, Any], num_layers: int) -> list[str]:
-    """config.json and every config.<engine>.json carry meta's taps in their own convention, in range."""
+def check_layer_ids(config: dict[str, Any], meta: dict[str, Any], num_layers: int) -> list[str]:
+    """meta.json's taps are 3 ascending layers of the verifier, and each engine resolves config.json to them.
+
+    ``num_layers`` (0: unknown) is the verifier's, for the engines' default taps when the config names none.
+    """
     ids = meta.get("aux_layers")
     if not ids or len(ids) != 3 or ids != sorted(set(ids)):
         return [f"meta.json: aux_layers {ids} is not 3 ascending layer ids"]
-    problems = []
     if ids[0] < 0 or (num_layers and ids[-1] >= num_layers):
-        problems.append(f"meta.json: aux_layers {ids} outside the verifier's layers [0, {num_layers})")
-    files = {"config.json": meta.get("config_layer_id_convention", CONFIG_CONVENTION)}
-    files.update({f"config.{e}.json": e for e in LAYER_ID_SHIFT if (folder / f"config.{e}.json").is_file()})
-    for file, engine in files.items():
-        if engine not in LAYER_ID_SHIFT:
-            problems.append(f"meta.json: unknown layer-id convention {engine!r} (one of {sorted(LAYER_ID_SHIFT)})")
-            continue
-        got = (read_json(folder / file).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        try:
-            want = engine_layer_ids(ids, engine)
-        except ValueError as err:
-            problems.append(f"{file}: {err}")
-            continue
-        if got != want:
-            problems.append(f"{file}: eagle_aux_hidden_state_layer_ids {got} != {want}, meta.json's taps {ids} in the {engine} convention")
+        return [f"meta.json: aux_layers {ids} outside the verifier's layers [0, {num_layers})"]
+    problems = []
+    for engine, resolve in ENGINE_TAPS.items():
+        got = resolve(config, num_layers)
+        if list(got) != ids:
+            problems.append(f"config.json: {engine} would tap layers {list(got)}, the drafter was trained on {ids} "
+                            f"(eagle3 check-drafter --rewrite-config rewrites config.json from meta.json)")
     return problems
 
 
@@ -284,7 +324,7 @@ def check_drafter(folder: str | Path, verifier_folder: str | Path | None = None)
     problems = check_config(config)
     verifier = verifier_facts(verifier_folder) if verifier_folder else dict(meta.get("verifier") or {})
     problems += check_against_verifier(config, meta, verifier)
-    problems += check_layer_ids(folder, meta, int(verifier.get("num_layers") or 0))
+    problems += check_layer_ids(config, meta, int(verifier.get("num_layers") or 0))
     try:
         cfg = config_from_export(config, meta.get("aux_layers") or ())
     except ValueError as err:
@@ -293,15 +333,12 @@ def check_drafter(folder: str | Path, verifier_folder: str | Path | None = None)
     return problems + check_tensors(tensors, cfg) + check_vocab(tensors, cfg)
 
 
-def write_engine_configs(folder: str | Path, engines=tuple(LAYER_ID_SHIFT)) -> list[Path]:
-    """(Re)write config.<engine>.json next to config.json, layer ids in each engine's convention."""
+def rewrite_config(folder: str | Path) -> Path:
+    """Rewrite config.json from meta.json's taps and the config's shape (an export of an older version)."""
     folder = Path(folder)
     meta = read_json(folder / "meta.json")
     cfg = config_from_export(read_json(folder / "config.json"), meta["aux_layers"])
-    written = []
-    for engine in engines:
-        if engine not in LAYER_ID_SHIFT:
-            raise UserError(f"--engine {engine!r}: one of {sorted(LAYER_ID_SHIFT)}")
-        write_json(folder / f"config.{engine}.json", engine_config(cfg, engine))
-        written.append(folder / f"config.{engine}.json")
-    return written
+    write_json(folder / "config.json", engine_config(cfg))
+    for stale in ("config.vllm.json", "config.sglang.json"):  # per-engine copies of older exports
+        (folder / stale).unlink(missing_ok=True)
+    return folder / "config.json"
