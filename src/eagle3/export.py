@@ -156,8 +156,10 @@ def engine_config(cfg: DraftConfig) -> dict[str, Any]:
         "attention_bias": False,
         "mlp_bias": False,
         "rms_norm_eps": cfg.rms_norm_eps,
+        # The drafter's RoPE twice: as older engines read it, and as transformers 5 does.
         "rope_theta": cfg.rope_theta,
         "rope_scaling": cfg.rope_scaling,
+        "rope_parameters": {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta},
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,

@@ -62,14 +62,35 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
-    """Inverse frequencies [head_dim // 2] of RoPE; ``scaling`` is HF's rope_scaling (default or llama3)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+# RoPE scaling types the drafter implements, with the keys each one reads. Anything else in a
+# verifier's RoPE dict (partial_rotary_factor, MLA details) is not the drafter's RoPE and is dropped,
+# so the exported config states exactly what the drafter was trained with.
+ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate"),
+}
+
+
+def rope_kind(scaling: dict | None) -> str:
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind not in ROPE_KEYS:
+        raise ValueError(f"rope type {kind!r} is not supported ({', '.join(ROPE_KEYS)}); override draft_head.rope_scaling")
+    return kind
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
+    """Inverse frequencies [head_dim // 2] of RoPE; ``scaling`` is HF's rope_scaling (ROPE_KEYS types)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    kind = rope_kind(scaling)
     if kind == "default":
         return inv_freq.float()
-    if kind != "llama3":
-        raise ValueError(f"rope type {kind!r} is not supported (default, llama3); override draft_head.rope_scaling")
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if kind == "yarn":
+        return yarn_frequencies(inv_freq, head_dim, theta, scaling).float()
     # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_context = scaling["original_max_position_embeddings"]
@@ -79,16 +100,48 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None) -> Tenso
     return scaled.float()
 
 
+def yarn_frequencies(inv_freq: Tensor, head_dim: int, theta: float, scaling: dict) -> Tensor:
+    """YaRN: dimensions that turn fewer than ``beta_slow`` times over the original context are
+    interpolated (frequency / factor), those turning more than ``beta_fast`` times are kept, with a
+    linear ramp over the dimension pairs between."""
+    factor, old_context = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def pair_turning(rotations: float) -> float:  # the dimension pair index that turns ``rotations`` times
+        return head_dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_turning(scaling.get("beta_fast") or 32), pair_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)  # 1: interpolate
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor on cos/sin: YaRN's attention temperature, 1 for the other types."""
+    if rope_kind(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def m(scale: float, k: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * k * math.log(scale) + 1.0
+
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return m(factor, mscale) / m(factor, mscale_all_dim) if mscale and mscale_all_dim else m(factor)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict | None):
         super().__init__()
         self.register_buffer("inv_freq", rope_frequencies(head_dim, theta, scaling), persistent=False)
+        self.attention_factor = rope_attention_factor(scaling)
 
     def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin [..., T, head_dim] for positions [..., T]."""
         freqs = position_ids[..., None].float() * self.inv_freq  # [..., T, hd/2]
         angles = torch.cat([freqs, freqs], -1)  # [..., T, hd]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return (angles.cos() * self.attention_factor).to(dtype), (angles.sin() * self.attention_factor).to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -323,11 +376,29 @@ class DraftConfig:
 
 
 def rope_settings(hf_config) -> tuple[float, dict | None]:
-    """(theta, scaling) of an HF config: transformers 5 ``rope_parameters`` or legacy rope_theta/rope_scaling."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-    theta = float(params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0)
+    """(theta, scaling) of the verifier's full-attention layers, from any config layout.
+
+    - transformers 5: ``rope_parameters`` = {"rope_type", "rope_theta", ...};
+    - transformers 5, per layer type: ``rope_parameters`` = {"full_attention": {...}, "sliding_attention":
+      {...}} (Gemma-3 style hybrids): the drafter attends over the whole context, so it follows the
+      full-attention layers;
+    - older configs: ``rope_theta`` plus ``rope_scaling`` = {"type" or "rope_type", ...} or null.
+
+    ``scaling`` keeps only its type's keys (ROPE_KEYS) under "rope_type"; None for plain RoPE.
+    Example: {"full_attention": {"rope_type": "default", "rope_theta": 1e6}, "sliding_attention":
+    {"rope_type": "default", "rope_theta": 1e4}} -> (1e6, None).
+    """
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    elif params and all(isinstance(value, dict) for value in params.values()):
+        raise ValueError(f"the verifier's rope_parameters are per layer type {sorted(params)} without full_attention; "
+                         "set draft_head.rope_theta and draft_head.rope_scaling")
+    theta = float(params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
     kind = params.get("rope_type") or params.get("type") or "default"
-    return theta, (params if kind != "default" else None)
+    if kind == "default":
+        return theta, None
+    return theta, {"rope_type": kind, **{key: params[key] for key in ROPE_KEYS.get(kind, ()) if key in params}}
 
 
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
