@@ -65,7 +65,7 @@ def test_drafter_rope_follows_the_verifier_and_is_exported_as_trained(layout):
     for reading, config in readings.items():
         got_theta, scaling = rope_settings(config)
         assert (got_theta, (scaling or {}).get("rope_type")) == (theta, kind), reading
-        cfg = DraftConfig.from_verifier(config, 128, [0, 1, 2])
+        cfg = DraftConfig.from_verifier(config, 128, [1, 2, 3])
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         torch.testing.assert_close(rotary.inv_freq, expected_freq.float(), rtol=1e-5, atol=0, msg=reading)
         assert rotary.attention_factor == pytest.approx(expected_factor), reading
@@ -87,7 +87,7 @@ def test_drafter_cos_sin_carry_the_yarn_attention_factor():
 
 def test_unsupported_rope_types_and_per_layer_dicts_without_full_attention_are_refused():
     with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
-        DraftConfig.from_verifier(SimpleNamespace(**TINY, rope_scaling={"type": "dynamic", "factor": 2.0}), 128, [0, 1, 2])
+        DraftConfig.from_verifier(SimpleNamespace(**TINY, rope_scaling={"type": "dynamic", "factor": 2.0}), 128, [1, 2, 3])
     sliding_only = SimpleNamespace(**TINY, rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     with pytest.raises(ValueError, match="without full_attention; set draft_head.rope_theta"):
         rope_settings(sliding_only)
