@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
+from transformers import MistralConfig, MistralForCausalLM
 
 from conftest import project_params, run
 from eagle3.common import UserError
@@ -28,8 +29,11 @@ from eagle3.speculative import (
     accept,
     draft_k,
     greedy_decode,
+    prefill,
+    rollback,
     speculative_decode,
     truncate,
+    verify,
 )
 from eagle3.verifier import load_tokenizer, load_verifier, read_meta
 from tiny_drafter import draft_d2t
@@ -138,6 +142,47 @@ def test_oracle_accepts_everything(tiny):
         assert spec.tokens == greedy_decode(verifier, ids, MAX_NEW, {2})
         stats = acceptance_stats(spec.accepted, K)
         assert stats["tau"] == K + 1 and stats["acceptance"] == [1.0] * K
+
+
+def test_all_accepted_round_keeps_the_whole_cache(tiny):
+    """j = K: nothing to roll back (crop(0) empties the cache in some transformers 5.x releases)."""
+    verifier, prompts = tiny
+    ids = prompts[0]
+    n = ids.shape[1]
+    table = greedy_table(verifier, ids, 2 * K + 4)
+    cache, first, _ = prefill(verifier, ids, TINY_TAPS)
+    drafts = table[n + 1 : n + 1 + K]  # the oracle's K drafts after x_n
+    greedy, _ = verify(verifier, cache, first, drafts, TINY_TAPS)
+    assert accept(drafts, greedy) == K
+    rollback(cache, K - K)
+    assert cache.get_seq_length() == n + K + 1
+    bonus = greedy[K:]  # the next round verifies on top of the kept cache: still exactly greedy
+    again, _ = verify(verifier, cache, bonus, table[n + K + 2 : n + 2 * K + 2], TINY_TAPS)
+    assert torch.equal(again, table[n + K + 2 : n + 2 * K + 3])
+    rollback(cache, 2)
+    assert cache.get_seq_length() == n + 2 * K
+
+
+@pytest.fixture(scope="module")
+def sliding_verifier():
+    """A tiny random Mistral-style verifier whose every layer attends to a 16-token window."""
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                           max_position_embeddings=512, tie_word_embeddings=False)
+    return MistralForCausalLM(config).eval()
+
+
+def test_sliding_window_verifier_rolls_back_past_its_window(sliding_verifier):
+    """Prompt (40) longer than the window (16): partly right drafts force rollbacks inside sliding layers."""
+    ids = torch.randint(3, 512, (1, 40), generator=torch.Generator().manual_seed(1))
+    expected = sliding_verifier.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                                         eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert greedy_decode(sliding_verifier, ids, MAX_NEW, set()) == expected
+    table = greedy_table(sliding_verifier, ids, MAX_NEW + K + 2)
+    table[::3] = (table[::3] + 1) % 512
+    spec = speculative_decode(sliding_verifier, TableDrafter(table, 512), ids, TINY_TAPS, K, MAX_NEW, set())
+    assert spec.tokens == expected and 0 < max(spec.accepted) and min(spec.accepted) < K
 
 
 def test_always_wrong_drafter_accepts_nothing(tiny):

@@ -97,10 +97,32 @@ def forward_verifier(verifier, cache: DynamicCache, input_ids: Tensor, layer_ids
     return out.logits[0].argmax(-1), tapped_features(out.hidden_states, layer_ids)
 
 
+def new_cache() -> DynamicCache:
+    """A verifier KV cache whose every layer can be rolled back to any length.
+
+    ``DynamicCache(config=...)`` gives sliding-window layers (Mistral, hybrid families) a cache that
+    keeps only the last window - 1 keys, which transformers refuses to crop once the window is full
+    ("crop was called, but the current layer does not track past states"). Without a config every
+    layer keeps all its keys; a sliding layer still sees only its window, since the model builds its
+    masks from positions (``create_sliding_window_causal_mask``), not from what the cache holds.
+    """
+    return DynamicCache()
+
+
+def rollback(cache: DynamicCache, tokens: int) -> None:
+    """Drop the last ``tokens`` positions of every layer.
+
+    Nothing to drop (every draft accepted) skips the call: some transformers 5.x releases read a
+    non-negative ``crop`` argument as the length to keep, so ``crop(0)`` would empty the cache.
+    """
+    if tokens > 0:
+        cache.crop(-tokens)
+
+
 @torch.no_grad()
 def prefill(verifier, prompt_ids: Tensor, layer_ids: Sequence[int]) -> tuple[DynamicCache, Tensor, Tensor]:
     """Verifier over the prompt x_0..x_{n-1}: (cache, x_n [1], features g_0..g_{n-1} [1, n, 3H])."""
-    cache = DynamicCache(config=verifier.config)
+    cache = new_cache()
     next_id, features = forward_verifier(verifier, cache, prompt_ids, layer_ids, logits_to_keep=1)
     return cache, next_id, features
 
@@ -170,7 +192,7 @@ def speculative_decode(verifier, drafter: nn.Module, prompt_ids: Tensor, layer_i
         drafts = draft_k(drafter, dcache, features, next_ids, start, draft_tokens)
         greedy, verified = verify(verifier, vcache, next_ids[-1:], drafts, layer_ids)
         j = accept(drafts, greedy)
-        vcache.crop(-(draft_tokens - j))  # rollback: keep [last, d_1..d_j]; the bonus y_j is next step's input
+        rollback(vcache, draft_tokens - j)  # keep [last, d_1..d_j]; the bonus y_j is next step's input
         start += len(next_ids)
         next_ids = torch.cat([drafts[:j], greedy[j : j + 1]])  # [j + 1] new tokens
         features = verified[:, : j + 1]  # features at the inputs [last, d_1..d_j]
@@ -182,7 +204,7 @@ def speculative_decode(verifier, drafter: nn.Module, prompt_ids: Tensor, layer_i
 @torch.no_grad()
 def greedy_decode(verifier, prompt_ids: Tensor, max_new_tokens: int, eos_ids: set[int]) -> list[int]:
     """Plain greedy decoding with a KV cache, one verifier forward per token (the reference and the speed baseline)."""
-    cache = DynamicCache(config=verifier.config)
+    cache = new_cache()
     input_ids, tokens = prompt_ids, []
     while len(tokens) < max_new_tokens and not (tokens and tokens[-1] in eos_ids):
         logits = verifier(input_ids=input_ids, logits_to_keep=1, **cache_kwargs(verifier, cache)).logits
