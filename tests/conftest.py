@@ -6,6 +6,7 @@ so repeated local runs pay it once; CI on a fresh clone pays it once per run.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -74,6 +75,27 @@ def tiny_verifier_dir(smollm2_dir: Path) -> Path:
         }
     )
     return _cached_import("tiny-random", model)
+
+
+# A chat template for a base model: BOS, plain-text turns, and an end-of-turn marker after every
+# answer that is also the stop string generation ends on (README: Your own verifier).
+BASE_END_OF_TURN = "<|endoftext|>"
+BASE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}Assistant: {{ m.content }}"
+    + BASE_END_OF_TURN + "\n{% else %}{{ m.role | capitalize }}: {{ m.content }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant: {% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def base_tokenizer_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
+    """SmolLM2's tokenizer as a base model ships it: no chat template."""
+    folder = tmp_path_factory.mktemp("base-tokenizer")
+    shutil.copy(smollm2_dir / "tokenizer.json", folder)
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<|im_start|>", "eos_token": BASE_END_OF_TURN}))
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -79,7 +79,7 @@ def test_local_smollm2_answers_counts_and_rerun(tmp_path, smollm2_dir):
 
 def test_answer_counts_the_stop_token_once(tiny_verifier_dir):
     backend = LocalBackend.__new__(LocalBackend)  # only the tokenizer-side fields matter here
-    backend.tokenizer, backend.eos_ids = load_tokenizer(tiny_verifier_dir), {2}
+    backend.tokenizer, backend.eos_ids, backend.stop_strings = load_tokenizer(tiny_verifier_dir), {2}, []
     backend.generate_cfg = OmegaConf.create({"think_tags": ["<think>", "</think>"]})
     request = Request("r", "p", [], [1, 2, 3], 0)
     stopped = backend.to_answer(request, [28, 29, 2, 2, 2])  # stop, then padding

@@ -123,12 +123,14 @@ def apply_template(tokenizer, messages: list[dict], fmt: ChatFormat, add_generat
     )
 
 
-def render(tokenizer, messages: list[dict], fmt: ChatFormat, finished: bool = True) -> tuple[list[int], list[int]]:
+def render(tokenizer, messages: list[dict], fmt: ChatFormat, finished: bool = True,
+           stop: str | None = None) -> tuple[list[int], list[int]]:
     """``input_ids`` and ``loss_mask`` of a conversation whose last message is the generated answer.
 
     The answer span is found by rendering twice: the prompt with the generation prompt (the span
     starts where that text ends) and the whole conversation (the span ends with the first
-    ``fmt.end_of_turn`` after the answer's content). Tokens overlapping the span, by character
+    end-of-turn marker after the answer's content: ``stop``, the generate.stop string that ended
+    the answer, else ``fmt.end_of_turn``). Tokens overlapping the span, by character
     offsets, are masked. Only the last (generated) turn is masked; earlier assistant turns of a
     prompt were not written by the verifier. An answer cut by the token limit (``finished``
     False) never produced the end-of-turn token: the span then ends with the content. ChatML:
@@ -152,10 +154,11 @@ def render(tokenizer, messages: list[dict], fmt: ChatFormat, finished: bool = Tr
     content_at = text.find(content, len(head))
     if content_at < 0:
         raise RenderError("the answer's content does not appear in the rendered conversation")
-    marker_at = text.find(fmt.end_of_turn, content_at + len(content))
+    marker = stop or fmt.end_of_turn
+    marker_at = text.find(marker, content_at + len(content))
     if marker_at < 0:
-        raise RenderError(f"no end-of-turn marker {fmt.end_of_turn!r} after the answer")
-    start, end = len(head), marker_at + len(fmt.end_of_turn) if finished else content_at + len(content)
+        raise RenderError(f"no end-of-turn marker {marker!r} after the answer")
+    start, end = len(head), marker_at + len(marker) if finished else content_at + len(content)
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(stop > start and first < end) for first, stop in encoding["offset_mapping"]]
     return list(encoding["input_ids"]), mask
@@ -179,7 +182,7 @@ def prepare(records: list[dict], tokenizer, fmt: ChatFormat, max_length: int) ->
         problem = record_problem(record)
         if problem is None:
             try:
-                ids, mask = render(tokenizer, record["messages"], fmt, record.get("finish_reason") != "length")
+                ids, mask = render(tokenizer, record["messages"], fmt, record.get("finish_reason") != "length", record.get("stop"))
             except RenderError as err:
                 problem = f"render: {err}"
         if problem is None:

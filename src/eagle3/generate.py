@@ -144,6 +144,7 @@ def generation_params(generate: DictConfig, backend_name: str) -> dict:
         "temperature": float(generate.temperature),
         "top_p": float(generate.top_p),
         "seed": int(generate.seed),  # the base; each record samples with a seed derived from its id
+        **({"stop": list(generate.stop)} if generate.get("stop") else {}),  # absent when unused: ids stay as before
     }
 
 
@@ -184,6 +185,7 @@ def to_record(prompt: dict, request: Request, answer: Answer, generation: dict) 
         "prompt_tokens": answer.prompt_tokens,
         "completion_tokens": answer.completion_tokens,
         "generation": {**generation, "seed": request.seed},  # this record's own sampling seed
+        **({"stop": answer.stop} if answer.stop is not None else {}),  # the stop string that ended it (extract masks it)
     }
 
 

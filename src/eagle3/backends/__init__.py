@@ -42,6 +42,7 @@ class Answer:
     finish_reason: str  # "stop" (end of sequence) or "length" (max_new_tokens reached)
     prompt_tokens: int
     completion_tokens: int  # generated tokens, the stop token included (as servers count them)
+    stop: str | None = None  # the generate.stop string that ended the answer (not in content); None: EOS or length
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,19 @@ def split_reasoning(text: str, tags: Sequence[str] | None) -> tuple[str | None, 
     if text.lstrip().startswith(start):
         return text.lstrip().removeprefix(start).strip(), ""
     return None, text
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
+    """``text`` up to the earliest stop string, and that string (None when none occurs).
+
+    Example: ``cut_at_stop("4.\nUser: and", ["\nUser:"])`` -> ``("4.", "\nUser:")``. Servers cut
+    there themselves; this also covers one that ignores the API's ``stop``.
+    """
+    found = [(at, stop) for stop in stops if (at := text.find(stop)) >= 0]
+    if not found:
+        return text, None
+    at, stop = min(found)
+    return text[:at], stop
 
 
 SURROGATES = re.compile("[\ud800-\udfff]")

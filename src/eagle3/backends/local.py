@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from eagle3.backends import Answer, Done, Request, split_reasoning
+from eagle3.backends import Answer, Done, Request, cut_at_stop, split_reasoning
 from eagle3.verifier import eos_token_ids, load_tokenizer, load_verifier
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class LocalBackend:
         self.batch_size = int(cfg.batch_size)
         self.generate_cfg = generate
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
+        self.stop_strings = [str(stop) for stop in generate.get("stop") or []]
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
 
@@ -94,7 +95,7 @@ class LocalBackend:
         input_ids, attention_mask = left_pad([r.prompt_ids for r in batch], self.pad_id)  # [B, T]
         config = GenerationConfig(
             max_new_tokens=int(gen.max_new_tokens), do_sample=False,
-            eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id,
+            eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id, stop_strings=self.stop_strings or None,
         )
         processors = LogitsProcessorList()
         if float(gen.temperature) > 0:
@@ -102,19 +103,30 @@ class LocalBackend:
         device = self.model.device
         output = self.model.generate(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-            generation_config=config, logits_processor=processors,
+            generation_config=config, logits_processor=processors, tokenizer=self.tokenizer,  # (stop strings need it)
         )
         new_tokens = output[:, input_ids.shape[1] :].tolist()  # [B, <= max_new_tokens]
         return [self.to_answer(r, tokens) for r, tokens in zip(batch, new_tokens)]
 
     def to_answer(self, request: Request, tokens: list[int]) -> Answer:
-        """Cut a generated row at its first stop token (kept in the count, not in the text)."""
+        """Cut a generated row at its first stop token or stop string (counted, not in the text)."""
         stop = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
         kept = tokens if stop is None else tokens[: stop + 1]
         text = self.tokenizer.decode(kept if stop is None else kept[:-1], skip_special_tokens=False)
+        text, matched = cut_at_stop(text, self.stop_strings)
+        if matched is not None:
+            kept = self.tokens_through(kept, len(text) + len(matched))
         reasoning, content = split_reasoning(text, self.generate_cfg.think_tags)
         return Answer(
             content=content, reasoning_content=reasoning,
-            finish_reason="length" if stop is None else "stop",
-            prompt_tokens=len(request.prompt_ids), completion_tokens=len(kept),
+            finish_reason="length" if stop is None and matched is None else "stop",
+            prompt_tokens=len(request.prompt_ids), completion_tokens=len(kept), stop=matched,
         )
+
+    def tokens_through(self, tokens: list[int], chars: int) -> list[int]:
+        """The shortest prefix of ``tokens`` whose text is ``chars`` long or longer: the answer up to its
+        stop string (generation halts on the token completing it; a batch pads finished rows after it)."""
+        n = len(tokens)
+        while n > 1 and len(self.tokenizer.decode(tokens[: n - 1], skip_special_tokens=False)) >= chars:
+            n -= 1
+        return tokens[:n]

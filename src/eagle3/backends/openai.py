@@ -25,7 +25,7 @@ from typing import TypeVar
 import httpx
 from omegaconf import DictConfig
 
-from eagle3.backends import Answer, Done, Failure, Request, has_surrogates, split_reasoning
+from eagle3.backends import Answer, Done, Failure, Request, cut_at_stop, has_surrogates, split_reasoning
 from eagle3.common import UserError
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,12 @@ def retry_after(response: httpx.Response) -> float | None:
         return None
 
 
-def parse_answer(body: dict, think_tags: Sequence[str] | None) -> Answer:
-    """A chat completion body -> Answer; Retry when it is not a usable answer."""
+def parse_answer(body: dict, think_tags: Sequence[str] | None, stops: Sequence[str] = ()) -> Answer:
+    """A chat completion body -> Answer; Retry when it is not a usable answer.
+
+    The stop string that ended it: the one the server names (vLLM ``stop_reason``, SGLang
+    ``matched_stop``), else one still in the content (a server that ignored ``stop``: cut there).
+    """
     try:
         choice = body["choices"][0]
         message, finish_reason = choice["message"], choice["finish_reason"]
@@ -108,11 +112,17 @@ def parse_answer(body: dict, think_tags: Sequence[str] | None) -> Answer:
         raise Retry("malformed response: content is not a string")
     if has_surrogates(content) or has_surrogates(reasoning or ""):
         raise Retry("malformed response: text is not valid UTF-8")
+    content, stop = cut_at_stop(content, stops)
+    named = choice.get("stop_reason") or choice.get("matched_stop")
+    if stop is None and finish_reason == "stop" and named in stops:
+        stop = named
+    if stop is not None:
+        finish_reason = "stop"
     if reasoning is None:
         reasoning, content = split_reasoning(content, think_tags)
     if not content and not reasoning:  # a server glitch more often than a model's choice; whitespace counts
         raise Retry("empty answer")
-    return Answer(content, reasoning, finish_reason, prompt_tokens, completion_tokens)
+    return Answer(content, reasoning, finish_reason, prompt_tokens, completion_tokens, stop)
 
 
 class OpenAIBackend:
@@ -126,6 +136,7 @@ class OpenAIBackend:
         self.timeout = float(cfg.timeout)
         self.policy = RetryPolicy(int(cfg.max_retries), float(cfg.backoff), float(cfg.backoff_max))
         self.generate = generate
+        self.stops = [str(stop) for stop in generate.get("stop") or []]
 
     def run(self, requests: Sequence[Request], finished: Collection[str], done: Done) -> None:
         todo = [r for r in requests if r.id not in finished]
@@ -178,10 +189,12 @@ class OpenAIBackend:
             "top_p": float(self.generate.top_p),
             "seed": request.seed,
         }
+        if self.stops:
+            body["stop"] = list(self.stops)
 
         async def attempt(url: str) -> Answer:
             response = await client.post(f"{url}/chat/completions", json=body)
-            return parse_answer(checked_json(response), self.generate.think_tags)
+            return parse_answer(checked_json(response), self.generate.think_tags, self.stops)
 
         urls = self.base_urls[index % len(self.base_urls) :] + self.base_urls[: index % len(self.base_urls)]
         return await self.retrying(attempt, urls)

@@ -37,10 +37,16 @@ PR_SET_PDEATHSIG = 1
 LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
 
 
-def launch_command(cfg: DictConfig, model_path: Path) -> list[str]:
-    """The ``sglang.launch_server`` command line for the params' ``backend`` section."""
+def launch_command(cfg: DictConfig, model_path: Path, chat_template: Path | None = None) -> list[str]:
+    """The ``sglang.launch_server`` command line for the params' ``backend`` section.
+
+    ``chat_template``: the verifier folder's template file, given when ``model.chat_template`` is
+    set (the weights folder may be the original one, whose tokenizer lacks it).
+    """
     command = [*map(str, cfg.launcher), "--model-path", str(model_path), "--host", str(cfg.host),
                "--port", str(cfg.port), "--tp", str(cfg.tp), "--dp", str(cfg.dp)]
+    if chat_template is not None:
+        command += ["--chat-template", str(chat_template)]
     if cfg.reasoning_parser:
         command += ["--reasoning-parser", str(cfg.reasoning_parser)]
     if cfg.trust_remote_code:
@@ -103,7 +109,8 @@ def running_server(command: Sequence[str], host: str, port: int, health_timeout:
 class SGLangBackend:
     def __init__(self, cfg: DictConfig, verifier: Path, generate: DictConfig):
         self.cfg = cfg
-        self.command = launch_command(cfg, weights_dir(verifier))
+        template = verifier / "chat_template.jinja" if cfg.get("chat_template") else None
+        self.command = launch_command(cfg, weights_dir(verifier), template)
         self.client = OpenAIBackend(cfg, generate, base_urls=[f"http://{cfg.host}:{cfg.port}/v1"])
 
     def run(self, requests: Sequence[Request], finished: Collection[str], done: Done) -> None:

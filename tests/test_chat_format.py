@@ -1,0 +1,106 @@
+"""The configured chat template is the verifier's everywhere; stop strings end answers and close the loss mask."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import BASE_END_OF_TURN, BASE_TEMPLATE, TINY_LLAMA
+from eagle3.backends import Request, cut_at_stop
+from eagle3.backends.local import LocalBackend
+from eagle3.backends.openai import parse_answer
+from eagle3.backends.sglang import launch_command
+from eagle3.common import UserError
+from eagle3.extract import ChatFormat, render
+from eagle3.verifier import import_verifier, load_tokenizer, prompt_ids, read_meta
+from test_generate import generate, shard_file, stage_params
+
+
+def random_model(tokenizer: Path, chat_template: str | None = None, seed: int = 0, **config):
+    return OmegaConf.create({
+        "name": "tiny-base", "copy_weights": True, "trust_remote_code": False, "chat_template": chat_template,
+        "source": {"kind": "random", "tokenizer": str(tokenizer), "config": {**TINY_LLAMA, **config}, "seed": seed,
+                   "dtype": "float32"},
+    })
+
+
+@pytest.fixture(scope="module")
+def base_verifier(tmp_path_factory, base_tokenizer_dir) -> Path:
+    """A tiny random base model whose tokenizer has no template, with the base template configured."""
+    out = tmp_path_factory.mktemp("base") / "verifier"
+    import_verifier(random_model(base_tokenizer_dir, BASE_TEMPLATE), out)
+    return out
+
+
+def test_the_configured_template_is_written_into_the_verifier_folder(base_verifier, base_tokenizer_dir, tmp_path):
+    tokenizer = load_tokenizer(base_verifier)
+    assert tokenizer.chat_template == BASE_TEMPLATE and (base_verifier / "chat_template.jinja").is_file()
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tokenizer.decode(prompt_ids(tokenizer, messages)) == "<|im_start|>User: Hi\nAssistant: "  # BOS rendered
+    other = import_verifier(random_model(base_tokenizer_dir, BASE_TEMPLATE.replace("Assistant", "A")), tmp_path / "other")
+    assert other["fingerprint"]["tokenizer"] != read_meta(base_verifier)["fingerprint"]["tokenizer"]  # content-addressed
+
+
+def test_no_template_and_none_configured_is_one_clear_error(base_tokenizer_dir, tmp_path):
+    with pytest.raises(UserError, match=r"^model.chat_template: the verifier's tokenizer has no chat template"):
+        import_verifier(random_model(base_tokenizer_dir), tmp_path / "verifier")
+    assert not (tmp_path / "verifier").exists()
+
+
+def test_local_generation_ends_at_a_stop_string(tmp_path, tiny_verifier_dir):
+    verifier = tmp_path / "verifier"  # larger random weights than the fixture's: varied text, not one repeated token
+    import_verifier(random_model(tiny_verifier_dir, initializer_range=0.2, seed=1), verifier)
+    prompts = shard_file(tmp_path, load_tokenizer(verifier))
+    free = generate(tmp_path, verifier, prompts, stage_params(tmp_path, "generate.max_new_tokens=12"), "free")
+    text = free.records[0]["messages"][-1]["content"]
+    stop = text[len(text) // 2 :][:3]  # a piece of what the verifier writes anyway
+    params = stage_params(tmp_path, "generate.max_new_tokens=12")
+    params.generate.stop = [stop]
+    stopped = generate(tmp_path, verifier, prompts, params, "stopped").records[0]
+    assert 0 < text.find(stop) < len(text) // 2 + 1
+    assert stopped["messages"][-1]["content"] == text[: text.find(stop)]
+    assert (stopped["stop"], stopped["finish_reason"]) == (stop, "stop")
+    assert stopped["completion_tokens"] < 12 and stopped["generation"]["stop"] == [stop]
+    assert "stop" not in free.records[0] and "stop" not in free.records[0]["generation"]  # unchanged without stop strings
+
+
+def test_the_stop_token_of_a_padded_row_is_not_counted(tiny_verifier_dir):
+    backend = LocalBackend.__new__(LocalBackend)  # only the tokenizer-side fields matter here
+    backend.tokenizer, backend.eos_ids, backend.stop_strings = load_tokenizer(tiny_verifier_dir), {2}, ["\nUser:"]
+    backend.generate_cfg = OmegaConf.create({"think_tags": None})
+    ids = backend.tokenizer("4.\nUser: and more", add_special_tokens=False).input_ids
+    answer = backend.to_answer(Request("r", "p", [], [1], 0), ids + [2, 2])  # finished by the string, then padding
+    assert (answer.content, answer.stop, answer.finish_reason) == ("4.", "\nUser:", "stop")
+    assert backend.tokenizer.decode(ids[: answer.completion_tokens]) == "4.\nUser:"
+
+
+def test_server_answers_are_cut_and_the_matched_stop_is_kept():
+    usage = {"prompt_tokens": 5, "completion_tokens": 7}
+    ignored = {"choices": [{"message": {"content": "4.\nUser: and"}, "finish_reason": "length"}], "usage": usage}
+    answer = parse_answer(ignored, None, ["\nUser:"])  # a server that ignored `stop`
+    assert (answer.content, answer.stop, answer.finish_reason) == ("4.", "\nUser:", "stop")
+    named = {"choices": [{"message": {"content": "4."}, "finish_reason": "stop", "matched_stop": "\nUser:"}], "usage": usage}
+    assert parse_answer(named, None, ["\nUser:"]).stop == "\nUser:"
+    eos = {"choices": [{"message": {"content": "4."}, "finish_reason": "stop", "stop_reason": None}], "usage": usage}
+    assert parse_answer(eos, None, ["\nUser:"]).stop is None
+    assert cut_at_stop("a;b.c", [".", ";"]) == ("a", ";")
+
+
+def test_the_stop_string_is_the_end_of_turn_of_the_loss_mask(base_verifier):
+    tokenizer = load_tokenizer(base_verifier)
+    fmt = ChatFormat(None, "template", "\n")  # a configured end_of_turn the stop string overrides
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
+    ids, mask = render(tokenizer, messages, fmt, stop=BASE_END_OF_TURN)
+    learned = tokenizer.decode([i for i, m in zip(ids, mask) if m])
+    assert learned.strip() == "Hello there" + BASE_END_OF_TURN
+    cut_ids, cut_mask = render(tokenizer, messages, fmt, finished=False, stop=BASE_END_OF_TURN)
+    assert tokenizer.decode([i for i, m in zip(cut_ids, cut_mask) if m]).strip() == "Hello there"
+
+
+def test_sglang_is_given_the_configured_template(tmp_path):
+    params = stage_params(tmp_path, "backend=sglang", "layout=gpu1")
+    command = launch_command(params.backend, Path("/weights"), Path("models/verifier/chat_template.jinja"))
+    assert command[command.index("--chat-template") + 1] == "models/verifier/chat_template.jinja"
+    assert "--chat-template" not in launch_command(params.backend, Path("/weights"))
