@@ -1,12 +1,18 @@
-"""Stage ``train``: data order, schedule, resume after a crash, 2-process torchrun = 1 process,
-learning on real SmolLM2 hidden states, and the exported drafter passing check-drafter."""
+"""Stage ``train``: data order, schedule, resume after a crash (metric history included), reruns
+over a finished run, run ids that follow the hidden-state bytes, the run lock, no orphaned workers,
+2-process torchrun = 1 process, learning on real SmolLM2 hidden states, and the exported drafter
+passing check-drafter."""
 
 from __future__ import annotations
 
 import csv
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from argparse import Namespace
 from pathlib import Path
 
@@ -15,13 +21,13 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import Dataset
 
-from eagle3.common import read_json
+from eagle3.common import UserError, read_json
 from eagle3.export import check_drafter
 from eagle3.extract import extract_shard
 from eagle3.loss import TrainingTimeTest, VerifierHead
 from eagle3.merge import merge
 from eagle3.parallel import World
-from eagle3.train import TrainConfig, fit, lr_factor, step_batches, train
+from eagle3.train import TrainConfig, fit, lock_run, lr_factor, step_batches, train
 
 from conftest import ROOT, project_params
 from test_extract import conversation, tiny_params, write_generated
@@ -65,22 +71,41 @@ class Items(Dataset):
         return self.items[i]
 
 
-def fit_debug(run_dir: Path, train_set: Dataset, val_set: Dataset, cfg: TrainConfig) -> dict:
+def fit_debug(run_dir: Path, train_set: Dataset, val_set: Dataset, cfg: TrainConfig, live_dir: Path | None = None) -> dict:
+    from dvclive import Live
+
     drafter = make_drafter(seed=11)
     head = VerifierHead(verifier_head_weight(drafter.config, drafter.d2t), drafter.d2t)
-    return fit(TrainingTimeTest(drafter, cfg.ttt_steps), head, train_set, val_set, cfg, 0, run_dir, CPU)
+    live = Live(str(live_dir), dvcyaml=False, save_dvc_exp=False) if live_dir else None
+    summary = fit(TrainingTimeTest(drafter, cfg.ttt_steps), head, train_set, val_set, cfg, 0, run_dir, CPU, live)
+    if live:
+        live.end()
+    return summary
+
+
+def live_files(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.name.startswith(skip)}
 
 
 def test_resume_after_crash_equals_uninterrupted(tmp_path):
     cfg = TrainConfig.from_params(OmegaConf.merge(DEBUG, {"max_steps": 7, "checkpoint_every": 3, "val_every": 2}))
     dcfg = make_drafter().config
     val = Items(dcfg, 3, seed=100)
-    whole = fit_debug(tmp_path / "whole", Items(dcfg, 6, seed=0), val, cfg)
+    whole = fit_debug(tmp_path / "whole", Items(dcfg, 6, seed=0), val, cfg, tmp_path / "live-whole")
     # Killed during step 5 (after the checkpoint of step 3 and a validation at step 4).
     with pytest.raises(RuntimeError, match="killed"):
-        fit_debug(tmp_path / "resumed", Items(dcfg, 6, seed=0, crash_after=2 * 4 + 1), val, cfg)
+        fit_debug(tmp_path / "resumed", Items(dcfg, 6, seed=0, crash_after=2 * 4 + 1), val, cfg, tmp_path / "live-resumed")
     assert torch.load(tmp_path / "resumed" / "latest.pt", weights_only=False)["step"] == 3
-    resumed = fit_debug(tmp_path / "resumed", Items(dcfg, 6, seed=0), val, cfg)
+    shutil.rmtree(tmp_path / "live-resumed")  # DVC removes the stage's metrics and plots before a rerun
+    resumed = fit_debug(tmp_path / "resumed", Items(dcfg, 6, seed=0), val, cfg, tmp_path / "live-resumed")
+    # The whole metric history of steps 1..7 (replayed up to the checkpoint), equal up to float noise.
+    whole_live, resumed_live = (live_files(tmp_path / f"live-{n}", skip=("tokens_per_s",)) for n in ("whole", "resumed"))
+    assert whole_live.keys() == resumed_live.keys() and "plots/metrics/train/loss.tsv" in whole_live
+    for name in ("plots/metrics/train/loss.tsv", "plots/metrics/val/sim_accept_len.tsv"):
+        rows = [[r.split("\t") for r in files[name].decode().splitlines()] for files in (whole_live, resumed_live)]
+        assert [r[0] for r in rows[0]] == [r[0] for r in rows[1]] and len(rows[0]) > 2, name  # every step
+        assert [float(r[1]) for r in rows[0][1:]] == pytest.approx([float(r[1]) for r in rows[1][1:]], rel=1e-5)
     a = torch.load(tmp_path / "whole" / "latest.pt", weights_only=False)
     b = torch.load(tmp_path / "resumed" / "latest.pt", weights_only=False)
     assert a["step"] == b["step"] == 7
@@ -131,8 +156,150 @@ def namespace(args: list[str]) -> Namespace:
 
 
 def final_weights(root: Path, name: str) -> dict[str, torch.Tensor]:
-    (run,) = (root / name / "checkpoints").iterdir()
+    (run,) = [p for p in (root / name / "checkpoints").iterdir() if p.is_dir()]
     return torch.load(run / "latest.pt", weights_only=False)["model"]
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_rerun_is_idempotent_and_training_deterministic(tiny_data, tiny_verifier_dir, caplog):
+    """A rerun over a finished run (what `dvc repro -f -s train` does, after DVC deleted the outputs
+    and the metrics) trains nothing and writes the same export, metrics and plots; a second run from
+    scratch exports the same bytes; nothing clock-dependent is inside the export."""
+    params = stage_params(tiny_data / "idem.yaml", max_steps=4)
+    args = namespace(stage_args(tiny_data, tiny_verifier_dir, "idem", params))
+    train(args, OmegaConf.load(params), CPU)
+    first, first_live = folder_bytes(args.out), folder_bytes(args.live)
+    assert b"tokens_per_s" not in first["meta.json"]
+    shutil.rmtree(args.out)
+    shutil.rmtree(args.live)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="eagle3.train"):
+        train(args, OmegaConf.load(params), CPU)
+    assert "at step 4" in caplog.text and "step 1 loss" not in caplog.text  # resumed finished, trained nothing
+    assert folder_bytes(args.out) == first
+    assert folder_bytes(args.live) == first_live
+    again = namespace(stage_args(tiny_data, tiny_verifier_dir, "again", params))
+    train(again, OmegaConf.load(params), CPU)
+    assert folder_bytes(again.out) == first
+
+
+def copy_data(tiny_data: Path, root: Path) -> Path:
+    for name in ("merged", "hidden"):
+        shutil.copytree(tiny_data / name, root / name)
+    return root
+
+
+def part_element(part: Path, tensor: str, element: int) -> int:
+    """The file offset of element ``element`` of a bf16 tensor of a safetensors part."""
+    header_len = int.from_bytes(part.read_bytes()[:8], "little")
+    header = json.loads(part.read_bytes()[8 : 8 + header_len])
+    assert header[tensor]["dtype"] == "BF16"
+    return 8 + header_len + header[tensor]["data_offsets"][0] + 2 * element
+
+
+def run_dirs(checkpoints: Path) -> set[str]:
+    return {p.name for p in checkpoints.iterdir() if p.is_dir()}
+
+
+def test_run_id_follows_hidden_state_bytes(tiny_data, tiny_verifier_dir, tmp_path, caplog):
+    """Different hidden states under the same merged manifest (re-extracted, or one flipped bit)
+    never resume another run's checkpoint; restoring the original bytes resumes the original run."""
+    root = copy_data(tiny_data, tmp_path)
+    params = stage_params(tmp_path / "p.yaml", max_steps=2)
+    args = namespace(stage_args(root, tiny_verifier_dir, "run", params))
+    train(args, OmegaConf.load(params), CPU)
+    (original,) = run_dirs(args.checkpoints)
+    part = next((root / "hidden").rglob("part-*.safetensors"))
+    pristine = part.read_bytes()
+    at = part_element(part, "aux", 5)
+    with part.open("r+b") as handle:  # the lowest mantissa bit: finite, same magnitude
+        handle.seek(at)
+        handle.write(bytes([pristine[at] ^ 1]))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="eagle3.train"):
+        train(args, OmegaConf.load(params), CPU)
+    assert "resumed" not in caplog.text
+    assert len(run_dirs(args.checkpoints)) == 2
+    part.write_bytes(pristine)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="eagle3.train"):
+        train(args, OmegaConf.load(params), CPU)
+    assert f"{original} at step 2" in caplog.text and len(run_dirs(args.checkpoints)) == 2
+
+
+def test_second_trainer_on_one_run_is_refused(tiny_data, tiny_verifier_dir, tmp_path):
+    params = stage_params(tmp_path / "p.yaml", max_steps=2)
+    args = namespace(stage_args(copy_data(tiny_data, tmp_path), tiny_verifier_dir, "run", params))
+    train(args, OmegaConf.load(params), CPU)
+    (run_dir,) = [p for p in args.checkpoints.iterdir() if p.is_dir()]
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from eagle3.train import lock_run; "
+                               "lock_run(__import__('pathlib').Path(sys.argv[1])); print('locked', flush=True); time.sleep(60)",
+                               str(run_dir)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(UserError, match=f"another trainer \\(pid {holder.pid}\\) is writing this run"):
+            train(args, OmegaConf.load(params), CPU)
+    finally:
+        holder.kill()
+        holder.wait()
+    lock_run(run_dir)  # free again once the holder is gone
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return sorted(found)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_sigkill_of_the_launcher_ends_torchrun_workers(tiny_data, tiny_verifier_dir, tmp_path):
+    """`kill -9` of the process running the stage (DVC) ends the torchrun agent and its workers,
+    which torchrun starts in their own session. A stand-in plays DVC: it runs the stage command
+    through bash with DVC_STAGE set, as `dvc repro` does."""
+    params = stage_params(tmp_path / "p.yaml", max_steps=1000, batch_size=2, checkpoint_every=1000, val_every=1000)
+    command = " ".join([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eagle3.train",
+                        *stage_args(copy_data(tiny_data, tmp_path), tiny_verifier_dir, "run", params), "--threads", "1"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    launcher = subprocess.Popen([sys.executable, "-c", "import os, subprocess, sys; "
+                                 "subprocess.run(['bash', '-c', sys.argv[1]], env={**os.environ, 'DVC_STAGE': 'train'})", command],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "run" / "live" / "plots").is_dir():  # training has started
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-3000:]
+        time.sleep(0.2)
+    started = descendants(launcher.pid)
+    assert len(started) >= 3  # torchrun agent + 2 workers
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 30
+    while [p for p in started if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in started if alive(p)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left running after the launcher was killed: {left}"
 
 
 def test_two_processes_equal_one(tiny_data, tiny_verifier_dir):

@@ -14,6 +14,8 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,11 +42,69 @@ def setup_logging(level: int = logging.INFO) -> None:
 def stage_main(fn: Callable[[list[str]], None]) -> None:
     """Run a stage's ``main(argv)``; turn a UserError into one line and exit 2."""
     setup_logging()
+    exit_with_launcher()
     try:
         fn(sys.argv[1:])
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+def exit_with_launcher(interval: float = 1.0) -> None:
+    """Exit when the process that launched this stage dies, even by SIGKILL (Linux).
+
+    DVC runs a stage as its child; torchrun starts its workers in a new session. So a ``kill -9``
+    of ``dvc repro``, or a SIGKILL of its process group, would leave the stage (or the torchrun
+    workers) running on, writing checkpoints next to the rerun's. A daemon thread watches the
+    chain of parents from this process up to the launcher: the processes of the same DVC stage
+    (same ``DVC_STAGE`` in their environment: shell, torchrun agent, spawned workers) and the
+    DVC process above them, or, outside DVC, the torchrun agent of a worker. When any of them is
+    gone (a parent changed: orphans are re-parented), this process exits at once; checkpoints and
+    outputs are written atomically, so nothing half-written is left. Nothing is watched when the
+    stage is run by hand (no DVC, no torchrun), or where ``/proc`` does not exist.
+    """
+    links = launcher_links()
+    if links:
+        threading.Thread(target=_watch_links, args=(links, interval), name="launcher-watch", daemon=True).start()
+
+
+def launcher_links() -> list[tuple[int, int]]:
+    """(pid, parent pid) pairs from this process up to the stage's launcher (see exit_with_launcher)."""
+    stage = os.environ.get("DVC_STAGE")
+    if not Path("/proc/self/stat").exists() or (stage is None and "TORCHELASTIC_RUN_ID" not in os.environ):
+        return []
+    links = [(os.getpid(), os.getppid())]
+    while stage is not None and _environ(links[-1][1]).get("DVC_STAGE") == stage:
+        pid = links[-1][1]
+        links.append((pid, _parent(pid)))
+    return links
+
+
+def _parent(pid: int) -> int:
+    """The parent pid of ``pid`` (0 when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[1])  # fields after "(comm)": state, ppid, ...
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _watch_links(links: list[tuple[int, int]], interval: float) -> None:
+    while True:
+        time.sleep(interval)
+        for pid, parent in links:
+            if _parent(pid) != parent:
+                print(f"eagle3: process {parent} that launched this stage is gone; stopping (pid {os.getpid()})",
+                      file=sys.stderr, flush=True)
+                os._exit(143)  # at once: the rerun owns the outputs now
 
 
 def load_params(path: str | os.PathLike = "params.yaml") -> DictConfig:

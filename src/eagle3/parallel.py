@@ -61,6 +61,15 @@ def all_reduce_sum(x: Tensor, world: World) -> Tensor:
     return x
 
 
+def broadcast_object(obj, world: World):
+    """The main process's ``obj`` (picklable) on every process."""
+    if world.size > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
 def barrier(world: World) -> None:
     if world.size > 1:
         dist.barrier()

@@ -10,20 +10,30 @@ optimizer step) for every optimizer step; ``validate`` every ``val_every`` steps
 weights of the best validation simulated acceptance length; ``save_checkpoint`` every
 ``checkpoint_every`` steps into ``<checkpoints>/<run hash>/`` (outside the DVC outputs). A killed
 run started again with the same inputs resumes from its last checkpoint: weights, optimizer,
-scheduler, step (which fixes the data position: the order is a function of seed and step) and
-RNG states. At the end the best weights are exported and checked (``eagle3.export``).
+scheduler, step (which fixes the data position: the order is a function of seed and step), RNG
+states and the metric history, which is replayed into dvclive so a resumed run's metrics and plots
+are those of an uninterrupted one. The run hash covers every input of training (params, code, the
+merged mixture and the bytes of every hidden-state file it references), and a lock on its folder
+keeps a second trainer out. A rerun over a finished run trains nothing and re-exports the same
+bytes. At the end the best weights are exported and checked (``eagle3.export``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
 import logging
 import math
 import os
 import random
 import time
-from dataclasses import dataclass, fields
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
 from functools import partial
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -32,9 +42,10 @@ import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
+from tqdm import tqdm
 
 from eagle3 import parallel
-from eagle3.common import UserError, atomic_dir, load_params, read_json, sha256_file, stable_hash, stage_main, to_plain
+from eagle3.common import UserError, atomic_dir, load_params, read_json, sha256_file, stable_hash, stage_main, to_plain, write_json
 from eagle3.export import check_drafter, verifier_facts, write_drafter
 from eagle3.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
 from eagle3.model import DraftConfig, Eagle3Drafter
@@ -43,6 +54,8 @@ from eagle3.parallel import World
 log = logging.getLogger(__name__)
 
 VERIFIER_KEYS = {"embed": "model.embed_tokens.weight", "head": "lm_head.weight", "norm": "model.norm.weight"}
+TRAINING_CODE = ("train.py", "loss.py", "model.py", "parallel.py", "data.py", "storage.py")  # what changes the weights
+CLOCK_METRICS = ("tokens_per_s",)  # logged to dvclive and the log, never written into models/drafter
 
 
 @dataclass(frozen=True)
@@ -166,6 +179,7 @@ class TrainState:
 
     step: int = 0  # optimizer steps done; also the data position
     best: dict | None = None  # best validation summary so far, with its "step"
+    history: list = field(default_factory=list)  # every logged (step, prefix, metrics), replayed on resume
 
 
 def train_step(model, head: VerifierHead, micro: list[dict], optimizer, scheduler, cfg: TrainConfig, world: World) -> tuple[Tensor, Tensor]:
@@ -219,7 +233,7 @@ def save_checkpoint(run_dir: Path, model, optimizer, scheduler, state: TrainStat
     if world.main:
         save_atomic(run_dir / "latest.pt", {
             "model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
-            "step": state.step, "best": state.best, "rng": rng_state(),
+            "step": state.step, "best": state.best, "history": state.history, "rng": rng_state(),
         })
     parallel.barrier(world)
 
@@ -244,7 +258,7 @@ def resume(run_dir: Path, model, optimizer, scheduler, world: World) -> TrainSta
     if world.main and best.is_file() and torch.load(best, map_location="cpu", weights_only=False)["step"] > saved["step"]:
         best.unlink()  # written after the last checkpoint by the killed run; the replay rewrites it
     log.info("resumed %s at step %d", run_dir, saved["step"])
-    return TrainState(step=saved["step"], best=saved["best"])
+    return TrainState(step=saved["step"], best=saved["best"], history=saved["history"])
 
 
 def save_atomic(path: Path, obj: dict) -> None:
@@ -285,8 +299,10 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: 
                                   weight_decay=cfg.weight_decay, fused=world.device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, warmup=cfg.warmup_steps, total=total, floor=cfg.min_lr_ratio))
     state = resume(run_dir, model, optimizer, scheduler, world)
+    for step, prefix, metrics in state.history:
+        log_metrics(live, step, prefix, metrics)
     batches = iter(loader(train_set, StepSampler(len(train_set), state.step, total, cfg, seed, world), cfg, world))
-    window, clock, last = torch.zeros(5, cfg.ttt_steps, device=world.device), Window(), {}
+    window, clock = torch.zeros(5, cfg.ttt_steps, device=world.device), Window()
     while state.step < total:
         micro = [to_device(next(batches), world.device) for _ in range(cfg.grad_accum)]
         sums, norm = train_step(model, head, micro, optimizer, scheduler, cfg, world)
@@ -295,16 +311,18 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: 
         clock.add(sum(b["tokens"] for b in micro), norm)
         done = state.step == total
         if state.step % cfg.log_every == 0 or done:
-            last = log_train(live, state.step, window, clock, scheduler.get_last_lr()[0], cfg, world)  # host sync
+            metrics = train_metrics(state.step, window, clock, scheduler.get_last_lr()[0], cfg, world)  # host sync
+            record(live, state, "train", metrics)
             window.zero_()
         if state.step % cfg.val_every == 0 or done:
             metrics = validate(model, head, val_set, cfg, world)
-            log_metrics(live, state.step, "val", metrics)
+            record(live, state, "val", metrics)
             if state.best is None or metrics["sim_accept_len"] > state.best["sim_accept_len"]:
                 state.best = {**metrics, "step": state.step}
                 save_best(run_dir, model, state, world)
         if state.step % cfg.checkpoint_every == 0 or done:
             save_checkpoint(run_dir, model, optimizer, scheduler, state, world)
+    last = next((metrics for _, prefix, metrics in reversed(state.history) if prefix == "train"), {})
     return {"steps": total, "train": last, "best": state.best}
 
 
@@ -327,15 +345,20 @@ class Window:
         return rate, norm
 
 
-def log_train(live, step: int, window: Tensor, clock: Window, lr: float, cfg: TrainConfig, world: World) -> dict[str, float]:
+def train_metrics(step: int, window: Tensor, clock: Window, lr: float, cfg: TrainConfig, world: World) -> dict[str, float]:
     metrics = StepMetrics(parallel.all_reduce_sum(window.clone(), world)).summary(cfg.step_decay)
     tokens_per_s, grad_norm = clock.take(world)
     metrics.update(lr=lr, tokens_per_s=tokens_per_s, grad_norm=grad_norm)
-    log_metrics(live, step, "train", metrics)
     if world.main:
         log.info("step %d loss %.4f acc_0 %.3f sim_accept_len %.3f lr %.2e %.0f tok/s", step, metrics["loss"],
                  metrics["acc_0"], metrics["sim_accept_len"], lr, tokens_per_s)
     return metrics
+
+
+def record(live, state: TrainState, prefix: str, metrics: dict[str, float]) -> None:
+    """Log ``metrics`` at the current step and keep them in the state (checkpointed, replayed on resume)."""
+    state.history.append((state.step, prefix, metrics))
+    log_metrics(live, state.step, prefix, metrics)
 
 
 def log_metrics(live, step: int, prefix: str, metrics: dict[str, float]) -> None:
@@ -386,12 +409,103 @@ def open_data(merged: Path, hidden_states: Path, fingerprint: str) -> tuple[Data
     return train_set, val_set, meta, load_file(merged / "vocab.safetensors")["d2t"]
 
 
-def run_id(cfg: TrainConfig, draft: DraftConfig, merged: Path, fingerprint: str, seed: int, world: World) -> str:
-    """Checkpoint folder name: changes with anything that would make resuming wrong (the code included)."""
-    data = [sha256_file(merged / name) for name in ("manifest.jsonl", "vocab.safetensors")]
-    code = [sha256_file(Path(__file__).with_name(name)) for name in ("train.py", "loss.py", "model.py", "parallel.py", "data.py")]
-    return stable_hash({"train": cfg.__dict__, "draft": draft.to_dict(), "data": data, "code": code, "verifier": fingerprint,
+# ---------------------------------------------------------------------------------------------
+# Run identity: the checkpoint folder is keyed by everything that determines the trained weights
+
+
+def run_id(cfg: TrainConfig, draft: DraftConfig, fingerprint: str, seed: int, world: World, inputs: dict[str, str]) -> str:
+    """Checkpoint folder name: changes with anything that would make resuming wrong.
+
+    ``inputs``: content digests of every data file training reads (``training_inputs``). The code
+    of training is included; export code is not (a rerun after an export change resumes the
+    finished run and only re-exports).
+    """
+    code = [sha256_file(Path(__file__).with_name(name)) for name in TRAINING_CODE]
+    return stable_hash({"train": cfg.__dict__, "draft": draft.to_dict(), "inputs": inputs, "code": code, "verifier": fingerprint,
                         "seed": seed, "world": world.size})
+
+
+def training_inputs(merged: Path, hidden_states: Path, shards: list[str], cache: Path) -> dict[str, str]:
+    """sha256 of every file of ``merged`` and of the referenced hidden-state shards, by relative path."""
+    files = {f"merged/{p.relative_to(merged)}": p for p in sorted(merged.rglob("*")) if p.is_file()}
+    for shard in shards:
+        folder = hidden_states / shard
+        files.update({f"hidden_states/{p.relative_to(hidden_states)}": p for p in sorted(folder.rglob("*")) if p.is_file()})
+    return content_digests(files, cache)
+
+
+def content_digests(files: dict[str, Path], cache: Path) -> dict[str, str]:
+    """sha256 of each file's whole content; a digest is reused while the file's stat is unchanged.
+
+    Why full content and not sampled bytes or sizes: one flipped byte in a part must give another
+    run id. Why the stat cache: rehashing terabytes of hidden states on every resume would cost
+    minutes per TB. A cached digest is reused only while (device, inode, size, mtime, ctime) is
+    unchanged — the test DVC itself uses to skip rehashing, plus ctime, which no user tool can set
+    back — so any write to a file, or a different file restored in its place, is hashed again.
+    Files are hashed in parallel threads (hashlib releases the GIL), with a progress bar.
+    """
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+    stats = {name: file_stat(path) for name, path in files.items()}
+    todo = {name: path for name, path in files.items() if known.get(str(path.resolve()), {}).get("stat") != stats[name]}
+    progress = tqdm(total=sum(stats[name][2] for name in todo), desc="hash inputs", unit="B", unit_scale=True, disable=not todo)
+
+    def digest(path: Path) -> str:
+        hasher = hashlib.sha256()
+        with path.open("rb") as handle:
+            while block := handle.read(1 << 24):
+                hasher.update(block)
+                progress.update(len(block))
+        return hasher.hexdigest()
+
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        fresh = dict(zip(todo, pool.map(digest, todo.values())))
+    progress.close()
+    if fresh:
+        known.update({str(files[name].resolve()): {"stat": stats[name], "sha256": sha} for name, sha in fresh.items()})
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        write_json(tmp, known)
+        os.replace(tmp, cache)
+    return {name: fresh.get(name) or known[str(path.resolve())]["sha256"] for name, path in files.items()}
+
+
+def file_stat(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def lock_run(run_dir: Path) -> int:
+    """An exclusive lock on ``run_dir`` (the open descriptor; closing it or exiting releases it);
+    refuses when another trainer holds it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise UserError(f"{run_dir}: another trainer (pid {holder}) is writing this run; wait for it to end or stop it") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+@contextlib.contextmanager
+def run_folder(args: argparse.Namespace, shards: list[str], make_id, world: World) -> Iterator[Path]:
+    """This run's checkpoint folder, locked by the main process until the block ends.
+
+    The main process hashes the inputs and takes the lock; the others get the folder from it.
+    """
+    run_dir, lock = None, None
+    if world.main:
+        inputs = training_inputs(args.merged, args.hidden_states, shards, args.checkpoints / "digests.json")
+        run_dir = args.checkpoints / make_id(inputs=inputs)
+        lock = lock_run(run_dir)
+    try:
+        yield parallel.broadcast_object(run_dir, world)
+    finally:
+        if lock is not None:
+            os.close(lock)  # closing the descriptor releases the flock
 
 
 def export(out: Path, verifier: Path, state: dict[str, Tensor], draft: DraftConfig, embed: Tensor, d2t: Tensor, training: dict) -> None:
@@ -426,21 +540,24 @@ def train(args: argparse.Namespace, params, world: World) -> dict[str, Any]:
     drafter.set_draft_vocab(d2t.to(world.device))
     norm = tensors["norm"] if meta["final_state"] == "pre-norm" else None
     head = VerifierHead(tensors["head"].to(world.device, dtype), d2t.to(world.device), norm, draft.rms_norm_eps).to(world.device)
-    run_dir = args.checkpoints / run_id(cfg, draft, args.merged, fingerprint, seed, world)
-    live = None
-    if world.main:
-        from dvclive import Live
+    shards = sorted({row["shard"] for row in train_set.rows + val_set.rows})
+    make_id = partial(run_id, cfg, draft, fingerprint=fingerprint, seed=seed, world=world)
+    with run_folder(args, shards, make_id, world) as run_dir:
+        live = None
+        if world.main:
+            from dvclive import Live
 
-        live = Live(str(args.live), dvcyaml=False, save_dvc_exp=False, resume=(run_dir / "latest.pt").is_file())
-    summary = fit(TrainingTimeTest(drafter, cfg.ttt_steps), head, train_set, val_set, cfg, seed, run_dir, world, live)
-    if world.main:
-        best = torch.load(run_dir / "best.pt", map_location="cpu", weights_only=False)
-        training = {**summary, "run": run_dir.name, "processes": world.size, "params": to_plain(params.train),
-                    "data": {"merged": str(args.merged), "train_samples": len(train_set), "val_samples": len(val_set)}}
-        export(args.out, args.verifier, best["model"], draft, tensors["embed"], d2t, training)
-        for name, value in (summary["best"] or {}).items():
-            live.log_metric(f"best/{name}", value, plot=False)
-        live.end()
+            live = Live(str(args.live), dvcyaml=False, save_dvc_exp=False)  # a fresh record; fit replays a resumed history
+        summary = fit(TrainingTimeTest(drafter, cfg.ttt_steps), head, train_set, val_set, cfg, seed, run_dir, world, live)
+        if world.main:
+            best = torch.load(run_dir / "best.pt", map_location="cpu", weights_only=False)
+            training = {**summary, "train": {k: v for k, v in summary["train"].items() if k not in CLOCK_METRICS},
+                        "run": run_dir.name, "processes": world.size, "params": to_plain(params.train),
+                        "data": {"merged": str(args.merged), "train_samples": len(train_set), "val_samples": len(val_set)}}
+            export(args.out, args.verifier, best["model"], draft, tensors["embed"], d2t, training)
+            for name, value in (summary["best"] or {}).items():
+                live.log_metric(f"best/{name}", value, plot=False)
+            live.end()
     parallel.barrier(world)
     return summary
 
