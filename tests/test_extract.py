@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle3.common import UserError, read_jsonl, write_json, write_jsonl
-from eagle3.storage import dequantize_fp8, quantize_fp8, read_rows
+from eagle3.storage import dequantize_fp8, magnitudes, quantize_fp8, read_rows
 from eagle3.extract import ChatFormat, PartWriter, Sample, Settings, check_sample, extract_samples, extract_shard, prepare, render
 from eagle3.verifier import load_tokenizer, load_verifier, read_meta
 
@@ -250,11 +250,11 @@ def test_validation_rejects_planted_nan(tmp_path, tiny_verifier_dir, tiny_model_
 def test_validation_rejects_id_mismatch():
     sample = Sample("a", 0, [5, 6, 7], [0, 1, 1], False)
     stored = {"input_ids": torch.tensor([5, 6, 8], dtype=torch.int32), "aux": torch.zeros(3, 6), "final": torch.zeros(3, 2)}
-    assert check_sample(sample, stored) == "stored input_ids differ from the rendered conversation"
+    assert check_sample(sample, stored, magnitudes(stored)) == "stored input_ids differ from the rendered conversation"
     stored["input_ids"][2] = 7
-    assert check_sample(sample, stored) is None
+    assert check_sample(sample, stored, magnitudes(stored)) is None
     stored["final"][1, 1] = float("inf")
-    assert check_sample(sample, stored) == "non-finite values (NaN/Inf) in final"
+    assert check_sample(sample, stored, magnitudes(stored)) == "non-finite values (NaN/Inf) in final"
 
 
 def test_preflight_refuses_before_loading_the_model(tmp_path, tiny_verifier_dir, tiny_model_params, monkeypatch):
@@ -294,6 +294,6 @@ def test_background_part_write_failure_reaches_the_extractor(tmp_path):
     tensors = {"input_ids": torch.tensor([1, 2, 3], dtype=torch.int32)}
     with pytest.raises(Exception, match="No such file|not found|os error"):
         with PartWriter(tmp_path / "missing" / "folder", part_bytes=1) as writer:
-            writer.add(sample, tensors)  # full at once: handed to the writer thread
-            writer.add(Sample("b", 1, [4], [1], False), {"input_ids": torch.tensor([4], dtype=torch.int32)})
+            writer.add(sample, tensors, {"aux": 1.0, "final": 1.0})  # full at once: handed to the writer thread
+            writer.add(Sample("b", 1, [4], [1], False), {"input_ids": torch.tensor([4], dtype=torch.int32)}, {"aux": 1.0, "final": 1.0})
     assert [entry["id"] for entry in writer.index] == ["a", "b"]

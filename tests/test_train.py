@@ -21,13 +21,13 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import Dataset
 
-from eagle3.common import UserError, read_json
+from eagle3.common import UserError, read_json, read_jsonl, stage_main
 from eagle3.export import check_drafter
 from eagle3.extract import extract_shard
 from eagle3.loss import TrainingTimeTest, VerifierHead
 from eagle3.merge import merge
 from eagle3.parallel import World
-from eagle3.train import TrainConfig, fit, lock_run, lr_factor, step_batches, train
+from eagle3.train import TrainConfig, fit, lock_run, lr_factor, main, step_batches, train
 
 from conftest import ROOT, project_params
 from test_extract import conversation, tiny_params, write_generated
@@ -214,8 +214,8 @@ def test_run_id_follows_hidden_state_bytes(tiny_data, tiny_verifier_dir, tmp_pat
     (original,) = run_dirs(args.checkpoints)
     part = next((root / "hidden").rglob("part-*.safetensors"))
     pristine = part.read_bytes()
-    at = part_element(part, "aux", 5)
-    with part.open("r+b") as handle:  # the lowest mantissa bit: finite, same magnitude
+    at = next(a for a in (part_element(part, "aux", i) for i in range(64)) if pristine[a] & 1)
+    with part.open("r+b") as handle:  # clear the lowest mantissa bit: finite, a hair smaller, passes the load checks
         handle.seek(at)
         handle.write(bytes([pristine[at] ^ 1]))
     caplog.clear()
@@ -228,6 +228,27 @@ def test_run_id_follows_hidden_state_bytes(tiny_data, tiny_verifier_dir, tmp_pat
     with caplog.at_level("INFO", logger="eagle3.train"):
         train(args, OmegaConf.load(params), CPU)
     assert f"{original} at step 2" in caplog.text and len(run_dirs(args.checkpoints)) == 2
+
+
+def test_corrupted_hidden_state_is_refused_in_one_line(tiny_data, tiny_verifier_dir, tmp_path, monkeypatch, capsys):
+    """One flipped byte pair in a part (an aux value becomes -2.35e38): train stops with one line
+    naming the part and the sample, and exits 2."""
+    root = copy_data(tiny_data, tmp_path)
+    row = next(r for r in read_jsonl(root / "merged" / "manifest.jsonl") if r["split"] == "val")  # every val sample is read
+    part = root / "hidden" / row["shard"] / row["part"]
+    width = 3 * read_json(root / "merged" / "meta.json")["hidden_size"]
+    at = part_element(part, "aux", row["offset"] * width + 7)
+    with part.open("r+b") as handle:
+        handle.seek(at)
+        handle.write(bytes([0x31, 0xFF]))  # bf16 0xFF31, little-endian: -2.35e38
+    params = stage_params(tmp_path / "p.yaml", max_steps=2)
+    monkeypatch.setattr(sys, "argv", ["eagle3.train", *stage_args(root, tiny_verifier_dir, "run", params)])
+    with pytest.raises(SystemExit) as exit:
+        stage_main(main)
+    assert exit.value.code == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert f"{part}: sample {row['id']}" in line and "aux holds -2.35e+38" in line, line
+    assert not (root / "run" / "drafter").exists()
 
 
 def test_second_trainer_on_one_run_is_refused(tiny_data, tiny_verifier_dir, tmp_path):

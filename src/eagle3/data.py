@@ -5,7 +5,9 @@
 
 Samples are token ranges of safetensors parts (format: ``eagle3.storage``), referenced by
 ``data/merged/manifest.jsonl``. Parts are memory-mapped with ``safetensors.safe_open`` and only
-the requested rows are read.
+the requested rows are read. Every sample read is checked against its shard's index (shapes,
+masked count, finite values within the magnitudes recorded at extraction): a corrupted part stops
+training with the file and sample named instead of being trained on.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from eagle3.common import UserError, read_json, read_jsonl
-from eagle3.storage import decode_states, read_rows
+from eagle3.storage import decode_states, load_problem, read_rows
 
 
 class HiddenStates(Dataset):
@@ -34,9 +36,25 @@ class HiddenStates(Dataset):
         self.rows = [row for row in read_jsonl(merged / "manifest.jsonl") if row["split"] == split]
         if not self.rows:
             raise UserError(f"{merged}/manifest.jsonl: no samples in split {split!r}")
+        self.widths = {"aux": len(self.meta["aux_layers"]) * self.meta["hidden_size"], "final": self.meta["hidden_size"]}
+        self.index = {}  # shard -> its index.jsonl entries, what each read is checked against
         for shard in sorted({row["shard"] for row in self.rows}):
             self._check_shard(shard)
+            self.index[shard] = list(read_jsonl(self.root / shard / "index.jsonl"))
         self._parts: dict[tuple[str, str], object] = {}  # opened lazily, per DataLoader worker
+
+    def _check(self, row: dict, sample: dict[str, torch.Tensor]) -> None:
+        """Refuse rows that are not what extract stored (a corrupted or replaced part)."""
+        entries = self.index[row["shard"]]
+        entry = entries[row["index"]] if 0 <= row["index"] < len(entries) else {}
+        where = self.root / row["shard"] / row["part"]
+        if any(entry.get(key) != row[key] for key in ("id", "part", "offset", "length", "masked")):
+            raise UserError(f"{self.root / row['shard']}/index.jsonl: line {row['index'] + 1} is not sample {row['id']} of the "
+                            "merged manifest; re-run `dvc repro` (merge)")
+        problem = load_problem(entry, sample, self.widths)
+        if problem:
+            raise UserError(f"{where}: sample {row['id']} (tokens {row['offset']}..{row['offset'] + row['length']}): {problem}; "
+                            f"the file is damaged: restore it (`dvc checkout {self.root / row['shard']}`) or re-run extract")
 
     def _check_shard(self, shard: str) -> None:
         shard_meta = read_json(self.root / shard / "meta.json")
@@ -65,12 +83,14 @@ class HiddenStates(Dataset):
         row = self.rows[i]
         names = ["input_ids", "loss_mask", "aux", "aux_scale", "final", "final_scale"]
         stored = read_rows(self._part(row["shard"], row["part"]), names, row["offset"], row["offset"] + row["length"])
-        return {
+        sample = {
             "input_ids": stored["input_ids"].long(),
             "loss_mask": stored["loss_mask"].bool(),
             "aux": decode_states(stored, "aux"),
             "final": decode_states(stored, "final"),
         }
+        self._check(row, sample)
+        return sample
 
 
 def collate(items: list[dict[str, torch.Tensor]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:

@@ -8,7 +8,8 @@ a ``loss_mask`` over the answer (``render``), run through the verifier's decoder
 batches of similar lengths, checked, and stored in the ``eagle3.storage`` format:
 
 - ``part-<first record>.safetensors``: samples concatenated along the token axis (~``part_bytes``);
-- ``index.jsonl``: per stored sample, in record order: id, record, part, offset, length, masked, truncated;
+- ``index.jsonl``: per stored sample, in record order: id, record, part, offset, length, masked, truncated,
+  max_abs (the largest |value| of its aux and final, checked again when training reads it);
 - ``rejected.jsonl``: per rejected record: id, record, reason (nothing is dropped silently);
 - ``meta.json``: verifier fingerprint, tapped layers and their convention, final-state norm, dtype, counts.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import shutil
 from collections import Counter
@@ -38,7 +40,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from eagle3.common import UserError, atomic_dir, load_params, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl
-from eagle3.storage import STORAGE_DTYPES, decode_states, encode_states
+from eagle3.storage import STORAGE_DTYPES, encode_states, magnitudes
 from eagle3.verifier import load_tokenizer, load_verifier, read_meta
 
 log = logging.getLogger(__name__)
@@ -258,12 +260,15 @@ def encode_sample(ids: torch.Tensor, mask: list[int], aux: torch.Tensor, final: 
     }
 
 
-def check_sample(sample: Sample, stored: dict[str, torch.Tensor]) -> str | None:
-    """Why the tensors about to be stored for ``sample`` must not be trained on, or None."""
+def check_sample(sample: Sample, stored: dict[str, torch.Tensor], largest: dict[str, float]) -> str | None:
+    """Why the tensors about to be stored for ``sample`` must not be trained on, or None.
+
+    ``largest``: ``eagle3.storage.magnitudes(stored)`` (non-finite when a value is NaN/Inf).
+    """
     if stored["input_ids"].tolist() != sample.input_ids:
         return "stored input_ids differ from the rendered conversation"
-    for name in ("aux", "final"):
-        if not torch.isfinite(decode_states(stored, name)).all():
+    for name, value in largest.items():
+        if not math.isfinite(value):
             return f"non-finite values (NaN/Inf) in {name}"
     return None
 
@@ -279,14 +284,14 @@ class PartWriter:
 
     def __init__(self, folder: Path, part_bytes: int):
         self.folder, self.part_bytes = folder, part_bytes
-        self.pending: list[tuple[Sample, dict[str, torch.Tensor]]] = []
+        self.pending: list[tuple[Sample, dict[str, torch.Tensor], dict[str, float]]] = []
         self.pending_bytes = 0
         self.index: list[dict[str, Any]] = []
         self.background = ThreadPoolExecutor(1, thread_name_prefix="part-writer")
         self.writing: Future | None = None
 
-    def add(self, sample: Sample, stored: dict[str, torch.Tensor]) -> None:
-        self.pending.append((sample, stored))
+    def add(self, sample: Sample, stored: dict[str, torch.Tensor], largest: dict[str, float]) -> None:
+        self.pending.append((sample, stored, largest))
         self.pending_bytes += sum(t.nbytes for t in stored.values())
         if self.pending_bytes >= self.part_bytes:
             self.flush()
@@ -294,17 +299,17 @@ class PartWriter:
     def flush(self) -> None:
         if not self.pending:
             return
-        name = f"part-{min(s.record for s, _ in self.pending):06d}.safetensors"  # records are unique across parts
+        name = f"part-{min(s.record for s, _, _ in self.pending):06d}.safetensors"  # records are unique across parts
         offset = 0
-        for sample, _ in self.pending:
+        for sample, _, largest in self.pending:
             length = len(sample.input_ids)
             self.index.append(
                 {"id": sample.id, "record": sample.record, "part": name, "offset": offset, "length": length,
-                 "masked": sum(sample.loss_mask), "truncated": sample.truncated}
+                 "masked": sum(sample.loss_mask), "truncated": sample.truncated, "max_abs": largest}
             )
             offset += length
         self.wait()
-        self.writing = self.background.submit(write_part, self.folder / name, [stored for _, stored in self.pending])
+        self.writing = self.background.submit(write_part, self.folder / name, [stored for _, stored, _ in self.pending])
         self.pending, self.pending_bytes = [], 0
 
     def wait(self) -> None:
@@ -339,9 +344,10 @@ def extract_samples(model, samples: list[Sample], settings: Settings, folder: Pa
         for batch in batches(samples, settings.batch_tokens):
             for sample, (ids, aux, final) in zip(batch, hidden_states(model, batch, settings.aux_layers, pad_id)):
                 stored = encode_sample(ids, sample.loss_mask, aux, final, settings.dtype)
-                reason = check_sample(sample, stored)
+                largest = magnitudes(stored)
+                reason = check_sample(sample, stored, largest)
                 if reason is None:
-                    writer.add(sample, {name: tensor.cpu() for name, tensor in stored.items()})
+                    writer.add(sample, {name: tensor.cpu() for name, tensor in stored.items()}, largest)
                 else:
                     rejected.append({"id": sample.id, "record": sample.record, "reason": reason})
             progress.update(sum(len(s.input_ids) for s in batch))

@@ -7,11 +7,16 @@ the token axis:
     aux [N, 3H] and final [N, H] in bf16, or in float8_e4m3fn with
     aux_scale [N, 3] and final_scale [N, 1] float32 (one scale per token and per tapped layer).
 
-A sample is the token range ``[offset, offset + length)`` of one part. This module is a
-dependency of every ``extract`` stage (a change here re-extracts) and of ``train``, which reads it.
+A sample is the token range ``[offset, offset + length)`` of one part. Its index entry records
+``max_abs``, the largest |value| of its decoded ``aux`` and ``final``: the loader checks every
+sample it reads against its entry (``load_problem``), so a corrupted part is refused, not trained
+on. This module is a dependency of every ``extract`` stage (a change here re-extracts) and of
+``train``, which reads it.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -56,6 +61,38 @@ def decode_states(stored: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """Inverse of ``encode_states``: float32 [T, G*H]."""
     scale = stored.get(f"{name}_scale")
     return stored[name].float() if scale is None else dequantize_fp8(stored[name], scale)
+
+
+def magnitudes(stored: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Largest |value| of the decoded ``aux`` and ``final`` of one sample (NaN or inf when not finite)."""
+    return {name: float(decode_states(stored, name).abs().amax()) for name in ("aux", "final")}
+
+
+def load_problem(entry: dict, sample: dict[str, torch.Tensor], widths: dict[str, int]) -> str | None:
+    """Why a sample read for index ``entry`` is not what extract stored, or None.
+
+    ``sample``: its ``input_ids``, ``loss_mask`` and decoded ``aux``/``final`` (``decode_states``);
+    ``widths``: the expected width of ``aux`` (G*H) and ``final`` (H). Checks shapes, the
+    masked-token count, and that the states are finite and within the magnitudes recorded at
+    extraction (the same decoding, so an intact sample meets its record exactly).
+    """
+    length = entry["length"]
+    expected = {"input_ids": (length,), "loss_mask": (length,), "aux": (length, widths["aux"]), "final": (length, widths["final"])}
+    for name, shape in expected.items():
+        if tuple(sample[name].shape) != shape:
+            return f"{name} has shape {tuple(sample[name].shape)}, the index says {shape}"
+    if int(sample["loss_mask"].sum()) != entry["masked"]:
+        return f"{int(sample['loss_mask'].sum())} masked tokens, the index says {entry['masked']}"
+    if "max_abs" not in entry:
+        return "the index records no max_abs (extracted by an older eagle3); re-run extract"
+    for name in ("aux", "final"):
+        flat = sample[name].flatten()
+        value = float(flat[flat.abs().argmax()])  # the value of largest magnitude, sign kept (NaN wins)
+        if not math.isfinite(value):
+            return f"{name} holds {value} (not finite)"
+        if abs(value) > entry["max_abs"][name]:
+            return f"{name} holds {value:.3g}, beyond the max |value| {entry['max_abs'][name]:.3g} recorded at extraction"
+    return None
 
 
 def read_rows(part, names: list[str], start: int, stop: int) -> dict[str, torch.Tensor]:
