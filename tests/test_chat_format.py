@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import yaml
 from omegaconf import OmegaConf
 
-from conftest import BASE_END_OF_TURN, BASE_TEMPLATE, TINY_LLAMA
+from conftest import BASE_END_OF_TURN, BASE_TEMPLATE, TINY_LLAMA, run
 from eagle3.backends import Request, cut_at_stop
 from eagle3.backends.local import LocalBackend
 from eagle3.backends.openai import parse_answer
 from eagle3.backends.sglang import launch_command
-from eagle3.common import UserError
+from eagle3.common import UserError, read_jsonl
 from eagle3.extract import ChatFormat, render
 from eagle3.verifier import import_verifier, load_tokenizer, prompt_ids, read_meta
 from test_generate import generate, shard_file, stage_params
+from test_pipeline import FAST, SMALL, add_dataset, overrides
 
 
 def random_model(tokenizer: Path, chat_template: str | None = None, seed: int = 0, **config):
@@ -104,3 +107,29 @@ def test_sglang_is_given_the_configured_template(tmp_path):
     command = launch_command(params.backend, Path("/weights"), Path("models/verifier/chat_template.jinja"))
     assert command[command.index("--chat-template") + 1] == "models/verifier/chat_template.jinja"
     assert "--chat-template" not in launch_command(params.backend, Path("/weights"))
+
+
+BASE_MODEL = {  # conf/model/tiny-base.yaml: all a base model needs (its tokenizer has no chat template)
+    "name": "tiny-base", "copy_weights": True, "trust_remote_code": False, "num_layers": 4, "hidden_size": 64,
+    "vocab_size": 49152, "max_position_embeddings": 2048, "aux_layers": [1, 2, 3], "final_state": "post-norm",
+    "chat_template": BASE_TEMPLATE, "reasoning_parser": None, "reasoning_format": "<think>\n{reasoning}\n</think>\n",
+    "end_of_turn": BASE_END_OF_TURN, "stop": [BASE_END_OF_TURN], "draft_head": {},
+}
+
+
+@pytest.mark.slow
+def test_a_base_model_runs_the_demo_pipeline_with_only_a_model_file(make_project, base_tokenizer_dir):
+    repo = make_project(*FAST[1:])
+    source = {"kind": "random", "tokenizer": str(base_tokenizer_dir), "config": TINY_LLAMA, "seed": 0, "dtype": "float32"}
+    (repo / "conf" / "model" / "tiny-base.yaml").write_text(yaml.safe_dump({**BASE_MODEL, "source": source}))
+    add_dataset(repo, SMALL)
+    run(["eagle3", "params", *overrides(*FAST, "model=tiny-base", "dataset=small")], repo)
+    run(["dvc", "repro"], repo)
+    assert "up to date" in run(["dvc", "status"], repo).stdout
+    tokenizer = load_tokenizer(repo / "models" / "verifier")
+    assert tokenizer.chat_template == BASE_TEMPLATE
+    records = list(read_jsonl(repo / "data" / "generated" / "000000-000008" / "records.jsonl"))
+    rendered = tokenizer.apply_chat_template(records[0]["messages"], tokenize=False)
+    assert rendered.startswith("<|im_start|>") and rendered.endswith(BASE_END_OF_TURN + "\n")  # BOS, end of turn
+    metrics = json.loads((repo / "dvclive" / "evaluate" / "metrics.json").read_text())
+    assert all(metrics[name]["lossless"] == 1 for name in ("heldout", "humaneval"))
