@@ -4,21 +4,25 @@
     # reads params.yaml: evaluate, layout.device/dtype/threads, model.trust_remote_code
 
 Why: training accuracy is a proxy; a drafter is judged by τ (tokens per verifier forward) and the
-speedup it gives. The drafter is loaded from its export (``load_drafter``), never from training
-objects, so a broken export shows up here as τ ≈ the baseline's.
+speedup it gives, with the drafting SGLang and vLLM serve: a chain of K drafts, and SGLang's draft
+tree. The drafter is loaded from its export (``load_drafter``), never from training objects, so a
+broken export shows up here as τ ≈ the baselines'.
 
 For each eval set (``data/prompts/eval/<set>.jsonl``, rendered with the chat template and the
-generation prompt), every prompt is decoded on the same device by plain greedy decoding and by
-speculative decoding (``eagle3.speculative``), alternately, each timed; the outputs must be
-identical. The baseline repeats the speculative run with a drafter that always proposes the most
-frequent token of the set's greedy outputs (the best context-free chain drafter for that set).
+generation prompt), the prompts are decoded ``evaluate.batch_size`` at a time (``eagle3.speculative``)
+by plain greedy decoding, chain drafting and tree drafting, alternately per batch, each timed; the
+outputs must be identical. Speedup = tokens/s over plain greedy decoding at the same batch size.
+Two baselines are replayed on the plain greedy output (exact under greedy verification, and
+free): the set's most frequent output token K times (the best context-free chain drafter), and
+prompt lookup (``ngram``, as vLLM and SGLang ship it). A drafter near the baselines' τ is broken.
 
-Output (dvclive, ``dvcyaml=False``): ``metrics.json`` nested per set — ``tau``, ``speedup``,
-``tokens_per_s``, ``plain_tokens_per_s``, ``lossless`` (fraction of prompts whose output equals
-plain greedy), ``forwards``, ``tokens``, ``prompts`` and ``baseline/{tau, speedup, tokens_per_s,
-token}`` — and plots ``plots/custom/acceptance/<set>.json`` (per draft position k: the fraction
-of verifier forwards that accepted draft k, hence τ = 1 + Σ_k acceptance_k) and
-``plots/custom/tau/<set>.json`` (the distribution of τ over forwards).
+Output (dvclive, ``dvcyaml=False``), written by ``log_report`` alone: ``metrics.json`` with
+``wall_seconds`` and per set ``tau``, ``speedup``, ``tokens_per_s``, ``lossless`` (fraction of
+prompts whose output equals plain greedy), ``forwards`` (the chain's), ``tree/{tau, speedup,
+tokens_per_s, lossless, forwards}``, ``baseline/{tau, token}``, ``ngram/tau``, ``plain_tokens_per_s``,
+``tokens``, ``prompts``, ``seconds``; plots ``plots/custom/acceptance/<set>.json`` (per draft
+position or tree depth k: the fraction of verifier forwards that accepted k drafts or more, hence
+τ = 1 + Σ_k acceptance_k) and ``plots/custom/tau/<set>.json`` (the distribution of τ over forwards).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import argparse
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +41,7 @@ from tqdm import tqdm
 
 from eagle3.common import UserError, atomic_dir, load_params, read_json, read_jsonl, stage_main
 from eagle3.export import check_drafter, load_drafter
-from eagle3.speculative import ConstantDrafter, Decoded, greedy_decode, speculative_decode
+from eagle3.speculative import EagleProposer, TreeShape, most_frequent, ngram, replay, speculative_decode
 from eagle3.verifier import eos_token_ids, load_tokenizer, load_verifier, prompt_ids, read_meta
 
 log = logging.getLogger(__name__)
@@ -49,11 +53,13 @@ WARMUP_TOKENS = 4  # a short untimed decode of each kind first, so one-off setup
 class Settings:
     """What ``evaluate`` reads from params: its section and the layout (hardware only)."""
 
-    draft_tokens: int  # K: drafts per verifier forward
+    draft_tokens: int  # K: chain drafts per verifier forward
+    tree: TreeShape | None  # SGLang's draft tree (num_steps, topk, num_draft_tokens); None: chain only
+    batch_size: int  # prompts decoded together
     max_new_tokens: int  # tokens generated per prompt (fewer at EOS)
     sets: tuple[str, ...]  # eval sets: data/prompts/eval/<set>.jsonl
     max_prompts: int | None  # at most this many prompts per set (file order); None: all
-    baseline: bool  # also measure the most-frequent-token drafter
+    baseline: bool  # also replay the most-frequent-token and n-gram baselines
     device: str
     dtype: str
     threads: int
@@ -62,19 +68,27 @@ class Settings:
     @classmethod
     def from_params(cls, params: DictConfig) -> Settings:
         cfg, layout = params.evaluate, params.layout
+        tree = cfg.get("tree")
         settings = cls(
-            int(cfg.draft_tokens), int(cfg.max_new_tokens), tuple(cfg.sets),
+            int(cfg.draft_tokens), None if tree is None else TreeShape(int(tree.num_steps), int(tree.topk), int(tree.num_draft_tokens)),
+            int(cfg.get("batch_size", 1)), int(cfg.max_new_tokens), tuple(cfg.sets),
             None if cfg.max_prompts is None else int(cfg.max_prompts), bool(cfg.baseline),
             str(layout.device), str(layout.dtype), int(layout.threads), bool(params.model.trust_remote_code),
         )
-        for key in ("draft_tokens", "max_new_tokens"):
+        for key in ("draft_tokens", "batch_size", "max_new_tokens"):
             if getattr(settings, key) < 1:
                 raise UserError(f"params.yaml: evaluate.{key} must be >= 1, got {getattr(settings, key)}")
+        for problem in settings.tree.problems() if settings.tree else ():
+            raise UserError(f"params.yaml: evaluate.tree: {problem}")
         if not settings.sets:
             raise UserError("params.yaml: evaluate.sets is empty; name at least one eval set (heldout, humaneval)")
         if settings.max_prompts is not None and settings.max_prompts < 1:
             raise UserError(f"params.yaml: evaluate.max_prompts must be >= 1 or null, got {settings.max_prompts}")
         return settings
+
+    def methods(self) -> dict[str, TreeShape | None]:
+        """Decoding methods: plain greedy (None), the chain, and the tree when configured."""
+        return {"plain": None, "chain": TreeShape.chain(self.draft_tokens), **({"tree": self.tree} if self.tree else {})}
 
 
 @dataclass
@@ -83,7 +97,7 @@ class Run:
 
     outputs: list[list[int]] = field(default_factory=list)  # generated tokens per prompt
     accepted: list[int] = field(default_factory=list)  # drafts accepted per verifier forward, pooled over prompts
-    seconds: float = 0.0  # decoding time, summed over prompts
+    seconds: float = 0.0  # decoding time, summed over batches
 
     @property
     def tokens_per_s(self) -> float:
@@ -121,16 +135,27 @@ def check_pair(verifier_dir: Path, drafter_dir: Path, prompts_dir: Path) -> None
 # --- measurement -----------------------------------------------------------------------------------
 
 
-def decode_all(prompts: Sequence[torch.Tensor], methods: dict[str, Callable[[torch.Tensor], Decoded]]) -> dict[str, Run]:
-    """Run every method on every prompt, alternating methods per prompt (fair under a varying load)."""
+def batches(items: Sequence, size: int) -> list[Sequence]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def decode_all(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
+               max_new_tokens: int | None = None) -> dict[str, Run]:
+    """Every method on every batch of prompts, alternating methods per batch (fair under a varying load)."""
+    methods = settings.methods()
     runs = {name: Run() for name in methods}
-    for ids in tqdm(prompts, desc="/".join(methods), unit="prompt", leave=False):
-        for name, decode in methods.items():
+    layer_ids = drafter.config.aux_layers
+    for batch in tqdm(batches(prompts, settings.batch_size), desc="/".join(methods), unit="batch", leave=False):
+        for name, shape in methods.items():
+            proposer = EagleProposer(drafter, shape) if shape else None
             start = time.perf_counter()
-            decoded = decode(ids)
+            decoded = speculative_decode(verifier, proposer, batch, layer_ids, max_new_tokens or settings.max_new_tokens, eos_ids)
+            if str(settings.device).startswith("cuda"):
+                torch.cuda.synchronize()
             runs[name].seconds += time.perf_counter() - start
-            runs[name].outputs.append(decoded.tokens)
-            runs[name].accepted += decoded.accepted
+            for d in decoded:
+                runs[name].outputs.append(d.tokens)
+                runs[name].accepted += d.accepted
     return runs
 
 
@@ -169,56 +194,67 @@ def summarize(run: Run, plain: Run, k: int) -> dict:
             "speedup": run.tokens_per_s / plain.tokens_per_s, "lossless": lossless}
 
 
-def evaluate_set(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int]) -> dict:
-    """Plain vs speculative decoding of ``prompts`` (and the baseline): {"plain", "drafter", "baseline"?}."""
-    k, max_new = settings.draft_tokens, settings.max_new_tokens
-    layer_ids = drafter.config.aux_layers
-
-    def plain(ids):
-        return Decoded(greedy_decode(verifier, ids, max_new, eos_ids))
-
-    def speculative_with(candidate):
-        return lambda ids: speculative_decode(verifier, candidate, ids, layer_ids, k, max_new, eos_ids)
-
-    runs = decode_all(prompts, {"plain": plain, "drafter": speculative_with(drafter)})
-    report = {"plain": {"tokens_per_s": runs["plain"].tokens_per_s, "tokens": sum(map(len, runs["plain"].outputs)),
-                        "prompts": len(prompts)},
-              "drafter": summarize(runs["drafter"], runs["plain"], k)}
-    if settings.baseline:
-        token = most_frequent_token(runs["plain"].outputs)
-        baseline = ConstantDrafter(token).to(prompts[0].device)
-        base = decode_all(prompts, {"baseline": speculative_with(baseline)})["baseline"]
-        report["baseline"] = {**summarize(base, runs["plain"], k), "token": token}
+def baselines(prompts: Sequence[torch.Tensor], outputs: Sequence[list[int]], k: int) -> dict:
+    """The most-frequent-token and n-gram baselines, replayed on the plain greedy outputs."""
+    token = most_frequent_token(outputs)
+    report = {}
+    for name, propose in (("baseline", most_frequent(token)), ("ngram", ngram)):
+        accepted = [j for ids, out in zip(prompts, outputs) for j in replay(propose, ids.tolist(), out, k)]
+        report[name] = acceptance_stats(accepted, k)
+    report["baseline"]["token"] = token
     return report
 
 
-def warm_up(verifier, drafter, ids: torch.Tensor, settings: Settings, eos_ids: set[int]) -> None:
-    greedy_decode(verifier, ids, WARMUP_TOKENS, eos_ids)
-    speculative_decode(verifier, drafter, ids, drafter.config.aux_layers, settings.draft_tokens, WARMUP_TOKENS, eos_ids)
+def evaluate_set(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int]) -> dict:
+    """Plain vs chain vs tree decoding of ``prompts`` (and the baselines): {"plain", "chain", "tree"?, ...}."""
+    start = time.perf_counter()
+    runs = decode_all(verifier, drafter, prompts, settings, eos_ids)
+    plain = runs.pop("plain")
+    report = {"plain": {"tokens_per_s": plain.tokens_per_s, "tokens": sum(map(len, plain.outputs)), "prompts": len(prompts)}}
+    for name, run in runs.items():
+        report[name] = summarize(run, plain, settings.methods()[name].num_steps)
+    if settings.baseline:
+        report.update(baselines(prompts, plain.outputs, settings.draft_tokens))
+    report["plain"]["seconds"] = time.perf_counter() - start
+    return report
 
 
 # --- output ----------------------------------------------------------------------------------------
 
 
 def log_report(live, name: str, report: dict) -> None:
-    """Metrics ``<set>/...`` and the acceptance and τ plots of one eval set."""
-    drafter, baseline = report["drafter"], report.get("baseline")
-    live.log_metric(f"{name}/prompts", report["plain"]["prompts"], plot=False)
-    live.log_metric(f"{name}/tokens", report["plain"]["tokens"], plot=False)
-    live.log_metric(f"{name}/plain_tokens_per_s", round(report["plain"]["tokens_per_s"], 3), plot=False)
-    for key in ("tau", "speedup", "tokens_per_s", "lossless", "forwards"):
-        live.log_metric(f"{name}/{key}", round(drafter[key], 4), plot=False)
-        if baseline and key != "forwards":
-            live.log_metric(f"{name}/baseline/{key}", round(baseline[key], 4), plot=False)
-    if baseline:
-        live.log_metric(f"{name}/baseline/token", baseline["token"], plot=False)
-    rows = [{"position": i + 1, "drafter": rate, "conditional": cond,
-             **({"baseline": baseline["acceptance"][i]} if baseline else {})}
-            for i, (rate, cond) in enumerate(zip(drafter["acceptance"], drafter["conditional"]))]
+    """Metrics ``<set>/...`` and the acceptance and τ plots of one eval set (the one place that names them)."""
+    plain, chain = report["plain"], report["chain"]
+    live.log_metric(f"{name}/prompts", plain["prompts"], plot=False)
+    live.log_metric(f"{name}/tokens", plain["tokens"], plot=False)
+    live.log_metric(f"{name}/seconds", round(plain["seconds"], 2), plot=False)
+    live.log_metric(f"{name}/plain_tokens_per_s", round(plain["tokens_per_s"], 3), plot=False)
+    for method, prefix in (("chain", ""), ("tree", "tree/")):
+        for key in ("tau", "speedup", "tokens_per_s", "lossless", "forwards"):
+            if method in report:
+                live.log_metric(f"{name}/{prefix}{key}", round(report[method][key], 4), plot=False)
+    for method in ("baseline", "ngram"):
+        if method in report:
+            live.log_metric(f"{name}/{method}/tau", round(report[method]["tau"], 4), plot=False)
+    if "baseline" in report:
+        live.log_metric(f"{name}/baseline/token", report["baseline"]["token"], plot=False)
+    series = {"drafter": "chain", "tree": "tree", "baseline": "baseline", "ngram": "ngram"}
+    series = {column: report[method] for column, method in series.items() if method in report}
+    depth = max(len(s["acceptance"]) for s in series.values())
+
+    def column(values: list[float], i: int) -> float:
+        return values[i] if i < len(values) else 0.0  # a shallower method accepts nothing that deep
+
+    rows = [{"position": i + 1, "conditional": column(chain["conditional"], i),
+             **{c: column(s["acceptance"], i) for c, s in series.items()}} for i in range(depth)]
     live.log_plot(f"acceptance/{name}", rows, x="position", y="drafter")  # rendering is declared in dvc.yaml
-    rows = [{"tau": i + 1, "fraction": share, **({"baseline": baseline["tau_distribution"][i]} if baseline else {})}
-            for i, share in enumerate(drafter["tau_distribution"])]
+    rows = [{"tau": i + 1, "fraction": column(chain["tau_distribution"], i),
+             **{c: column(s["tau_distribution"], i) for c, s in series.items() if c != "drafter"}} for i in range(depth + 1)]
     live.log_plot(f"tau/{name}", rows, x="tau", y="fraction")
+
+
+def warm_up(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int]) -> None:
+    decode_all(verifier, drafter, prompts[: settings.batch_size], settings, eos_ids, WARMUP_TOKENS)
 
 
 def main(argv: list[str]) -> None:
@@ -229,6 +265,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("out", type=Path, help="dvclive folder for metrics and plots, e.g. dvclive/evaluate")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
+    started = time.perf_counter()
     settings = Settings.from_params(load_params(args.params))
     check_pair(args.verifier, args.drafter, args.prompts)
     eval_sets = load_eval_sets(args.prompts, settings.sets, settings.max_prompts)
@@ -244,12 +281,15 @@ def main(argv: list[str]) -> None:
     with atomic_dir(args.out) as tmp:
         live = Live(str(tmp), dvcyaml=False, save_dvc_exp=False)
         for name, records in eval_sets.items():
-            prompts = [torch.tensor([prompt_ids(tokenizer, r["messages"])], device=settings.device) for r in records]  # [1, n] each
-            warm_up(verifier, drafter, prompts[0], settings, eos_ids)
+            prompts = [torch.tensor(prompt_ids(tokenizer, r["messages"]), device=settings.device) for r in records]  # [n] each
+            warm_up(verifier, drafter, prompts, settings, eos_ids)
             report = evaluate_set(verifier, drafter, prompts, settings, eos_ids)
-            log.info("%s: tau %.3f, speedup %.2fx (baseline tau %s), %d prompts", name, report["drafter"]["tau"],
-                     report["drafter"]["speedup"], report.get("baseline", {}).get("tau", "-"), len(prompts))
+            log.info("%s: chain tau %.3f, speedup %.2fx; tree tau %s; baselines tau %s (most frequent), %s (ngram); "
+                     "%d prompts in %.1f s", name, report["chain"]["tau"], report["chain"]["speedup"],
+                     report.get("tree", {}).get("tau", "-"), report.get("baseline", {}).get("tau", "-"),
+                     report.get("ngram", {}).get("tau", "-"), len(prompts), report["plain"]["seconds"])
             log_report(live, name, report)
+        live.log_metric("wall_seconds", round(time.perf_counter() - started, 1), plot=False)
         live.end()
 
 

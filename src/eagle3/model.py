@@ -191,12 +191,16 @@ class KVCache:
 
 
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
-    """q [B, nh, R, hd] over keys 0..last[r] of k, v [B, nkv, S, hd] -> (out [B, nh, R, hd], lse [B, nh, R] fp32)."""
+    """q [B, nh, R, hd] over keys 0..last[r] of k, v [B, nkv, S, hd] -> (out [B, nh, R, hd], lse [B, nh, R] fp32).
+
+    ``last`` may instead be a bool mask of the visible keys, [B, 1, 1, R, S] (batched decoding, where
+    each sequence of the batch has its own holes: padding, rejected drafts).
+    """
     B, nh, R, hd = q.shape
     nkv = k.shape[1]
     qg = q.view(B, nkv, nh // nkv, R, hd)  # query head h uses KV head h // (nh / nkv)
     scores = (qg @ k.unsqueeze(2).transpose(-1, -2)).float() / math.sqrt(hd)  # [B, nkv, g, R, S]
-    visible = torch.arange(k.shape[2], device=q.device) <= last[:, None]  # [R, S]
+    visible = last if last.dtype == torch.bool else torch.arange(k.shape[2], device=q.device) <= last[:, None]  # [R, S]
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = scores.logsumexp(-1)  # [B, nkv, g, R]
     out = (scores - lse[..., None]).exp().to(q.dtype) @ v.unsqueeze(2)  # [B, nkv, g, R, hd]

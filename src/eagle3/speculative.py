@@ -1,46 +1,60 @@
-"""Speculative decoding of the verifier with an EAGLE-3 drafter: the ladder prefill -> draft_k -> verify -> accept.
+"""Speculative decoding of the verifier, several prompts at once: prefill -> propose -> verify -> accept.
 
-    plain = greedy_decode(verifier, prompt_ids, max_new_tokens=64, eos_ids={2})
-    spec = speculative_decode(verifier, drafter, prompt_ids, layer_ids=(2, 15, 27), draft_tokens=7,
-                              max_new_tokens=64, eos_ids={2})
-    assert spec.tokens == plain          # greedy verification is lossless
-    spec.accepted                        # drafts accepted per verifier forward; τ = accepted + 1
+    plain = greedy_decode(verifier, prompts, max_new_tokens=64, eos_ids={2})       # token lists
+    chain = EagleProposer(drafter, TreeShape.chain(7))                            # K = 7 chain drafts
+    tree = EagleProposer(drafter, TreeShape(num_steps=5, topk=4, num_draft_tokens=16))   # SGLang's tree
+    out = speculative_decode(verifier, tree, prompts, layer_ids=(2, 15, 27), max_new_tokens=64, eos_ids={2})
+    assert [d.tokens for d in out] == plain     # greedy verification is lossless
+    out[0].accepted                             # drafts accepted per verifier forward; τ = accepted + 1
 
 Why: the ``evaluate`` stage measures a drafter by really decoding with it, the way SGLang's EAGLE-3
-worker does (batch 1, chain drafting, greedy verification, KV caches on both models), so a broken
-export shows up as τ ≈ 1 instead of as a plausible training loss.
+worker does (chain or tree drafting, greedy verification, KV caches on both models), so a broken
+export shows up as τ ≈ 1 instead of as a plausible training loss. Prompts are decoded in a batch:
+one-token forwards of a small verifier are launch-bound on a GPU and memory-bound on a CPU, so B
+rows cost little more than one.
+
+The batch and its holes. Both caches only grow: every forward appends its columns for every row,
+and a bool per column says whether it holds an accepted token of that row (``Batch.valid``; not
+padding, not a rejected draft). Attention masks are built from it, so nothing is ever cropped or
+reordered, whatever each row accepted, and sliding-window layers stay exact (their window is a
+distance between positions, applied in the mask). Each column also records its position in its
+sequence; RoPE and the window use positions, never column indices.
 
 Bookkeeping for a prompt x_0..x_{n-1}; g_t = the verifier's tapped features at input x_t (the
 residual streams entering the drafter's aux layers, HF ``hidden_states[k]``, concatenated):
 
-- ``prefill``: verifier over x_0..x_{n-1}; its greedy token x_n is the first output token.
-- ``draft_k``: drafter context step over rows t = 0..n-1, row t = (g_t, token x_{t+1}) at RoPE
-  position t (the training alignment: (g_t, x_{t+1}) predicts x_{t+2}); the last row proposes
-  d_1. Chain steps then feed d_i with the drafter's own pre-norm h2 of the previous step at
-  positions n, n+1, ..., continuing context row n-1, and propose d_2..d_K.
-- ``verify``: verifier over [x_n, d_1..d_K] at positions n..n+K: greedy y_0..y_K and features.
-- ``accept``: j accepted drafts; output d_1..d_j, y_j. The verifier cache drops the K - j rejected
-  positions; the drafter's next context step covers rows n..n+j, row n+i = (g of input i, next
-  token), which also discards its chain keys (``KVCache.add_context`` clears the chain).
+- ``prefill``: verifier over x_0..x_{n-1} (left-padded to the batch's longest prompt); its greedy
+  token x_n is the first output token (the root of the first round).
+- propose (``EagleProposer``): drafter context step over the new rows t, row t = (g_t, x_{t+1}) at
+  RoPE position t (the training alignment: (g_t, x_{t+1}) predicts x_{t+2}); the last row's top-k
+  tokens are the first draft nodes. Each further step feeds the k best nodes so far (by cumulative
+  draft log-probability) with their parent's pre-norm h2 at position n + depth - 1 and expands each
+  into its top-k children; the best ``num_draft_tokens - 1`` nodes of all form the tree (SGLang's
+  EAGLE algorithm; topk = 1 is the chain of K = num_steps drafts).
+- ``verify``: one verifier forward over [root, nodes...], each node at position n + depth and seeing
+  the row's valid columns and its own ancestors (a 4D mask): greedy y for every node.
+- ``accept``: from the root, move to the child whose token equals the current node's greedy token,
+  while there is one; the path's drafts are accepted and the last node's greedy token is the bonus.
+  Only the path's columns become valid; the drafter's next context step covers the path's rows.
 
-Worked example, n = 5, K = 3, drafts accepted j = 1: verify feeds positions 5..8 = [x_5, d_1, d_2,
-d_3]; y_0 == d_1, y_1 != d_2, so the output grows by [d_1, y_1]; the verifier cache is cropped from
-9 to 7 positions (x_0..x_5, d_1); the next draft_k is a context step over rows 5, 6 = (g(x_5), d_1),
-(g(d_1), y_1) at positions 5, 6, and its chain steps run at positions 7, 8, ... continuing row 6.
+Worked example, chain, n = 5, K = 3, j = 1 accepted: verify feeds positions 5..8 = [x_5, d_1, d_2,
+d_3]; y_0 == d_1, y_1 != d_2, so the output grows by [d_1, y_1]; columns of x_5 and d_1 become valid,
+those of d_2, d_3 stay invalid; the next context step covers rows 5, 6 = (g(x_5), d_1), (g(d_1), y_1)
+at positions 5, 6, and the drafts continue at positions 7, 8, ...
 
 The drafter interface is that of ``Eagle3Drafter``: ``fc`` (features [B, T, 3H] -> hidden),
-``step(input_ids, hidden, position_ids, cache, rows) -> h2``, ``logits(h2) -> [..., Vd]`` and
-``d2t``; ``ConstantDrafter`` (the baseline) implements the same. Logits are computed for the
-rows that propose a token only (the context step's last row), never over a whole prompt.
+``step(input_ids, hidden, position_ids, cache, rows) -> h2``, ``logits(h2) -> [..., Vd]`` and ``d2t``.
+History-only proposers (the baselines: ``most_frequent``, ``ngram``) propose from the tokens alone.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
 
@@ -52,26 +66,63 @@ class Decoded:
     """The output of one speculative decode."""
 
     tokens: list[int]  # generated tokens after the prompt, up to and including EOS, at most max_new_tokens
-    accepted: list[int] = field(default_factory=list)  # per verifier forward after prefill: drafts accepted 0..K
+    accepted: list[int] = field(default_factory=list)  # per verifier forward after prefill: drafts accepted
 
 
-class ConstantDrafter(nn.Module):
-    """A drafter that proposes one fixed target token at every step (the baseline of ``evaluate``).
+@dataclass(frozen=True)
+class TreeShape:
+    """SGLang's draft-tree flags: --speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens."""
 
-    Draft vocabulary of size 1 whose only entry maps to ``token_id`` (target = 0 + d2t[0]).
-    """
+    num_steps: int  # drafter steps = the deepest draft
+    topk: int  # children kept per expanded node, and nodes expanded per step
+    num_draft_tokens: int  # tokens per verifier forward: the root plus num_draft_tokens - 1 drafts
 
-    def __init__(self, token_id: int):
-        super().__init__()
-        self.fc = nn.Identity()
-        self.register_buffer("d2t", torch.tensor([token_id]))
+    @classmethod
+    def chain(cls, k: int) -> TreeShape:
+        return cls(num_steps=k, topk=1, num_draft_tokens=k + 1)
 
-    def step(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor, cache: KVCache,
-             rows: Tensor | None = None) -> Tensor:
-        return hidden  # h2: unused
+    def problems(self) -> list[str]:
+        """What makes this shape impossible, one line each (the caller names the config key)."""
+        most = self.topk + (self.num_steps - 1) * self.topk**2  # nodes the expansion produces
+        if min(self.num_steps, self.topk) < 1:
+            return [f"num_steps and topk must be >= 1, got {self.num_steps} and {self.topk}"]
+        if not 2 <= self.num_draft_tokens <= most + 1:
+            return [f"num_draft_tokens must be in 2..{most + 1} (1 + the {most} nodes of {self.num_steps} steps of "
+                    f"top-{self.topk}), got {self.num_draft_tokens}"]
+        return []
 
-    def logits(self, h2: Tensor) -> Tensor:
-        return h2.new_zeros(*h2.shape[:-1], 1)  # [..., Vd=1]: always draft id 0
+
+@dataclass
+class Draft:
+    """Draft nodes per row; block index 0 is the root (last verified token), node i is block index i + 1."""
+
+    tokens: Tensor  # [B, N] target ids
+    parents: Tensor  # [B, N] block index of each node's parent, < its own (0: the root)
+    valid: Tensor  # [B, N] bool: a node that may be accepted (history proposers propose fewer than N)
+
+
+@dataclass
+class Batch:
+    """The verifier's side of a batch: its KV cache and what each column holds."""
+
+    cache: DynamicCache
+    valid: Tensor  # [B, S] bool: the column holds an accepted token of this row
+    positions: Tensor  # [B, S] position of each column in its row's sequence
+    root: Tensor  # [B] the last verified token, input of the next forward
+    length: Tensor  # [B] the root's position
+
+
+@dataclass
+class Round:
+    """What one verifier forward decided, for the proposers."""
+
+    paths: list[list[int]]  # per row: accepted block indices, the root (0) first
+    emitted: list[list[int]]  # per row: tokens this round adds (accepted drafts, then the bonus)
+    features: Tensor  # [B, 1 + N, 3H] verifier features at the block's inputs
+    root_positions: Tensor  # [B] position of block index 0
+
+
+# --- the verifier side ------------------------------------------------------------------------------
 
 
 def tapped_features(hidden_states: Sequence[Tensor], layer_ids: Sequence[int]) -> Tensor:
@@ -86,90 +137,293 @@ def cache_kwargs(verifier, cache: DynamicCache) -> dict:
     return {name: cache, "use_cache": True}
 
 
-def forward_verifier(verifier, cache: DynamicCache, input_ids: Tensor, layer_ids: Sequence[int],
-                     logits_to_keep: int = 0) -> tuple[Tensor, Tensor]:
-    """Verifier over input_ids [1, T] appended to ``cache``: (greedy next ids [T'], features [1, T, 3H]).
-
-    T' = T, or the last ``logits_to_keep`` positions when it is > 0.
-    """
-    out = verifier(input_ids=input_ids, output_hidden_states=True, logits_to_keep=logits_to_keep,
-                   **cache_kwargs(verifier, cache))
-    return out.logits[0].argmax(-1), tapped_features(out.hidden_states, layer_ids)
-
-
 def new_cache() -> DynamicCache:
-    """A verifier KV cache whose every layer can be rolled back to any length.
+    """A verifier KV cache that keeps every column of every layer.
 
     ``DynamicCache(config=...)`` gives sliding-window layers (Mistral, hybrid families) a cache that
-    keeps only the last window - 1 keys, which transformers refuses to crop once the window is full
-    ("crop was called, but the current layer does not track past states"). Without a config every
-    layer keeps all its keys; a sliding layer still sees only its window, since the model builds its
-    masks from positions (``create_sliding_window_causal_mask``), not from what the cache holds.
+    keeps only the last window - 1 keys: it cannot hold columns that later turn out rejected, and
+    transformers refuses to crop it once the window is full. Without a config every layer keeps all
+    its columns; a sliding layer still sees only its window, through the masks of ``attention_masks``.
     """
     return DynamicCache()
 
 
-def rollback(cache: DynamicCache, tokens: int) -> None:
-    """Drop the last ``tokens`` positions of every layer.
+def sliding_windows(config) -> dict[str | None, int | None]:
+    """Window per mask the verifier's forward takes: {None: w} for one mask, {layer type: w} for several.
 
-    Nothing to drop (every draft accepted) skips the call: some transformers 5.x releases read a
-    non-negative ``crop`` argument as the length to keep, so ``crop(0)`` would empty the cache.
+    Hybrid families (``layer_types`` with sliding and full layers) take a dict of masks keyed by
+    layer type; the others one mask, windowed when ``sliding_window`` applies to every layer.
     """
-    if tokens > 0:
-        cache.crop(-tokens)
+    config = config.get_text_config()
+    types = set(getattr(config, "layer_types", None) or ())
+    window = getattr(config, "sliding_window", None)
+    if len(types) > 1:
+        return {kind: window if kind == "sliding_attention" else None for kind in types}
+    if types and types != {"sliding_attention"}:
+        window = None  # e.g. Qwen2: sliding_window set, every layer full
+    return {None: window}
+
+
+def attention_masks(config, see_cache: Tensor, cache_positions: Tensor, block: Tensor, block_positions: Tensor,
+                    dtype: torch.dtype):
+    """Additive masks [B, 1, Q, S + Q] of a forward over Q new columns: the attention_mask argument.
+
+    see_cache [B, Q, S] (which valid cache columns each query may see), block [B, Q, Q] (which new
+    columns: causal, or ancestors in a tree), positions [B, S] and [B, Q] for the windows.
+    """
+    visible = torch.cat([see_cache, block], -1)  # [B, Q, S + Q]
+    distance = block_positions[:, :, None] - torch.cat([cache_positions, block_positions], 1)[:, None, :]
+    masks = {}
+    for kind, window in sliding_windows(config).items():
+        seen = visible & (distance < window) if window else visible
+        masks[kind] = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)[:, None]
+    return masks.pop(None) if None in masks else masks
+
+
+def forward_verifier(verifier, batch: Batch, input_ids: Tensor, positions: Tensor, block: Tensor, see_cache: Tensor,
+                     layer_ids: Sequence[int], logits_to_keep: int = 0) -> tuple[Tensor, Tensor]:
+    """Verifier over input_ids [B, Q] appended to the batch's cache: (greedy ids [B, Q'], features [B, Q, 3H]).
+
+    The new columns are recorded as not (yet) valid; Q' = Q, or the last ``logits_to_keep`` columns.
+    """
+    dtype = verifier.get_input_embeddings().weight.dtype
+    masks = attention_masks(verifier.config, see_cache, batch.positions, block, positions, dtype)
+    out = verifier(input_ids=input_ids, position_ids=positions, attention_mask=masks, output_hidden_states=True,
+                   logits_to_keep=logits_to_keep, **cache_kwargs(verifier, batch.cache))
+    batch.valid = torch.cat([batch.valid, torch.zeros_like(input_ids, dtype=torch.bool)], 1)
+    batch.positions = torch.cat([batch.positions, positions], 1)
+    return out.logits.argmax(-1), tapped_features(out.hidden_states, layer_ids)
 
 
 @torch.no_grad()
-def prefill(verifier, prompt_ids: Tensor, layer_ids: Sequence[int]) -> tuple[DynamicCache, Tensor, Tensor]:
-    """Verifier over the prompt x_0..x_{n-1}: (cache, x_n [1], features g_0..g_{n-1} [1, n, 3H])."""
-    cache = new_cache()
-    next_id, features = forward_verifier(verifier, cache, prompt_ids, layer_ids, logits_to_keep=1)
-    return cache, next_id, features
+def prefill(verifier, prompts: Sequence[Tensor], layer_ids: Sequence[int]) -> tuple[Batch, Tensor]:
+    """Verifier over the prompts [n_b] each, left-padded to the longest: (batch, features [B, n, 3H]).
+
+    Example, prompts of 3 and 5 tokens: row 0 is [pad, pad, a0, a1, a2] at positions [0, 0, 0, 1, 2];
+    column 4 holds each row's last prompt token, so one logit per row gives the first output token.
+    """
+    n = max(len(p) for p in prompts)
+    device = prompts[0].device
+    pad = torch.tensor([n - len(p) for p in prompts], device=device)  # [B]
+    ids = torch.stack([F.pad(p, (n - len(p), 0)) for p in prompts])  # [B, n]
+    columns = torch.arange(n, device=device)
+    valid = columns >= pad[:, None]  # [B, n]
+    positions = (columns - pad[:, None]).clamp(min=0)
+    batch = Batch(new_cache(), valid[:, :0], positions[:, :0], ids[:, -1], pad.new_zeros(len(prompts)))
+    causal = (columns[None, :] <= columns[:, None]) & valid[:, None, :]  # [B, n, n]
+    greedy, features = forward_verifier(verifier, batch, ids, positions, causal, causal[:, :, :0], layer_ids, 1)
+    batch.valid, batch.root, batch.length = valid, greedy[:, -1], positions[:, -1] + 1
+    return batch, features
 
 
-def draft_ids_to_target(drafter: nn.Module, draft_ids: Tensor) -> Tensor:
-    """Target ids of draft-vocabulary ids: target = draft + d2t[draft]."""
-    return draft_ids + drafter.d2t[draft_ids]
+def tree_structure(parents: Tensor) -> tuple[Tensor, Tensor]:
+    """(depth [B, 1 + N], ancestor-or-self [B, 1 + N, 1 + N] bool) of a draft's parents [B, N] (block indices)."""
+    B, N = parents.shape
+    depth = parents.new_zeros(B, N + 1)
+    ancestors = torch.eye(N + 1, dtype=torch.bool, device=parents.device).repeat(B, 1, 1)
+    rows = torch.arange(B, device=parents.device)
+    for i in range(1, N + 1):  # parents come first, so theirs are complete
+        parent = parents[:, i - 1]
+        depth[:, i] = depth[rows, parent] + 1
+        ancestors[:, i] |= ancestors[rows, parent]
+    return depth, ancestors
 
 
 @torch.no_grad()
-def draft_k(drafter: nn.Module, cache: KVCache, features: Tensor, next_ids: Tensor, start: int, k: int) -> Tensor:
-    """K chain drafts [k] (target ids) after a context step over the newly accepted rows.
+def verify(verifier, batch: Batch, draft: Draft, layer_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """One verifier forward over [root, nodes...] of every row: (greedy [B, 1 + N], features [B, 1 + N, 3H])."""
+    depth, ancestors = tree_structure(draft.parents)
+    input_ids = torch.cat([batch.root[:, None], draft.tokens], 1)  # [B, 1 + N]
+    see_cache = batch.valid[:, None, :].expand(-1, input_ids.shape[1], -1)  # [B, 1 + N, S]
+    return forward_verifier(verifier, batch, input_ids, batch.length[:, None] + depth, ancestors, see_cache, layer_ids)
 
-    features [1, m, 3H] are the verifier's at the inputs of rows start..start+m-1; next_ids [m]
-    the token that followed each of those inputs. Example: after prefill of 5 tokens, start = 0,
-    m = 5, next_ids = x_1..x_5; the chain then continues row 4 at positions 5, 6, ...
+
+def accept(draft: Draft, greedy: Tensor, budgets: Sequence[int], eos_ids: set[int]) -> list[list[int]]:
+    """Per row, the accepted path of block indices, the root first.
+
+    Acceptance rule (greedy verification): from the root, a node is accepted iff it is a valid
+    child of the last accepted node and its token equals that node's greedy token; then its own
+    greedy token is the next one to match. The last accepted node's greedy token is the bonus, so a
+    forward yields len(path) tokens, all exactly greedy ones. A row stops accepting once it has
+    ``budgets[b]`` tokens or has produced an EOS, as a server would.
     """
-    m = next_ids.shape[0]
-    positions = torch.arange(start, start + m, device=next_ids.device)  # [m]
-    h2 = drafter.step(next_ids[None], drafter.fc(features), positions, cache)  # [1, m, H]
-    hidden = h2[:, -1:]  # [1, 1, H]: the last row continues into the chain
-    row = positions[-1:]  # [1] context index the chain continues
-    drafts = []
-    for step in range(k):
-        token = draft_ids_to_target(drafter, drafter.logits(hidden).argmax(-1))  # [1, 1]
-        drafts.append(token)
-        if step < k - 1:
-            hidden = drafter.step(token, hidden, row + step + 1, cache, rows=row)  # own h2 as hidden input
-    return torch.cat(drafts, 1)[0]
+    tokens, parents, valid, greedy = draft.tokens.tolist(), draft.parents.tolist(), draft.valid.tolist(), greedy.tolist()
+    paths = []
+    for b, budget in enumerate(budgets):
+        path = [0]
+        while len(path) < budget and greedy[b][path[-1]] not in eos_ids:
+            want = greedy[b][path[-1]]
+            children = [i + 1 for i, (t, p, ok) in enumerate(zip(tokens[b], parents[b], valid[b])) if ok and p == path[-1] and t == want]
+            if not children:
+                break
+            path.append(children[0])
+        paths.append(path)
+    return paths
 
 
-@torch.no_grad()
-def verify(verifier, cache: DynamicCache, last_id: Tensor, drafts: Tensor, layer_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
-    """One verifier forward over [last accepted token, d_1..d_K]: (greedy y_0..y_K [K+1], features [1, K+1, 3H])."""
-    return forward_verifier(verifier, cache, torch.cat([last_id, drafts])[None], layer_ids)
+def commit(batch: Batch, paths: list[list[int]], greedy: Tensor) -> None:
+    """Make the accepted columns valid; the bonus token becomes each row's root."""
+    Q = greedy.shape[1]
+    start = batch.valid.shape[1] - Q
+    for b, path in enumerate(paths):
+        batch.valid[b, [start + i for i in path]] = True
+    last = torch.tensor([path[-1] for path in paths], device=greedy.device)
+    batch.root = greedy[torch.arange(len(paths), device=greedy.device), last]
+    batch.length = batch.length + torch.tensor([len(p) for p in paths], device=greedy.device)
 
 
-def accept(drafts: Tensor, greedy: Tensor) -> int:
-    """Number j of accepted drafts, 0..K.
+# --- proposers --------------------------------------------------------------------------------------
 
-    Acceptance rule (greedy verification): draft d_i is accepted iff it and every earlier draft
-    equal the verifier's argmax at the position before it (d_i == y_{i-1} for all i <= j). The
-    first mismatch and everything after it are rejected; the verifier's own y_j is then emitted as
-    the bonus token, so each verifier forward yields j + 1 tokens, all exactly greedy ones.
+
+class DraftBatchCache(KVCache):
+    """The drafter's cache for a batch: context columns carry per-row validity, as the verifier's do.
+
+    ``incoming`` [B, T] says which rows of the next context step are real (the rest pad rows that
+    differ in count); chain keys are the tree nodes' ancestors, regathered by ``follow`` between steps.
     """
-    matches = (drafts == greedy[:-1]).long().cumprod(0)  # [K]: 1 up to the first mismatch
-    return int(matches.sum())
+
+    valid: Tensor | None = None  # [B, S] context columns holding a real row
+    incoming: Tensor | None = None  # [B, T] validity of the next context step's rows
+
+    def add_context(self, k: Tensor, v: Tensor) -> Tensor:
+        start = 0 if self.k is None else self.k.shape[2]
+        super().add_context(k, v)
+        self.valid = self.incoming if self.valid is None else torch.cat([self.valid, self.incoming], 1)
+        columns = torch.arange(self.k.shape[2], device=k.device)
+        causal = columns <= (start + torch.arange(k.shape[2], device=k.device))[:, None]  # [T, S]
+        return (causal & self.valid[:, None, :])[:, None, None]  # [B, 1, 1, T, S]
+
+    def add_chain(self, k: Tensor, v: Tensor, rows: Tensor) -> Tensor:
+        super().add_chain(k, v, rows)
+        return self.valid[:, None, None, None, :]  # [B, 1, 1, 1, S]: every real context row came before
+
+    def follow(self, slots: Tensor) -> None:
+        """Chain keys of row r := those of row slots[b, r] (a new frontier node continues its parent's path)."""
+        if self.chain_k is None:  # a drafter that keeps no keys (test stand-ins)
+            return
+        pick = torch.arange(slots.shape[0], device=slots.device)[:, None], slots  # [B, R] each
+        self.chain_k = self.chain_k.transpose(1, 2)[pick].transpose(1, 2)  # [B, nkv, R, J, hd]
+        self.chain_v = self.chain_v.transpose(1, 2)[pick].transpose(1, 2)
+
+
+class EagleProposer:
+    """Chain or tree drafts of an EAGLE-3 drafter (SGLang's algorithm; see the module docstring)."""
+
+    def __init__(self, drafter: nn.Module, shape: TreeShape):
+        self.drafter, self.shape = drafter, shape
+
+    def start(self, prompts: Sequence[Tensor], batch: Batch, features: Tensor) -> None:
+        """The prompt rows t = (g_t, x_{t+1}); the padded prefill layout, x_n = each row's root."""
+        n = features.shape[1]
+        ids = torch.stack([F.pad(p, (n - len(p), 0)) for p in prompts])  # [B, n]
+        self.cache = DraftBatchCache()
+        self.pending = (features, torch.cat([ids[:, 1:], batch.root[:, None]], 1), batch.positions[:, :n], batch.valid[:, :n])
+
+    def advance(self, round_: Round) -> None:
+        """Next context rows: the path's inputs with their features, each followed by the next emitted token."""
+        width = max(len(p) for p in round_.paths)
+        B = len(round_.paths)
+        device = round_.features.device
+        index = torch.tensor([p + [p[-1]] * (width - len(p)) for p in round_.paths], device=device)  # [B, width]
+        next_ids = torch.tensor([e + [e[-1]] * (width - len(e)) for e in round_.emitted], device=device)
+        valid = torch.arange(width, device=device) < torch.tensor([len(p) for p in round_.paths], device=device)[:, None]
+        features = round_.features[torch.arange(B, device=device)[:, None], index]  # [B, width, 3H]
+        self.pending = (features, next_ids, round_.root_positions[:, None] + torch.arange(width, device=device), valid)
+
+    @torch.no_grad()
+    def propose(self) -> Draft:
+        drafter, (k, steps) = self.drafter, (self.shape.topk, self.shape.num_steps)
+        features, next_ids, positions, valid = self.pending
+        self.cache.incoming = valid
+        h2 = drafter.step(next_ids, drafter.fc(features), positions, self.cache)  # [B, T, H]
+        B, _, H = h2.shape
+        rows = torch.arange(B, device=h2.device)
+        last = valid.long().cumsum(1).argmax(1)  # [B] the last real row continues into the tree
+        hidden, position = h2[rows, last][:, None], positions[rows, last]  # [B, 1, H], [B]
+        scores, tokens = F.log_softmax(drafter.logits(hidden).float(), -1).topk(k, -1)  # [B, 1, k]
+        scores, tokens = scores[:, 0], tokens[:, 0]  # [B, k] the root's children
+        frontier, parents = torch.arange(k, device=h2.device).expand(B, k), torch.full((B, k), -1, device=h2.device)
+        all_scores, all_tokens, all_parents = [scores], [tokens], [parents]
+        front_scores, front_tokens, hidden = scores, tokens, hidden.expand(B, k, H)
+        for step in range(1, steps):
+            h2 = drafter.step(self.to_target(front_tokens), hidden, (position + step)[:, None].expand(B, k), self.cache,
+                              rows=torch.arange(k, device=h2.device))  # [B, k, H]
+            child_scores, child_tokens = F.log_softmax(drafter.logits(h2).float(), -1).topk(k, -1)  # [B, k, k]
+            child_scores = front_scores[:, :, None] + child_scores  # cumulative log-probability
+            offset = sum(s.shape[1] for s in all_scores)
+            all_scores.append(child_scores.flatten(1))
+            all_tokens.append(child_tokens.flatten(1))
+            all_parents.append(frontier[:, :, None].expand(B, k, k).flatten(1))
+            front_scores, pick = child_scores.flatten(1).topk(k, -1)  # [B, k] the next frontier
+            slots = pick // k  # which frontier node each continues
+            frontier, front_tokens = offset + pick, child_tokens.flatten(1).gather(1, pick)
+            hidden = h2.gather(1, slots[:, :, None].expand(B, k, H))
+            if step < steps - 1:
+                self.cache.follow(slots)
+        return self.select(torch.cat(all_scores, 1), torch.cat(all_tokens, 1), torch.cat(all_parents, 1))
+
+    def select(self, scores: Tensor, tokens: Tensor, parents: Tensor) -> Draft:
+        """The best num_draft_tokens - 1 nodes, in creation order (parents first).
+
+        A child's score is its parent's plus a log-probability <= 0, and the stable sort keeps the
+        earlier-created parent first on ties, so every chosen node's parent is chosen too.
+        """
+        B, total = scores.shape
+        best = scores.sort(dim=1, descending=True, stable=True).indices[:, : self.shape.num_draft_tokens - 1]
+        chosen = best.sort(1).values  # [B, N]
+        block = torch.full((B, total), -1, device=scores.device)
+        block.scatter_(1, chosen, torch.arange(1, chosen.shape[1] + 1, device=scores.device).expand_as(chosen))
+        parent = parents.gather(1, chosen)  # candidate index, -1: the root
+        parent_block = torch.where(parent < 0, 0, block.gather(1, parent.clamp(min=0)))
+        return Draft(self.to_target(tokens.gather(1, chosen)), parent_block, torch.ones_like(chosen, dtype=torch.bool))
+
+    def to_target(self, draft_ids: Tensor) -> Tensor:
+        """Target ids of draft-vocabulary ids: target = draft + d2t[draft]."""
+        return draft_ids + self.drafter.d2t[draft_ids]
+
+
+def most_frequent(token: int) -> Callable[[list[int], int], list[int]]:
+    """The context-free baseline: always ``k`` times the same token."""
+    return lambda history, k: [token] * k
+
+
+def ngram(history: list[int], k: int, max_n: int = 3) -> list[int]:
+    """Prompt lookup (vLLM's and SGLang's ``ngram``): what followed the latest earlier match of the last n tokens.
+
+    n from ``max_n`` down to 1, the longest matching suffix first, its most recent earlier occurrence;
+    up to ``k`` tokens, none without a match. Example: history [5, 6, 7, 1, 5, 6], k = 2 -> [7, 1].
+    """
+    for n in range(min(max_n, len(history) - 1), 0, -1):
+        suffix = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start : start + n] == suffix:
+                return history[start + n : start + n + k]
+    return []
+
+
+class HistoryProposer:
+    """A chain of up to K drafts from each row's tokens so far (prompt + output), e.g. ``ngram``."""
+
+    def __init__(self, propose: Callable[[list[int], int], list[int]], k: int):
+        self.propose_fn, self.k = propose, k
+
+    def start(self, prompts: Sequence[Tensor], batch: Batch, features: Tensor) -> None:
+        self.histories = [p.tolist() + [int(r)] for p, r in zip(prompts, batch.root)]
+        self.device = batch.root.device
+
+    def advance(self, round_: Round) -> None:
+        for history, emitted in zip(self.histories, round_.emitted):
+            history += emitted
+
+    def propose(self) -> Draft:
+        proposals = [self.propose_fn(h, self.k)[: self.k] for h in self.histories]
+        tokens = torch.tensor([p + [0] * (self.k - len(p)) for p in proposals], device=self.device)  # [B, K]
+        valid = torch.arange(self.k, device=self.device) < torch.tensor([len(p) for p in proposals], device=self.device)[:, None]
+        parents = torch.arange(self.k, device=self.device).expand_as(tokens)  # a chain
+        return Draft(tokens, parents, valid)
+
+
+# --- decoding -------------------------------------------------------------------------------------
 
 
 def truncate(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
@@ -179,35 +433,61 @@ def truncate(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[
     return tokens[: ends[0] + 1] if ends else tokens
 
 
+def finished(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> bool:
+    return len(tokens) >= max_new_tokens or (bool(tokens) and tokens[-1] in eos_ids)
+
+
 @torch.no_grad()
-def speculative_decode(verifier, drafter: nn.Module, prompt_ids: Tensor, layer_ids: Sequence[int], draft_tokens: int,
-                       max_new_tokens: int, eos_ids: set[int]) -> Decoded:
-    """Greedy decoding of ``verifier`` from prompt_ids [1, n], sped up by ``drafter``'s chain drafts."""
-    vcache, next_id, features = prefill(verifier, prompt_ids, layer_ids)
-    dcache = KVCache()
-    tokens = next_id.tolist()
-    next_ids = torch.cat([prompt_ids[0, 1:], next_id])  # x_1..x_n for drafter rows 0..n-1
-    start, accepted = 0, []
-    while len(tokens) < max_new_tokens and not eos_ids.intersection(tokens):
-        drafts = draft_k(drafter, dcache, features, next_ids, start, draft_tokens)
-        greedy, verified = verify(verifier, vcache, next_ids[-1:], drafts, layer_ids)
-        j = accept(drafts, greedy)
-        rollback(vcache, draft_tokens - j)  # keep [last, d_1..d_j]; the bonus y_j is next step's input
-        start += len(next_ids)
-        next_ids = torch.cat([drafts[:j], greedy[j : j + 1]])  # [j + 1] new tokens
-        features = verified[:, : j + 1]  # features at the inputs [last, d_1..d_j]
-        tokens += next_ids.tolist()
+def speculative_decode(verifier, proposer, prompts: Sequence[Tensor], layer_ids: Sequence[int], max_new_tokens: int,
+                       eos_ids: set[int]) -> list[Decoded]:
+    """Greedy decoding of ``verifier`` from each prompt [n_b], sped up by ``proposer``'s drafts (None: plain)."""
+    batch, features = prefill(verifier, prompts, layer_ids)
+    outputs = [Decoded([int(t)]) for t in batch.root]
+    if proposer is not None:
+        proposer.start(prompts, batch, features)
+    while not all(finished(o.tokens, max_new_tokens, eos_ids) for o in outputs):
+        draft = proposer.propose() if proposer is not None else no_draft(batch)
+        root_positions = batch.length
+        greedy, features = verify(verifier, batch, draft, layer_ids)
+        budgets = [max_new_tokens - len(o.tokens) for o in outputs]
+        paths = accept(draft, greedy, budgets, eos_ids)
+        tokens = draft.tokens.tolist()
+        bonus = greedy.tolist()
+        emitted = [[tokens[b][i - 1] for i in path[1:]] + [bonus[b][path[-1]]] for b, path in enumerate(paths)]
+        commit(batch, paths, greedy)
+        for output, path, new in zip(outputs, paths, emitted):
+            if not finished(output.tokens, max_new_tokens, eos_ids):
+                output.tokens += new
+                output.accepted.append(len(path) - 1)
+        if proposer is not None:
+            proposer.advance(Round(paths, emitted, features, root_positions))
+    return [Decoded(truncate(o.tokens, max_new_tokens, eos_ids), o.accepted) for o in outputs]
+
+
+def no_draft(batch: Batch) -> Draft:
+    empty = batch.root.new_zeros(len(batch.root), 0)
+    return Draft(empty, empty, empty.bool())
+
+
+def greedy_decode(verifier, prompts: Sequence[Tensor], max_new_tokens: int, eos_ids: set[int]) -> list[list[int]]:
+    """Plain greedy decoding, one verifier forward per token (the reference and the speed baseline)."""
+    return [d.tokens for d in speculative_decode(verifier, None, prompts, (0,), max_new_tokens, eos_ids)]
+
+
+def replay(propose: Callable[[list[int], int], list[int]], prompt: list[int], output: list[int], k: int) -> list[int]:
+    """Drafts accepted per verifier forward had a history proposer decoded ``output`` (the plain greedy output).
+
+    Exact without running the verifier: under greedy verification every forward's greedy tokens are
+    the output's, and decoding stops accepting at the output's end (its budget or EOS), as
+    ``accept`` does. Example: output [4, 5, 6, 7], drafts always [5, 6]: forward 1 at [4] accepts
+    5, 6 (then bonus 7): [2].
+    """
+    accepted, done = [], 1  # prefill emits output[0]
+    while done < len(output):
+        drafts = propose(prompt + output[:done], k)[:k]
+        j = 0
+        while j < len(drafts) and done + j < len(output) - 1 and drafts[j] == output[done + j]:
+            j += 1
         accepted.append(j)
-    return Decoded(truncate(tokens, max_new_tokens, eos_ids), accepted)
-
-
-@torch.no_grad()
-def greedy_decode(verifier, prompt_ids: Tensor, max_new_tokens: int, eos_ids: set[int]) -> list[int]:
-    """Plain greedy decoding with a KV cache, one verifier forward per token (the reference and the speed baseline)."""
-    cache = new_cache()
-    input_ids, tokens = prompt_ids, []
-    while len(tokens) < max_new_tokens and not (tokens and tokens[-1] in eos_ids):
-        logits = verifier(input_ids=input_ids, logits_to_keep=1, **cache_kwargs(verifier, cache)).logits
-        input_ids = logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
-        tokens.append(int(input_ids))
-    return tokens
+        done += j + 1
+    return accepted

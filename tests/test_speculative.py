@@ -1,0 +1,292 @@
+"""Batched speculative decoding: lossless (chain, tree, n-gram), oracle τ = K+1, wrong τ = 1, holes masked.
+
+The tiny random verifier gets an untied random lm_head so its greedy text is not one repeated
+token (with tied random weights it copies its last input). Drafter stand-ins implement the same
+interface as ``Eagle3Drafter`` and read the RoPE positions they are given (carried in channel 0 of
+their h2), so a position off-by-one in the decoding loop shows up as a lost oracle token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import MistralConfig, MistralForCausalLM
+
+from eagle3.evaluate import acceptance_stats
+from eagle3.model import DraftConfig, Eagle3Drafter
+from eagle3.speculative import (
+    Draft,
+    EagleProposer,
+    HistoryProposer,
+    TreeShape,
+    accept,
+    greedy_decode,
+    most_frequent,
+    ngram,
+    replay,
+    speculative_decode,
+    truncate,
+)
+from eagle3.verifier import load_tokenizer, load_verifier, prompt_ids
+from tiny_drafter import draft_d2t
+
+K = 4
+MAX_NEW = 24
+TINY_TAPS = (1, 2, 3)
+QUESTIONS = ["Hello there, how are you?", "Write a short poem about the sea.", "def fibonacci(n):"]
+TREE = TreeShape(num_steps=K, topk=3, num_draft_tokens=10)
+
+
+class TableDrafter(nn.Module):
+    """Proposes table[b, p + 2] at RoPE position p (the alignment: position p predicts x_{p+2}).
+
+    With the verifier's own greedy sequences as the table it is an oracle; with shifted ones always
+    wrong. ``runner_up``: where set, the table token is only the second choice, after table + 1.
+    """
+
+    def __init__(self, table: torch.Tensor, vocab_size: int, runner_up: torch.Tensor | None = None):
+        super().__init__()
+        self.fc = nn.Identity()
+        self.table, self.vocab_size = torch.atleast_2d(table), vocab_size  # [B, L]
+        self.runner_up = runner_up
+        self.register_buffer("d2t", torch.zeros(vocab_size, dtype=torch.long))  # draft vocab = target vocab
+
+    def step(self, input_ids, hidden, position_ids, cache, rows=None):
+        h2 = hidden.clone()
+        h2[..., 0] = position_ids.float()  # the logits call reads the position back
+        return h2
+
+    def logits(self, h2):
+        index = (h2[..., 0].long() + 2).clamp(max=self.table.shape[1] - 1)  # [B, T]
+        right = self.table.gather(1, index)
+        logits = 10 * F.one_hot(right, self.vocab_size).float()
+        if self.runner_up is not None:  # a close wrong first choice at the marked positions
+            wrong = F.one_hot((right + 1) % self.vocab_size, self.vocab_size).float()
+            logits = torch.where(self.runner_up[index][..., None], 2 * wrong + 1.9 * logits / 10, logits)
+        return logits
+
+
+def encode(tokenizer, question: str) -> torch.Tensor:
+    return torch.tensor(prompt_ids(tokenizer, [{"role": "user", "content": question}]))  # [n]
+
+
+def greedy_tables(verifier, prompts, length: int) -> torch.Tensor:
+    """Per prompt, prompt + ``length`` greedy tokens ignoring EOS, right-padded: [B, L]."""
+    rows = [torch.cat([p, torch.tensor(g)]) for p, g in zip(prompts, greedy_decode(verifier, prompts, length, set()))]
+    return torch.stack([F.pad(r, (0, max(map(len, rows)) - len(r))) for r in rows])
+
+
+def random_drafter(verifier, draft_vocab: int, taps, seed: int = 0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    cfg = DraftConfig.from_verifier(verifier.config, draft_vocab, taps)
+    drafter = Eagle3Drafter(cfg, verifier.get_input_embeddings().weight)
+    drafter.set_draft_vocab(draft_d2t(cfg.vocab_size, draft_vocab))
+    return drafter.eval()
+
+
+def decode(verifier, proposer, prompts, max_new=MAX_NEW, eos=frozenset({2})):
+    return speculative_decode(verifier, proposer, prompts, TINY_TAPS, max_new, set(eos))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_verifier_dir):
+    """(verifier with an untied random head, prompts [n] each, plain greedy outputs)."""
+    torch.set_num_threads(1)
+    verifier = load_verifier(tiny_verifier_dir)
+    g = torch.Generator().manual_seed(0)
+    verifier.lm_head.weight = nn.Parameter(torch.randn(verifier.config.vocab_size, verifier.config.hidden_size, generator=g))
+    tokenizer = load_tokenizer(tiny_verifier_dir)
+    prompts = [encode(tokenizer, q) for q in QUESTIONS]
+    return verifier, prompts, greedy_decode(verifier, prompts, MAX_NEW, {2})
+
+
+def test_accept_rule_walks_the_tree_within_budget_and_eos():
+    # root -> 1 (token 5) -> 2 (token 6); root -> 3 (token 7) -> 4 (token 8)
+    draft = Draft(torch.tensor([[5, 6, 7, 8]]), torch.tensor([[0, 1, 0, 3]]), torch.ones(1, 4, dtype=torch.bool))
+    greedy = torch.tensor([[7, 0, 0, 8, 9]])  # root wants 7, node 3 wants 8, node 4's bonus 9
+    assert accept(draft, greedy, [10], set()) == [[0, 3, 4]]
+    assert accept(draft, greedy, [2], set()) == [[0, 3]]  # only 2 tokens still wanted
+    assert accept(draft, greedy, [10], {8}) == [[0, 3]]  # EOS is the bonus, never accepted past
+    draft.valid[0, 2] = False
+    assert accept(draft, greedy, [10], set()) == [[0]]  # an invalid node is never accepted
+
+
+def test_truncate_stops_after_first_eos_and_at_max():
+    assert truncate([4, 2, 5, 2], 10, {2}) == [4, 2]
+    assert truncate([4, 5, 6], 2, {2}) == [4, 5]
+
+
+def test_tree_shape_chain_and_limits():
+    assert TreeShape.chain(7) == TreeShape(7, 1, 8) and not TreeShape(5, 4, 16).problems()
+    assert "num_draft_tokens must be in 2..69" in TreeShape(5, 4, 70).problems()[0]
+
+
+def test_batched_greedy_decode_equals_hf_generate(tiny):
+    """Prompts of different lengths in one batch (left padding, masked) decode as HF does each alone."""
+    verifier, prompts, plain = tiny
+    assert len({len(p) for p in prompts}) == len(prompts)
+    for ids, tokens in zip(prompts, plain):
+        expected = verifier.generate(ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=MAX_NEW,
+                                     do_sample=False, eos_token_id=2, pad_token_id=2)[0, len(ids):].tolist()
+        assert tokens == expected
+    assert len(set(plain[0])) > 5  # varied text, not one repeated token
+
+
+@pytest.mark.parametrize("shape", [TreeShape.chain(K), TREE], ids=["chain", "tree"])
+def test_random_drafter_is_lossless_and_batch_equals_one_by_one(tiny, shape):
+    verifier, prompts, plain = tiny
+    drafter = random_drafter(verifier, 512, TINY_TAPS)
+    batched = decode(verifier, EagleProposer(drafter, shape), prompts)
+    assert [d.tokens for d in batched] == plain
+    alone = [decode(verifier, EagleProposer(drafter, shape), [p])[0] for p in prompts]
+    assert [d.accepted for d in alone] == [d.accepted for d in batched]
+
+
+def test_oracle_accepts_everything_every_round(tiny):
+    """The all-accepted round, every round: nothing is rolled back and the next round still verifies exactly."""
+    verifier, prompts, plain = tiny
+    max_new = 1 + 4 * (K + 1)  # prefill's token, then 4 full rounds
+    oracle = TableDrafter(greedy_tables(verifier, prompts, max_new + K + 2), verifier.config.vocab_size)
+    out = decode(verifier, EagleProposer(oracle, TreeShape.chain(K)), prompts, max_new, eos=())
+    assert [d.tokens for d in out] == greedy_decode(verifier, prompts, max_new, set())
+    assert [d.accepted for d in out] == [[K] * 4] * len(prompts)
+
+
+def test_always_wrong_drafter_accepts_nothing(tiny):
+    verifier, prompts, plain = tiny
+    table = greedy_tables(verifier, prompts, MAX_NEW + K + 2)
+    wrong = TableDrafter((table + 1) % verifier.config.vocab_size, verifier.config.vocab_size)
+    out = decode(verifier, EagleProposer(wrong, TreeShape.chain(K)), prompts, eos=())
+    assert [d.tokens for d in out] == greedy_decode(verifier, prompts, MAX_NEW, set())
+    assert all(d.accepted == [0] * (MAX_NEW - 1) for d in out)
+
+
+@pytest.mark.parametrize("shape", [TreeShape.chain(K), TREE], ids=["chain", "tree"])
+def test_partly_right_drafter_is_lossless_and_rates_add_up_to_tau(tiny, shape):
+    """Every third oracle token corrupted: accept lengths vary per row, leaving holes in both caches."""
+    verifier, prompts, plain = tiny
+    table = greedy_tables(verifier, prompts, MAX_NEW + K + 2)
+    table[:, ::3] = (table[:, ::3] + 1) % verifier.config.vocab_size
+    out = decode(verifier, EagleProposer(TableDrafter(table, verifier.config.vocab_size), shape), prompts)
+    assert [d.tokens for d in out] == plain
+    accepted = [j for d in out for j in d.accepted]
+    assert len(set(accepted)) > 2  # neither all-or-nothing
+    stats = acceptance_stats(accepted, K)
+    assert stats["tau"] == pytest.approx(1 + sum(stats["acceptance"]))
+    assert stats["tau"] == pytest.approx(1 + sum(accepted) / len(accepted))
+    assert sum(stats["tau_distribution"]) == pytest.approx(1)
+
+
+def test_tree_beats_chain_when_the_right_token_is_second(tiny):
+    """Top-1 wrong (but close) at every other position: the chain stops there, the tree takes the runner-up."""
+    verifier, prompts, plain = tiny
+    table = greedy_tables(verifier, prompts, MAX_NEW + K + 2)
+    runner_up = torch.arange(table.shape[1]) % 2 == 0
+    drafter = TableDrafter(table, verifier.config.vocab_size, runner_up)
+    chain = decode(verifier, EagleProposer(drafter, TreeShape.chain(K)), prompts)
+    tree = decode(verifier, EagleProposer(drafter, TreeShape(num_steps=K, topk=2, num_draft_tokens=15)), prompts)
+    assert [d.tokens for d in chain] == [d.tokens for d in tree] == plain
+    tau = {name: acceptance_stats([j for d in out for j in d.accepted], K)["tau"] for name, out in (("chain", chain), ("tree", tree))}
+    assert tau["tree"] > tau["chain"] + 1, tau
+
+
+class RecordingDrafter(TableDrafter):
+    """A table drafter that records what it is fed, in order: (chain step?, position, token, hidden)."""
+
+    def __init__(self, table: torch.Tensor, vocab_size: int):
+        super().__init__(table, vocab_size)
+        self.fed = []
+
+    def step(self, input_ids, hidden, position_ids, cache, rows=None):
+        self.fed += [(rows is not None, int(p), int(t), h) for p, t, h in zip(position_ids[0], input_ids[0], hidden[0])]
+        return super().step(input_ids, hidden, position_ids, cache, rows)
+
+
+def test_drafter_is_fed_like_sglang(tiny):
+    """Context row t = (g_t, x_{t+1}) at position t, each t once; chain steps get the previous step's h2.
+
+    g_t is checked against one plain forward of the verifier over the final sequence, so features
+    kept from verify forwards after partial acceptances must belong to the accepted tokens.
+    """
+    verifier, prompts, plain = tiny
+    ids = prompts[0]
+    table = greedy_tables(verifier, [ids], MAX_NEW + K + 2)
+    table[:, ::3] = (table[:, ::3] + 1) % verifier.config.vocab_size
+    drafter = RecordingDrafter(table, verifier.config.vocab_size)
+    out = decode(verifier, EagleProposer(drafter, TreeShape.chain(K)), [ids])[0]
+    sequence = torch.cat([ids, torch.tensor(out.tokens)])  # [n + generated]
+    with torch.no_grad():
+        hidden_states = verifier(sequence[None], output_hidden_states=True).hidden_states
+    g = torch.cat([hidden_states[k][0] for k in TINY_TAPS], -1)  # [S, 3H]
+    context = [(p, t, h) for chain, p, t, h in drafter.fed if not chain]
+    real = [(p, t, h) for p, t, h in context if p < len(sequence) - 1 and t == sequence[p + 1]]
+    assert [p for p, _, _ in real] == list(range(len(real)))  # every row once, in order (pad rows aside)
+    assert len(real) >= len(sequence) - K - 1
+    for position, _, fed in real:
+        torch.testing.assert_close(fed, g[position], atol=1e-4, rtol=1e-4)
+    previous = {}  # position -> the hidden fed there most recently
+    for chain, position, _, fed in drafter.fed:
+        if chain:  # continues the row or step at position - 1: its h2 is that hidden with the position in channel 0
+            torch.testing.assert_close(fed[1:], previous[position - 1][1:])
+            assert int(fed[0]) == position - 1
+        previous[position] = fed
+
+
+def test_stops_at_eos_inside_an_accepted_chunk(tiny):
+    verifier, prompts, plain = tiny
+    ids = prompts[2]
+    table = greedy_tables(verifier, [ids], MAX_NEW + K + 2)
+    eos = {int(table[0, len(ids) + 9])}  # a token greedy decoding emits 10th (or earlier)
+    expected = greedy_decode(verifier, [ids], MAX_NEW, eos)
+    assert len(expected[0]) <= 10 and expected[0][-1] in eos
+    oracle = TableDrafter(table, verifier.config.vocab_size)
+    assert [d.tokens for d in decode(verifier, EagleProposer(oracle, TreeShape.chain(K)), [ids], eos=eos)] == expected
+    constant = HistoryProposer(most_frequent(expected[0][-1]), K)
+    assert [d.tokens for d in decode(verifier, constant, [ids], eos=eos)] == expected
+
+
+def test_ngram_matches_the_longest_latest_suffix():
+    assert ngram([5, 6, 7, 1, 5, 6], 2) == [7, 1]
+    assert ngram([5, 6, 7, 9, 6, 8, 5, 6], 3) == [7, 9, 6]  # n = 2 matches [5, 6] at 0
+    assert ngram([1, 2, 3, 2, 4, 2], 5) == [4, 2]  # n = 1: the latest earlier 2, then what followed
+    assert ngram([1, 2, 3], 4) == [] and ngram([7], 4) == []
+
+
+@pytest.mark.parametrize("name", ["ngram", "most_frequent"])
+def test_history_baselines_are_lossless_and_replay_exactly(tiny, name):
+    """Decoding for real equals replaying the proposer on the plain output (what evaluate reports)."""
+    verifier, prompts, plain = tiny
+    propose = ngram if name == "ngram" else most_frequent(plain[0][3])
+    out = decode(verifier, HistoryProposer(propose, K), prompts)
+    assert [d.tokens for d in out] == plain
+    assert [d.accepted for d in out] == [replay(propose, p.tolist(), o, K) for p, o in zip(prompts, plain)]
+    assert sum(j for d in out for j in d.accepted) > 0
+
+
+@pytest.fixture(scope="module")
+def sliding_verifier():
+    """A tiny random Mistral-style verifier whose every layer attends to a 16-token window."""
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                           max_position_embeddings=512, tie_word_embeddings=False)
+    return MistralForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("shape", [TreeShape.chain(K), TREE], ids=["chain", "tree"])
+def test_sliding_window_verifier_past_its_window(sliding_verifier, shape):
+    """Prompts (40, 33) longer than the window (16): rejected drafts leave holes inside sliding layers."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=g) for n in (40, 33)]
+    expected = [sliding_verifier.generate(p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=MAX_NEW,
+                                          do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+    assert greedy_decode(sliding_verifier, prompts, MAX_NEW, set()) == expected
+    table = greedy_tables(sliding_verifier, prompts, MAX_NEW + K + 2)
+    table[:, ::3] = (table[:, ::3] + 1) % 512
+    out = decode(sliding_verifier, EagleProposer(TableDrafter(table, 512), shape), prompts, eos=())
+    assert [d.tokens for d in out] == expected
+    accepted = [j for d in out for j in d.accepted]
+    assert 0 < max(accepted) and min(accepted) < K
