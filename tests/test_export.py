@@ -1,4 +1,4 @@
-"""Export round trip and `check-drafter` against each planted fault of DESIGN.md §6."""
+"""Export round trip and `check-drafter` against each planted fault of docs/design.md §2."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The EAGLE-3 objective: training-time test (TTT) over K draft steps, and its metrics (DESIGN.md §5).
+"""The EAGLE-3 objective: training-time test (TTT) over K draft steps, and its metrics (docs/design.md §1).
 
     selection = select_rows(loss_mask, steps=7)                    # on the host, from the batch
     targets = VerifierHead(lm_head_weight, d2t)(final, selection.positions)   # frozen, no grad

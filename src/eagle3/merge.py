@@ -14,7 +14,7 @@ bigger scale may still lie in the workspace) and writes references, not a copy o
 The statistics also go to the metrics folder (4th argument) through dvclive: ``metrics.json``
 and the length histogram ``plots/custom/length_histogram.json``.
 
-Draft vocabulary (DESIGN.md §5): count, over the *train* split, the tokens the drafter must
+Draft vocabulary (docs/design.md §1): count, over the *train* split, the tokens the drafter must
 predict (``input_ids[t]`` where ``loss_mask[t]``), take the Vd = min(merge.draft_vocab_size, V)
 most frequent, ties broken by the lower id, and sort them by id. When fewer than Vd distinct
 tokens were seen, the same rule fills the rest with never-seen ids in ascending id order.

@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter: one Llama decoder layer over the verifier's tapped features (DESIGN.md §5).
+"""The EAGLE-3 drafter: one Llama decoder layer over the verifier's tapped features (docs/design.md §1).
 
     cfg = DraftConfig.from_verifier(AutoConfig.from_pretrained("models/verifier"), 32000, [2, 15, 27])
     drafter = Eagle3Drafter(cfg, embed_tokens=verifier.get_input_embeddings().weight)
