@@ -8,7 +8,8 @@
 Each ``--run B:N`` decodes the first N prompts B at a time with ``eagle3.evaluate.decode_all`` (the
 stage's own loop: plain greedy, chain of ``--draft-tokens``, SGLang's tree) after an untimed
 warm-up of every method on the first batch, and prints one JSON line per method: prompts, batch
-size, generated tokens, wall seconds, tokens/s, τ. ``--run 1:N`` is prompt-by-prompt decoding (what
+size, generated tokens, decoding seconds (each batch's prefill is shared and not counted), tokens/s,
+τ, and the wall seconds of the whole run, prefills included. ``--run 1:N`` is prompt-by-prompt decoding (what
 the stage did before batching). Without ``--drafter`` a random drafter of the verifier's shape
 (τ ≈ 1: the most verifier forwards, the slowest case); without ``--prompts``, random token prompts
 of ``--prompt-tokens`` tokens.
@@ -66,6 +67,8 @@ def main() -> None:
     args = parser.parse_args()
     args.run = args.run or ["6:6"]
     torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.enable_cudnn_sdp(False)  # as the stage does: a setup per new key length
 
     verifier = load_verifier(args.verifier, args.device, args.dtype)
     tokenizer = load_tokenizer(args.verifier)

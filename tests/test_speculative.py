@@ -8,11 +8,13 @@ their h2), so a position off-by-one in the decoding loop shows up as a lost orac
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from eagle3.evaluate import acceptance_stats
 from eagle3.model import DraftConfig, Eagle3Drafter
@@ -25,6 +27,7 @@ from eagle3.speculative import (
     greedy_decode,
     most_frequent,
     ngram,
+    prefill,
     replay,
     speculative_decode,
     truncate,
@@ -142,6 +145,15 @@ def test_random_drafter_is_lossless_and_batch_equals_one_by_one(tiny, shape):
     assert [d.tokens for d in batched] == plain
     alone = [decode(verifier, EagleProposer(drafter, shape), [p])[0] for p in prompts]
     assert [d.accepted for d in alone] == [d.accepted for d in batched]
+
+
+def test_decoding_from_a_shared_prefill_leaves_it_unchanged(tiny):
+    verifier, prompts, plain = tiny
+    drafter = random_drafter(verifier, 512, TINY_TAPS)
+    prefilled = prefill(verifier, prompts, TINY_TAPS)
+    for proposer in (None, EagleProposer(drafter, TREE), None):
+        out = speculative_decode(verifier, proposer, prompts, TINY_TAPS, MAX_NEW, {2}, prefilled)
+        assert [d.tokens for d in out] == plain
 
 
 def test_oracle_accepts_everything_every_round(tiny):
@@ -265,25 +277,36 @@ def test_history_baselines_are_lossless_and_replay_exactly(tiny, name):
     assert sum(j for d in out for j in d.accepted) > 0
 
 
-@pytest.fixture(scope="module")
-def sliding_verifier():
-    """A tiny random Mistral-style verifier whose every layer attends to a 16-token window."""
+SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module", params=["mistral", "hybrid"])
+def sliding_verifier(request):
+    """Tiny random verifiers with a 16-token window: Mistral-style (every layer) and hybrid (sliding, full, ...)."""
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
-                           max_position_embeddings=512, tie_word_embeddings=False)
-    return MistralForCausalLM(config).eval()
+    if request.param == "mistral":
+        return MistralForCausalLM(MistralConfig(sliding_window=16, **SMALL)).eval()
+    config = Qwen2Config(use_sliding_window=True, sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2,
+                         **SMALL)
+    return Qwen2ForCausalLM(config).eval()
 
 
 @pytest.mark.parametrize("shape", [TreeShape.chain(K), TREE], ids=["chain", "tree"])
 def test_sliding_window_verifier_past_its_window(sliding_verifier, shape):
-    """Prompts (40, 33) longer than the window (16): rejected drafts leave holes inside sliding layers."""
+    """Prompts (40, 33) longer than the window (16): rejected drafts leave holes inside sliding layers.
+
+    The hybrid family takes one mask per layer type; the window must matter (a full mask decodes differently).
+    """
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=g) for n in (40, 33)]
     expected = [sliding_verifier.generate(p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=MAX_NEW,
                                           do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
                 for p in prompts]
     assert greedy_decode(sliding_verifier, prompts, MAX_NEW, set()) == expected
+    unwindowed = copy.deepcopy(sliding_verifier)
+    unwindowed.config.sliding_window = 10_000
+    assert greedy_decode(unwindowed, prompts, MAX_NEW, set()) != expected  # the window is exercised
     table = greedy_tables(sliding_verifier, prompts, MAX_NEW + K + 2)
     table[:, ::3] = (table[:, ::3] + 1) % 512
     out = decode(sliding_verifier, EagleProposer(TableDrafter(table, 512), shape), prompts, eos=())

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from eagle3.common import UserError, atomic_dir, load_params, read_json, read_jsonl, stage_main
 from eagle3.export import check_drafter, load_drafter
-from eagle3.speculative import EagleProposer, TreeShape, most_frequent, ngram, replay, speculative_decode
+from eagle3.speculative import EagleProposer, TreeShape, most_frequent, ngram, prefill, replay, speculative_decode
 from eagle3.verifier import eos_token_ids, load_tokenizer, load_verifier, prompt_ids, read_meta
 
 log = logging.getLogger(__name__)
@@ -141,15 +141,21 @@ def batches(items: Sequence, size: int) -> list[Sequence]:
 
 def decode_all(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
                max_new_tokens: int | None = None) -> dict[str, Run]:
-    """Every method on every batch of prompts, alternating methods per batch (fair under a varying load)."""
+    """Every method on every batch of prompts, alternating methods per batch (fair under a varying load).
+
+    The prompts of a batch are prefilled once, untimed, and every method decodes from a copy: the
+    prefill is the same work for all of them, so times and speedups are of decoding alone.
+    """
     methods = settings.methods()
     runs = {name: Run() for name in methods}
     layer_ids = drafter.config.aux_layers
     for batch in tqdm(batches(prompts, settings.batch_size), desc="/".join(methods), unit="batch", leave=False):
+        prefilled = prefill(verifier, batch, layer_ids)
         for name, shape in methods.items():
             proposer = EagleProposer(drafter, shape) if shape else None
             start = time.perf_counter()
-            decoded = speculative_decode(verifier, proposer, batch, layer_ids, max_new_tokens or settings.max_new_tokens, eos_ids)
+            decoded = speculative_decode(verifier, proposer, batch, layer_ids, max_new_tokens or settings.max_new_tokens,
+                                         eos_ids, prefilled)
             if str(settings.device).startswith("cuda"):
                 torch.cuda.synchronize()
             runs[name].seconds += time.perf_counter() - start
@@ -273,6 +279,10 @@ def main(argv: list[str]) -> None:
     from dvclive import Live
 
     torch.set_num_threads(settings.threads)
+    if settings.device.startswith("cuda"):
+        # cuDNN's SDPA pays a setup per new shape (measured ~10 s per 256 prompts on an H200), and every
+        # verify forward here has a new key length; the other SDPA kernels have none.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     verifier = load_verifier(args.verifier, settings.device, settings.dtype, settings.trust_remote_code)
     tokenizer = load_tokenizer(args.verifier, settings.trust_remote_code)
     embed = verifier.get_input_embeddings().weight

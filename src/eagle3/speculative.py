@@ -49,6 +49,7 @@ History-only proposers (the baselines: ``most_frequent``, ``ngram``) propose fro
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -439,9 +440,13 @@ def finished(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> bool:
 
 @torch.no_grad()
 def speculative_decode(verifier, proposer, prompts: Sequence[Tensor], layer_ids: Sequence[int], max_new_tokens: int,
-                       eos_ids: set[int]) -> list[Decoded]:
-    """Greedy decoding of ``verifier`` from each prompt [n_b], sped up by ``proposer``'s drafts (None: plain)."""
-    batch, features = prefill(verifier, prompts, layer_ids)
+                       eos_ids: set[int], prefilled: tuple[Batch, Tensor] | None = None) -> list[Decoded]:
+    """Greedy decoding of ``verifier`` from each prompt [n_b], sped up by ``proposer``'s drafts (None: plain).
+
+    ``prefilled``: ``prefill``'s result for these prompts, to decode several ways from one prefill
+    (it is copied, never changed).
+    """
+    batch, features = copy.deepcopy(prefilled) if prefilled else prefill(verifier, prompts, layer_ids)
     outputs = [Decoded([int(t)]) for t in batch.root]
     if proposer is not None:
         proposer.start(prompts, batch, features)
