@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagle3.data import collate
 from eagle3.loss import StepMetrics, TrainingTimeTest, VerifierHead, metric_sums, select_rows, shift_left, step_counts, ttt_loss
 from reference import reference_ttt_loss
 from tiny_drafter import make_drafter, random_batch, verifier_head_weight, one_thread  # noqa: F401 (autouse fixture)
@@ -15,12 +16,14 @@ def test_shift_left_and_select_rows_worked_examples():
     assert shift_left(x, 2).tolist() == [[3, 4, 5, 0, 0]]
     assert shift_left(x, 0).tolist() == [[1, 2, 3, 4, 5]]
     assert shift_left(x, 9, fill=-1).tolist() == [[-1] * 5]
-    sel = select_rows(torch.tensor([[0, 0, 0, 1, 1, 0]]), 4)
+    sel = select_rows(torch.tensor([[0, 0, 0, 1, 1, 0]]), torch.arange(6)[None], 4)
     assert sel.positions.tolist() == [2, 3]
     assert [r.tolist() for r in sel.rows] == [[1, 2], [0, 1], [0], []]
     assert [p.tolist() for p in sel.picks] == [[0, 1], [0, 1], [1], []]
-    two = select_rows(torch.tensor([[0, 1, 1], [0, 0, 1]]), 2)  # row b is offset by b*T
-    assert two.positions.tolist() == [0, 1, 4] and [r.tolist() for r in two.rows] == [[0, 3], []]
+    packed = select_rows(torch.tensor([[0, 0, 0, 1, 1, 0]]), torch.tensor([[0, 1, 2, 0, 1, 2]]), 4)
+    assert packed.positions.tolist() == [] and all(len(r) == 0 for r in packed.rows)  # nothing crosses into x_3's document
+    two = select_rows(torch.tensor([[0, 1, 1], [0, 0, 1]]), torch.arange(3).repeat(2, 1), 2)  # row b is offset by b*T
+    assert two.positions.tolist() == [1, 4] and [r.tolist() for r in two.rows] == [[0, 3], []]
 
 
 def test_targets_mask_and_vocab():
@@ -28,14 +31,14 @@ def test_targets_mask_and_vocab():
     cfg = drafter.config
     weight = verifier_head_weight(cfg, drafter.d2t)
     batch = random_batch(cfg, 2, 12)
-    selection = select_rows(batch["loss_mask"], 3)
+    selection = select_rows(batch["loss_mask"], torch.arange(12).repeat(2, 1), 3)
     targets = VerifierHead(weight, drafter.d2t)(batch["final"], selection.positions)
     logits = batch["final"] @ weight.T  # [B, T, V]
     best = logits.argmax(-1)
     in_vocab = drafter.t2d[best]
     assert 0 < int(in_vocab.sum()) < in_vocab.numel()  # both cases occur
     b, s = selection.positions // 12, selection.positions % 12
-    assert bool(batch["loss_mask"][b, s + 1].all()) and len(s) == int(batch["loss_mask"][:, 1:].sum())
+    assert bool(batch["loss_mask"][b, s + 1].all()) and len(s) == int(batch["loss_mask"][:, 2:].sum())  # s >= 1: step 0 has row s-1
     assert torch.equal(targets.valid, in_vocab[b, s])
     draft_ids = torch.arange(cfg.draft_vocab_size) + drafter.d2t
     assert torch.equal(draft_ids[targets.index][targets.valid], best[b, s][targets.valid])
@@ -52,9 +55,10 @@ def test_ttt_loss_matches_reference(pre_norm):
     batch = random_batch(cfg, 2, 9, seed=2)
     batch["loss_mask"][1, 6:] = 0  # a padded tail
     head = VerifierHead(weight, drafter.d2t, norm_weight, cfg.rms_norm_eps)
-    selection = select_rows(batch["loss_mask"], K)
+    position_ids = torch.arange(9).repeat(2, 1)
+    selection = select_rows(batch["loss_mask"], position_ids, K)
     targets = head(batch["final"], selection.positions)
-    ce, sums = TrainingTimeTest(drafter, K)(batch["input_ids"], batch["aux"], targets, selection)
+    ce, sums = TrainingTimeTest(drafter, K)(batch["input_ids"], batch["aux"], position_ids, targets, selection)
     loss = ttt_loss(ce, step_counts(targets, selection), decay)
     with torch.no_grad():
         expected, acc, counts = reference_ttt_loss(drafter, weight, drafter.d2t, batch["input_ids"], batch["loss_mask"],
@@ -66,6 +70,48 @@ def test_ttt_loss_matches_reference(pre_norm):
     assert [summary[f"acc_{k}"] for k in range(K)] == pytest.approx(acc)
     loss.backward()
     assert drafter.embed_tokens.grad is None and drafter.fc.weight.grad.abs().sum() > 0
+
+
+def samples(cfg, lengths: list[int], seed: int) -> list[dict[str, torch.Tensor]]:
+    """Items as ``eagle3.data.HiddenStates`` yields them, with loss masks that reach both ends."""
+    items = []
+    for i, n in enumerate(lengths):
+        batch = random_batch(cfg, 1, n, seed=seed + i)
+        item = {k: v[0] for k, v in batch.items()}
+        item["loss_mask"] = torch.rand(n, generator=torch.Generator().manual_seed(i)) < 0.7
+        item["loss_mask"][[0, 1, -1]] = True  # targets at a document's first tokens and up to its last
+        items.append(item)
+    return items
+
+
+def ttt_loss_and_grads(drafter, head, batch, steps: int, decay: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    drafter.zero_grad(set_to_none=True)
+    selection = select_rows(batch["loss_mask"], batch["position_ids"], steps)
+    targets = head(batch["final"], selection.positions)
+    ce, sums = TrainingTimeTest(drafter, steps)(batch["input_ids"], batch["aux"], batch["position_ids"], targets, selection)
+    loss = ttt_loss(ce, step_counts(targets, selection), decay)
+    loss.backward()
+    return loss.detach(), sums, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+
+
+def test_packed_rows_equal_padded_samples():
+    """Samples packed into one row (with a padding tail) give the loss, metrics and gradients of
+    the same samples each alone in a right-padded row: nothing crosses a document boundary."""
+    drafter = make_drafter(seed=5).float()
+    cfg, K = drafter.config, 4
+    head = VerifierHead(verifier_head_weight(cfg, drafter.d2t, seed=2), drafter.d2t)
+    items = samples(cfg, [9, 3, 12, 6], seed=40)
+    packed = collate(items, capacity=35, rows=1)
+    assert packed["position_ids"][0].tolist() == [*range(9), *range(3), *range(12), *range(6), *range(5)]
+    padded = [collate([item], capacity=12, rows=1) for item in items]
+    padded = {key: torch.cat([p[key] for p in padded]) for key in ("input_ids", "loss_mask", "aux", "final", "position_ids")}
+    loss_packed, sums_packed, grads_packed = ttt_loss_and_grads(drafter, head, packed, K, 0.8)
+    loss_padded, sums_padded, grads_padded = ttt_loss_and_grads(drafter, head, padded, K, 0.8)
+    assert float(loss_packed) > 0 and grads_packed.keys() == grads_padded.keys() and "lm_head.weight" in grads_packed
+    torch.testing.assert_close(loss_packed, loss_padded, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sums_packed, sums_padded, rtol=1e-5, atol=1e-5)
+    for name in grads_packed:
+        torch.testing.assert_close(grads_packed[name], grads_padded[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_metrics_by_hand():

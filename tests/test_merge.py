@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from safetensors.numpy import load_file
 
 from eagle3.common import UserError, read_json, read_jsonl, write_json
-from eagle3.data import make_loader
+from eagle3.data import HiddenStates, collate, pack
 from eagle3.extract import extract_shard
 from eagle3.merge import draft_vocab, merge
 
@@ -118,24 +118,25 @@ def test_merge_reads_only_listed_shards_and_refuses_another_verifier(shards, tin
     assert not (tmp_path / "merged2").exists()
 
 
-def test_loader_yields_padded_float_batches(shards, tiny_verifier_dir):
+def test_dataset_packs_into_float_rows(shards, tiny_verifier_dir):
     run_merge(shards, tiny_verifier_dir, "loader")
     rows = [r for r in read_jsonl(shards / "loader" / "manifest.jsonl") if r["split"] == "train"]
-    loader = make_loader(shards / "loader", shards / "hidden", "train", batch_size=3, shuffle=False)
-    seen = 0
-    for batch in loader:
-        lengths = batch["lengths"].tolist()
-        size, width = len(lengths), max(lengths)
-        assert batch["input_ids"].dtype == torch.int64 and batch["loss_mask"].dtype == torch.bool
-        assert batch["aux"].shape == (size, width, 3 * 64) and batch["aux"].dtype == torch.float32
-        assert batch["final"].shape == (size, width, 64) and batch["attention_mask"].shape == (size, width)
-        for b, (row, length) in enumerate(zip(rows[seen : seen + size], lengths)):
-            stored = stored_sample(shards / "hidden" / row["shard"], row)
-            assert length == row["length"] and batch["attention_mask"][b].sum() == length
-            assert torch.equal(batch["input_ids"][b, :length], stored["input_ids"].long())
-            assert torch.equal(batch["aux"][b, :length], stored["aux"].float())
-            assert torch.equal(batch["final"][b, :length], stored["final"].float())
-            assert not batch["loss_mask"][b, length:].any() and not batch["aux"][b, length:].any()
-        seen += size
-    assert seen == len(rows) == 7
-    assert len(make_loader(shards / "loader", shards / "hidden", "val", batch_size=8).dataset) == 2
+    dataset = HiddenStates(shards / "loader", shards / "hidden", "train")
+    assert dataset.lengths == [row["length"] for row in rows] and len(rows) == 7
+    capacity = 2 * max(dataset.lengths)
+    layout = pack(dataset.lengths, capacity)
+    batch = collate([dataset[i] for row in layout for i in row], capacity, len(layout))
+    assert batch["input_ids"].dtype == torch.int64 and batch["loss_mask"].dtype == torch.bool
+    assert batch["aux"].shape == (len(layout), capacity, 3 * 64) and batch["aux"].dtype == torch.float32
+    assert batch["final"].shape == (len(layout), capacity, 64) and batch["tokens"] == sum(dataset.lengths)
+    for r, members in enumerate(layout):
+        start = 0
+        for i in members:
+            stored, end = stored_sample(shards / "hidden" / rows[i]["shard"], rows[i]), start + rows[i]["length"]
+            assert batch["position_ids"][r, start:end].tolist() == list(range(rows[i]["length"]))
+            assert torch.equal(batch["input_ids"][r, start:end], stored["input_ids"].long())
+            assert torch.equal(batch["aux"][r, start:end], stored["aux"].float())
+            assert torch.equal(batch["final"][r, start:end], stored["final"].float())
+            start = end
+        assert not batch["loss_mask"][r, start:].any() and not batch["aux"][r, start:].any()
+    assert len(HiddenStates(shards / "loader", shards / "hidden", "val")) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from torch import Tensor
 from transformers import AutoConfig, DeepseekV3Config, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from eagle3.model import LLAMA3_ROPE, DraftConfig, KVCache, cached_attention, rope_frequencies
+from eagle3.model import LLAMA3_ROPE, DraftConfig, KVCache, cached_attention, document_block_mask, masked_attention, rope_frequencies
 from reference import explicit_attention
 from tiny_drafter import make_drafter, one_thread  # noqa: F401 (autouse fixture)
 
@@ -148,7 +149,7 @@ def test_chain_step_needs_context_and_same_rows():
     drafter(torch.zeros(1, 4, dtype=torch.long), hidden, torch.arange(4) + 1, cache, torch.arange(4))
     with pytest.raises(ValueError, match="chain step over 1 rows"):
         drafter(torch.zeros(1, 1, dtype=torch.long), hidden[:, :1], torch.tensor([5]), cache, torch.tensor([3]))
-    causal = KVCache(causal=True)
+    causal = KVCache(starts=torch.zeros(1, 4, dtype=torch.long))
     drafter(torch.zeros(1, 4, dtype=torch.long), hidden, torch.arange(4), causal)
     with pytest.raises(ValueError, match="cover all 4 rows"):
         drafter(torch.zeros(1, 1, dtype=torch.long), hidden[:, :1], torch.tensor([5]), causal, torch.tensor([3]))
@@ -156,28 +157,57 @@ def test_chain_step_needs_context_and_same_rows():
         drafter(torch.zeros(1, 4, dtype=torch.long), hidden, torch.arange(4) + 4, causal)
 
 
+def packed_starts(T: int) -> Tensor:
+    """starts [2, T] of two packed rows: documents of 10, 20 and T-30 tokens; one document."""
+    positions = torch.stack([torch.cat([torch.arange(10), torch.arange(20), torch.arange(T - 30)]), torch.arange(T)])
+    return torch.arange(T) - positions
+
+
+def test_document_block_mask_equals_masked_attention():
+    """The FlexAttention mask of packed rows sees what the masked path sees (flex run eagerly here)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch.manual_seed(0)
+    B, nh, nkv, T, hd = 2, 4, 2, 37, 16
+    q, k, v = torch.randn(B, nh, T, hd), torch.randn(B, nkv, T, hd), torch.randn(B, nkv, T, hd)
+    starts = packed_starts(T)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # uncompiled flex warns that it materialises the scores
+        out, lse = flex_attention(q, k, v, block_mask=document_block_mask(starts), enable_gqa=True, return_lse=True)
+    expected, expected_lse = masked_attention(q, k, v, torch.arange(T), starts)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(lse, expected_lse)
+    for b, r in [(0, 12), (0, 36), (1, 36)]:  # spot checks against explicit key lists
+        seen = range(int(starts[b, r]), r + 1)
+        ref = explicit_attention(q[b, :, r], [k[b, :, s] for s in seen], [v[b, :, s] for s in seen])
+        torch.testing.assert_close(out[b, :, r], ref)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel (FlexAttention) runs on CUDA")
 @pytest.mark.parametrize("T", [37, 300])  # not multiples of the kernel's 128-row blocks
 def test_fused_ttt_attention_matches_masked_on_gpu(T):
-    """Three TTT steps through the fused causal kernel == the masked path: outputs and gradients."""
+    """Three TTT steps over packed rows through the fused kernel == the masked path (on the CPU,
+    fp32): outputs and gradients."""
     torch.manual_seed(0)
     B, nkv, nh, hd = 2, 3, 9, 64  # SmolLM2's grouping: 3 query heads per KV head
     leaves = [torch.randn(B, heads, T, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
               for heads in [nh] * 3 + [nkv] * 6]
-    queries, keys = leaves[:3], leaves[3:]
 
-    def unroll(causal: bool) -> list[Tensor]:
-        cache, rows, outs = KVCache(causal=causal), torch.arange(T, device="cuda"), []
+    def unroll(leaves: list[Tensor]) -> list[Tensor]:
+        device = leaves[0].device
+        cache, rows, outs = KVCache(starts=packed_starts(T).to(device)), torch.arange(T, device=device), []
+        queries, keys = leaves[:3], leaves[3:]
         for step, q in enumerate(queries):
             k, v = keys[2 * step], keys[2 * step + 1]
             last = cache.add_context(k, v) if step == 0 else cache.add_chain(k, v, rows)
             outs.append(cached_attention(q, cache, last))
         return outs
 
-    fused, masked = unroll(True), unroll(False)
-    grads = [torch.autograd.grad(sum((o.float() * w).sum() for o, w in zip(outs, (1.0, 2.0, 3.0))), leaves)
-             for outs in (fused, masked)]
+    reference_leaves = [x.detach().float().cpu().requires_grad_() for x in leaves]
+    fused, masked = unroll(leaves), unroll(reference_leaves)
+    grads = [torch.autograd.grad(sum((o.float() * w).sum() for o, w in zip(outs, (1.0, 2.0, 3.0))), inputs)
+             for outs, inputs in ((fused, leaves), (masked, reference_leaves))]
     for a, b in zip(fused, masked):
-        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(a.float().cpu(), b, atol=2e-2, rtol=2e-2)
     for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(a.float().cpu(), b, atol=5e-2, rtol=5e-2)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
 from eagle3.common import UserError, read_json, read_jsonl, stage_main
@@ -27,7 +28,8 @@ from eagle3.extract import extract_shard
 from eagle3.loss import TrainingTimeTest, VerifierHead
 from eagle3.merge import merge
 from eagle3.parallel import World
-from eagle3.train import TrainConfig, fit, lock_run, lr_factor, main, step_batches, train
+from eagle3.data import collate, pack
+from eagle3.train import DataPlan, TrainConfig, fit, lock_run, lr_factor, main, train, verifier_parts
 
 from conftest import ROOT, project_params
 from test_extract import conversation, tiny_params, write_generated
@@ -37,13 +39,20 @@ CPU = World(0, 1, torch.device("cpu"))
 DEBUG = OmegaConf.load(ROOT / "conf" / "train" / "debug.yaml")
 
 
-def test_step_batches_worked_example():
-    cfg = TrainConfig(batch_size=2, grad_accum=1)
-    perm = torch.randperm(10, generator=torch.Generator().manual_seed(7 * 100_003 + 1)).tolist()
-    assert step_batches(10, 3, cfg, 7, World(0, 2, CPU.device)) == [perm[4:6]]
-    assert step_batches(10, 3, cfg, 7, World(1, 2, CPU.device)) == [perm[6:8]]
-    one = step_batches(10, 3, TrainConfig(batch_size=2, grad_accum=2), 7, CPU)
-    assert one == [perm[4:6], perm[6:8]]  # one process accumulating = two processes
+def test_data_plan_worked_example():
+    lengths = [3, 3, 2, 6, 1, 4, 5, 2]
+    cfg = TrainConfig(batch_size=1, grad_accum=1, pack_tokens=6, epochs=2)
+    perms = [torch.randperm(8, generator=torch.Generator().manual_seed(7 * 100_003 + e)).tolist() for e in (0, 1)]
+    rows = [[[perm[i] for i in row] for row in pack([lengths[i] for i in perm], 6)] for perm in perms]
+    two = [DataPlan(lengths, cfg, 7, World(r, 2, CPU.device)) for r in (0, 1)]
+    assert two[0].total_steps() == len(rows[0]) // 2 + len(rows[1]) // 2
+    step = len(rows[0]) // 2  # the first step of epoch 1
+    assert two[0].micro_batches(step) == [rows[1][0]] and two[1].micro_batches(step) == [rows[1][1]]
+    one = DataPlan(lengths, TrainConfig(batch_size=1, grad_accum=2, pack_tokens=6), 7, CPU)
+    assert one.micro_batches(step) == [rows[1][0], rows[1][1]]  # one process accumulating = two processes
+    wide = DataPlan(lengths, TrainConfig(batch_size=2, grad_accum=1, pack_tokens=6), 7, CPU)
+    assert wide.micro_batches(0) == [rows[0][0] + rows[0][1]]  # a micro-batch of two rows
+    assert [len(r) for r in collate([Items.item(n) for n in (3, 3, 2)], 6, 2)["position_ids"]] == [6, 6]
 
 
 def test_lr_factor_worked_example():
@@ -54,14 +63,20 @@ class Items(Dataset):
     """In-memory samples shaped like ``eagle3.data.HiddenStates`` items; optionally crashes."""
 
     def __init__(self, cfg, count: int, seed: int, crash_after: int | None = None):
-        self.items = []
-        for i in range(count):
-            batch = random_batch(cfg, 1, 10 + (i * 3) % 7, seed=seed + i)
-            self.items.append({k: (v[0].bool() if k == "loss_mask" else v[0]) for k, v in batch.items()})
+        self.items = [self.item(10 + (i * 3) % 7, cfg, seed + i) for i in range(count)]
         self.left = crash_after
+
+    @staticmethod
+    def item(length: int, cfg=None, seed: int = 0) -> dict[str, torch.Tensor]:
+        batch = random_batch(cfg or make_drafter().config, 1, length, seed=seed)
+        return {k: (v[0].bool() if k == "loss_mask" else v[0]) for k, v in batch.items()}
 
     def __len__(self):
         return len(self.items)
+
+    @property
+    def lengths(self):
+        return [len(item["input_ids"]) for item in self.items]
 
     def __getitem__(self, i):
         if self.left is not None:
@@ -89,7 +104,7 @@ def live_files(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, bytes]:
 
 
 def test_resume_after_crash_equals_uninterrupted(tmp_path):
-    cfg = TrainConfig.from_params(OmegaConf.merge(DEBUG, {"max_steps": 7, "checkpoint_every": 3, "val_every": 2}))
+    cfg = TrainConfig.from_params(OmegaConf.merge(DEBUG, {"max_steps": 7, "checkpoint_every": 3, "val_every": 2, "pack_tokens": 32}))
     dcfg = make_drafter().config
     val = Items(dcfg, 3, seed=100)
     whole = fit_debug(tmp_path / "whole", Items(dcfg, 6, seed=0), val, cfg, tmp_path / "live-whole")
@@ -326,8 +341,8 @@ def test_sigkill_of_the_launcher_ends_torchrun_workers(tiny_data, tiny_verifier_
 def test_two_processes_equal_one(tiny_data, tiny_verifier_dir):
     """torchrun --nproc-per-node 2 (gloo, batch 2 each) == one process (batch 4), same global batches."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    one = stage_params(tiny_data / "one.yaml", batch_size=4, max_steps=3)
-    two = stage_params(tiny_data / "two.yaml", batch_size=2, max_steps=3)
+    one = stage_params(tiny_data / "one.yaml", batch_size=4, max_steps=3, pack_tokens=128)
+    two = stage_params(tiny_data / "two.yaml", batch_size=2, max_steps=3, pack_tokens=128)
     run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eagle3.train",
                             *stage_args(tiny_data, tiny_verifier_dir, "two", two), "--threads", "1"],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -342,6 +357,15 @@ def test_two_processes_equal_one(tiny_data, tiny_verifier_dir):
     meta_one, meta_two = (read_json(tiny_data / n / "drafter" / "meta.json")["training"] for n in ("one", "two"))
     assert meta_two["processes"] == 2 and meta_one["best"]["sim_accept_len"] == pytest.approx(meta_two["best"]["sim_accept_len"], rel=1e-4)
     assert check_drafter(tiny_data / "two" / "drafter", tiny_verifier_dir) == []
+    # The head started from the verifier's and stayed there (train.freeze_lm_head), without optimizer state.
+    d2t = load_file(tiny_data / "merged" / "vocab.safetensors")["d2t"]
+    verifier = verifier_parts(tiny_verifier_dir)[1]
+    assert torch.equal(a["drafter.lm_head.weight"], verifier["head"][torch.arange(len(d2t)) + d2t].float())
+    (run,) = (tiny_data / "one" / "checkpoints").iterdir()
+    optimizer = torch.load(run / "latest.pt", weights_only=False)["optimizer"]["state"]
+    assert "drafter.lm_head.weight" not in optimizer and "drafter.fc.weight" in optimizer
+    exported = load_file(tiny_data / "one" / "drafter" / "model.safetensors")
+    assert torch.equal(exported["lm_head.weight"].float(), a["drafter.lm_head.weight"].to(exported["lm_head.weight"].dtype).float())
 
 
 def logged(folder: Path, name: str) -> list[float]:
@@ -357,7 +381,7 @@ def test_learns_on_smollm2_hidden_states(tmp_path, smollm2_dir):
     root = make_data(tmp_path, smollm2_dir, model, records=8, draft_vocab_size=512)
     params = project_params()
     params.model.draft_head = {"intermediate_size": 256}
-    params.train = OmegaConf.merge(DEBUG, {"max_steps": 16, "batch_size": 3, "lr": 2e-3, "warmup_steps": 3, "val_every": 8,
+    params.train = OmegaConf.merge(DEBUG, {"max_steps": 16, "batch_size": 1, "pack_tokens": 128, "lr": 2e-3, "warmup_steps": 3, "val_every": 8,
                                            "checkpoint_every": 100, "log_every": 4})
     args = namespace(stage_args(root, smollm2_dir, "run", tmp_path / "unused.yaml"))
     summary = train(args, params, CPU)

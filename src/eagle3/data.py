@@ -1,7 +1,9 @@
-"""The PyTorch dataset and loader over the merge manifest, which ``train`` reads through.
+"""The PyTorch dataset over the merge manifest, which ``train`` reads through, and the packing of
+its samples into fixed-size rows.
 
-    from eagle3.data import make_loader
-    loader = make_loader("data/merged", "data/hidden_states", "train", batch_size=4)
+    dataset = HiddenStates("data/merged", "data/hidden_states", "train")
+    rows = pack(dataset.lengths, capacity=2048)                  # sample indices of each row
+    batch = collate([dataset[i] for i in rows[0] + rows[1]], capacity=2048, rows=2)   # [2, 2048, ...]
 
 Samples are token ranges of safetensors parts (format: ``eagle3.storage``), referenced by
 ``data/merged/manifest.jsonl``. Parts are memory-mapped with ``safetensors.safe_open`` and only
@@ -12,11 +14,10 @@ training with the file and sample named instead of being trained on.
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from eagle3.common import UserError, read_json, read_jsonl
 from eagle3.storage import decode_states, load_problem, read_rows
@@ -68,6 +69,11 @@ class HiddenStates(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens of each sample, from the manifest (nothing is read)."""
+        return [row["length"] for row in self.rows]
+
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_parts": {}}  # memory maps are not sent to worker processes
 
@@ -93,42 +99,51 @@ class HiddenStates(Dataset):
         return sample
 
 
-def collate(items: list[dict[str, torch.Tensor]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pad a list of items to the longest: every [T, ...] becomes [B, T_max, ...].
+def pack(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Next-fit packing: consecutive items fill a row of ``capacity`` tokens until the next one
+    does not fit, which starts a new row. Returns the item indices of each row, in order.
 
-    Adds ``attention_mask`` [B, T_max] bool (True on real tokens) and ``lengths`` [B] int64.
-    Padded positions have ``loss_mask`` False and zero hidden states.
+    Worked example: lengths [5, 3, 4, 2, 7], capacity 8 -> [[0, 1], [2, 3], [4]].
+    Next-fit keeps the given order (the data order stays a function of seed and step) and is
+    local, so packing the items of a few consecutive rows again gives the same rows.
     """
-    from torch.nn.utils.rnn import pad_sequence
+    rows: list[list[int]] = []
+    used = capacity
+    for i, n in enumerate(lengths):
+        if n > capacity:
+            raise ValueError(f"a sample of {n} tokens does not fit in a row of {capacity}")
+        if used + n > capacity:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += n
+    return rows
 
-    lengths = torch.tensor([len(item["input_ids"]) for item in items])
-    batch = {
-        key: pad_sequence([item[key] for item in items], batch_first=True, padding_value=pad_token_id if key == "input_ids" else 0)
-        for key in ("input_ids", "loss_mask", "aux", "final")
-    }
-    batch["attention_mask"] = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]  # [B, T_max]
-    batch["lengths"] = lengths
-    return batch
 
+def collate(items: list[dict[str, torch.Tensor]], capacity: int, rows: int) -> dict[str, torch.Tensor]:
+    """Pack items (in order, ``pack``) into ``rows`` rows of ``capacity`` tokens: [rows, capacity, ...].
 
-def make_loader(
-    merged: str | Path,
-    hidden_states: str | Path,
-    split: str,
-    batch_size: int,
-    shuffle: bool = True,
-    seed: int = 0,
-    num_workers: int = 0,
-    pad_token_id: int = 0,
-) -> DataLoader:
-    """A DataLoader over one split of the merge manifest, reshuffled each epoch from ``seed``."""
-    dataset = HiddenStates(merged, hidden_states, split)
-    generator = torch.Generator().manual_seed(seed)
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        generator=generator,
-        num_workers=num_workers,
-        collate_fn=partial(collate, pad_token_id=pad_token_id),
-    )
+    Adds ``position_ids`` [rows, capacity] int64: 0, 1, ... within each sample, restarting at the
+    next; the padding tail of a row (zero states, token 0, loss_mask False) continues as one more
+    sequence 0, 1, ... Rows beyond what the items fill are all padding. ``tokens``: real tokens.
+
+    Worked example (capacity 4, rows 2, samples of 2 and 1 tokens): position_ids
+    [[0, 1, 0, 0], [0, 1, 2, 3]]; the first row holds both samples and one padding token.
+    """
+    lengths = [len(item["input_ids"]) for item in items]
+    layout = pack(lengths, capacity)
+    if len(layout) > rows:
+        raise ValueError(f"{len(items)} samples need {len(layout)} rows of {capacity} tokens, not {rows}")
+    first = items[0]
+    batch = {key: first[key].new_zeros((rows, capacity, *first[key].shape[1:])) for key in ("input_ids", "loss_mask", "aux", "final")}
+    position_ids = torch.arange(capacity).repeat(rows, 1)  # [rows, capacity]: empty rows are one padding sequence
+    for r, members in enumerate(layout):
+        start = 0
+        for i in members:
+            n = lengths[i]
+            for key in batch:
+                batch[key][r, start : start + n] = items[i][key]
+            position_ids[r, start : start + n] = torch.arange(n)
+            start += n
+        position_ids[r, start:] = torch.arange(capacity - start)
+    return {**batch, "position_ids": position_ids, "tokens": sum(lengths)}

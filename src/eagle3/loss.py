@@ -1,19 +1,25 @@
 """The EAGLE-3 objective: training-time test (TTT) over K draft steps, and its metrics (docs/design.md §1).
 
-    selection = select_rows(loss_mask, steps=7)                    # on the host, from the batch
+    selection = select_rows(loss_mask, position_ids, steps=7)      # on the host, from the batch
     targets = VerifierHead(lm_head_weight, d2t)(final, selection.positions)   # frozen, no grad
-    ce, sums = TrainingTimeTest(drafter, steps=7)(input_ids, aux, targets, selection)
+    ce, sums = TrainingTimeTest(drafter, steps=7)(input_ids, aux, position_ids, targets, selection)
     loss = ttt_loss(ce, step_counts(targets, selection), decay=0.8)
     StepMetrics(sums).summary(0.8)  # loss, loss_k, acc_k, cond_acc_k, sim_accept_len
 
-Alignment (T = sequence length; rows t = 0..T-1 go through the layer in every step):
+Alignment (T = row length; rows t = 0..T-1 go through the layer in every step). A row packs
+several documents (samples); ``position_ids`` [B, T] restart at 0 in each, and the padding tail
+of a row counts as one more document without targets:
 
-- Targets sit at the positions s where x_{s+1} is under the loss mask: the verifier's distribution
-  of x_{s+1} restricted to the draft vocabulary; valid where its argmax is a draft token.
+- Targets sit at the positions s where x_{s+1} is under the loss mask and in s's document: the
+  verifier's distribution of x_{s+1} restricted to the draft vocabulary; valid where its argmax is
+  a draft token.
 - Step k, row t: token input x_{t+k+1}; hidden input fc(g_t) at k=0, else row t's h2 of step k-1;
-  RoPE position t+k; target at s = t+k+1 (the distribution of x_{t+k+2}). Attention: step-0
-  keys of rows <= t plus row t's keys of steps 1..k (model.py). Only rows with a target get
-  logits: the lm_head over Vd is most of the cost, and prompts are most of the rows.
+  RoPE position p_t+k; target at s = t+k+1 (the distribution of x_{t+k+2}), scored only when
+  s is in t's document. Attention: step-0 keys of the rows of t's document up to t, plus row t's
+  keys of steps 1..k (model.py). Rows near a document's end read tokens of the next document at
+  steps > 0, but they have no target then, and no other row sees their keys of those steps.
+  Only rows with a target get logits: the lm_head over Vd is most of the cost, and prompts are
+  most of the rows.
 
 Why a separate module: the model is one step; the unroll, the shifts and the metrics are the
 objective, and DDP/FSDP wrap ``TrainingTimeTest`` so one forward is one whole unroll.
@@ -53,18 +59,24 @@ class Selection:
         return Selection(move(self.positions), [move(r) for r in self.rows], [move(p) for p in self.picks])
 
 
-def select_rows(loss_mask: Tensor, steps: int) -> Selection:
-    """The rows each step trains, from loss_mask [B, T] (1 on tokens to predict).
+def select_rows(loss_mask: Tensor, position_ids: Tensor, steps: int) -> Selection:
+    """The rows each step trains, from loss_mask [B, T] (1 on tokens to predict) and the
+    per-document position_ids [B, T].
 
-    Worked example (B=1, T=6, loss_mask [0, 0, 0, 1, 1, 0]): x_3 and x_4 are to be predicted, so
-    targets sit at s = 2, 3 (positions [2, 3]). Step 0 scores rows t = s-1 = [1, 2] (picks [0, 1]);
-    step 1 rows [0, 1] (picks [0, 1]); step 2 row [0] (pick [1]: target 0 would need row -1);
-    step 3 nothing. With B > 1, row b's flat indices are offset by b*T.
+    Worked example (B=1, T=6, loss_mask [0, 0, 0, 1, 1, 0], one document: positions 0..5): x_3 and
+    x_4 are to be predicted, so targets sit at s = 2, 3 (positions [2, 3]). Step 0 scores rows
+    t = s-1 = [1, 2] (picks [0, 1]); step 1 rows [0, 1] (picks [0, 1]); step 2 row [0] (pick [1]:
+    target 0 would need row -1); step 3 nothing. Packed as documents of 3 + 3 tokens (positions
+    [0, 1, 2, 0, 1, 2]), x_3 opens the second document: no target predicts it, and target s = 3
+    (predicting x_4) needs row t = 2 at step 0, which is in the other document: nothing is scored.
+    With B > 1, row b's flat indices are offset by b*T. Targets no step scores (a target at a
+    document's first token) are left out, so the verifier head never computes them.
     """
-    T = loss_mask.shape[1]
-    positions = shift_left(loss_mask.bool(), 1, False).flatten().nonzero().squeeze(1)  # [N]
-    s = positions % T
-    picks = [(s >= k + 1).nonzero().squeeze(1) for k in range(steps)]  # t = s-k-1 must be a row
+    next_continues = shift_left(position_ids, 1, -1) == position_ids + 1  # [B, T]: x_{s+1} is in s's document
+    scored = shift_left(loss_mask.bool(), 1, False) & next_continues & (position_ids >= 1)  # step 0 has row s-1
+    positions = scored.flatten().nonzero().squeeze(1)  # [N]
+    offset = position_ids.flatten()[positions]  # [N] index of s in its document
+    picks = [(offset >= k + 1).nonzero().squeeze(1) for k in range(steps)]  # t = s-k-1 must be in the document
     return Selection(positions, [positions[p] - (k + 1) for k, p in enumerate(picks)], picks)
 
 
@@ -85,18 +97,24 @@ def step_counts(targets: Targets, selection: Selection) -> Tensor:
 class VerifierHead(nn.Module):
     """The verifier's frozen lm_head (and final norm if the stored state is pre-norm) -> ``Targets``.
 
-    ``lm_head_weight`` [V, H] is used in its own dtype (give it in the compute dtype).
+    ``lm_head_weight`` [V, H] is used in its own dtype (give it in the compute dtype). Its rows are
+    split once into the draft vocabulary [Vd, H] and the rest [V - Vd, H]: the targets need the
+    draft logits, and of the rest only their maximum (is the verifier's argmax a draft token?),
+    so the [N, V] logits are never materialised or gathered. The argmax over the full vocabulary
+    is kept exactly, ties included (the lowest token id wins, as ``argmax`` does).
     """
 
     def __init__(self, lm_head_weight: Tensor, d2t: Tensor, norm_weight: Tensor | None = None, eps: float = 1e-5):
         super().__init__()
-        vocab = lm_head_weight.shape[0]
-        draft_ids = torch.arange(len(d2t), device=d2t.device) + d2t  # [Vd] target id of each draft token
-        draft_index = torch.full((vocab,), -1, dtype=torch.long, device=d2t.device)
-        draft_index[draft_ids] = torch.arange(len(d2t), device=d2t.device)  # [V] draft index or -1
-        self.register_buffer("weight", lm_head_weight.detach(), persistent=False)
+        draft_ids = torch.arange(len(d2t), device=d2t.device) + d2t  # [Vd] target id of each draft token (ascending)
+        in_draft = torch.zeros(lm_head_weight.shape[0], dtype=torch.bool, device=d2t.device)
+        in_draft[draft_ids] = True
+        rest_ids = (~in_draft).nonzero().squeeze(1)  # [V - Vd]
+        weight = lm_head_weight.detach()
+        self.register_buffer("draft_weight", weight[draft_ids], persistent=False)  # [Vd, H]
+        self.register_buffer("rest_weight", weight[rest_ids], persistent=False)  # [V - Vd, H]
         self.register_buffer("draft_ids", draft_ids, persistent=False)
-        self.register_buffer("draft_index", draft_index, persistent=False)
+        self.register_buffer("rest_ids", rest_ids, persistent=False)
         self.norm = None
         if norm_weight is not None:
             self.norm = RMSNorm(len(norm_weight), eps).requires_grad_(False)
@@ -108,10 +126,14 @@ class VerifierHead(nn.Module):
         hidden = final.flatten(0, 1)[positions]  # [N, H]
         if self.norm is not None:
             hidden = self.norm(hidden)
-        logits = hidden.to(self.weight.dtype) @ self.weight.T  # [N, V]
-        index = self.draft_index[logits.argmax(-1)]  # [N]; -1 where the argmax is not a draft token
-        probs = logits[:, self.draft_ids].float().softmax(-1)  # [N, Vd]
-        return Targets(probs, index.clamp(min=0), index >= 0)
+        hidden = hidden.to(self.draft_weight.dtype)
+        draft = hidden @ self.draft_weight.T  # [N, Vd]
+        best, index = draft.max(-1)  # [N]: first maximum = lowest token id (draft ids ascend)
+        valid = torch.ones_like(best, dtype=torch.bool)
+        if len(self.rest_ids):
+            other, at = (hidden @ self.rest_weight.T).max(-1)  # [N] best non-draft logit
+            valid = (best > other) | ((best == other) & (self.draft_ids[index] < self.rest_ids[at]))
+        return Targets(draft.float().softmax(-1), index, valid)
 
 
 class TrainingTimeTest(nn.Module):
@@ -122,15 +144,18 @@ class TrainingTimeTest(nn.Module):
         self.drafter = drafter
         self.steps = steps
 
-    def forward(self, input_ids: Tensor, aux: Tensor, targets: Targets, selection: Selection) -> tuple[Tensor, Tensor]:
-        """input_ids [B, T], aux [B, T, 3H] -> per-step summed soft CE [K] and ``StepMetrics`` sums."""
+    def forward(self, input_ids: Tensor, aux: Tensor, position_ids: Tensor, targets: Targets,
+                selection: Selection) -> tuple[Tensor, Tensor]:
+        """input_ids [B, T], aux [B, T, 3H], position_ids [B, T] (per document) -> per-step summed
+        soft CE [K] and ``StepMetrics`` sums."""
         B, T = input_ids.shape
-        positions = torch.arange(T, device=input_ids.device)  # row t of step k sits at position t+k
-        cache, hidden = KVCache(causal=True), self.drafter.fc(aux)  # [B, T, H]
+        every_row = torch.arange(T, device=input_ids.device)
+        cache = KVCache(starts=every_row - position_ids)  # [B, T]: row t's document begins at t - p_t
+        hidden = self.drafter.fc(aux)  # [B, T, H]
         ce, right, valid = [], [], []
         for k in range(self.steps):
             tokens = shift_left(input_ids, k + 1)  # row t: x_{t+k+1}
-            hidden = self.drafter.step(tokens, hidden, positions + k, cache, None if k == 0 else positions)
+            hidden = self.drafter.step(tokens, hidden, position_ids + k, cache, None if k == 0 else every_row)
             rows, pick = selection.rows[k], selection.picks[k]
             logits = self.drafter.logits(hidden.flatten(0, 1)[rows])  # [N_k, Vd]
             ok = targets.valid[pick]  # [N_k]

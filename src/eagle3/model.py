@@ -3,6 +3,7 @@
     cfg = DraftConfig.from_verifier(AutoConfig.from_pretrained("models/verifier"), 32000, [2, 15, 27])
     drafter = Eagle3Drafter(cfg, embed_tokens=verifier.get_input_embeddings().weight)
     drafter.set_draft_vocab(d2t)
+    drafter.init_head(verifier.lm_head.weight, verifier.model.norm.weight)  # optional: the verifier's head
 
 Why: the drafter must be the exact architecture SGLang and vLLM serve (``LlamaForCausalLMEagle3``),
 so submodules carry the HF/engine names (``fc``, ``midlayer.self_attn.q_proj``, ``norm``, ``lm_head``)
@@ -23,7 +24,8 @@ Attention and the cache. A ``KVCache`` holds keys/values (RoPE applied) of two k
 
 - context keys, one per sequence position, written by context steps (``rows=None``): step 0 of
   training-time test; when decoding, the prefill over the prompt and the re-run over accepted
-  tokens. A query at context index i sees context keys 0..i (causal).
+  tokens. A query at context index i sees context keys 0..i (causal); in training, rows pack
+  several documents and a query sees the keys of its own document only (``KVCache.starts``).
 - chain keys, written by chain steps (``rows`` = the context index each query row continues):
   steps 1..k of training-time test (``rows = arange(T)``); when decoding, the K drafted tokens
   one at a time (``rows = tensor([n])`` for a prompt of n+1 tokens). A chain query sees the
@@ -155,16 +157,25 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class KVCache:
     """Keys/values of the draft layer (RoPE applied); see the module docstring for who sees what.
 
-    ``causal`` promises that the context was written by one context step from position 0 and every
-    query is over all of its rows in order (training-time test): each query row r sees context keys
-    0..r, so on GPUs that part runs in a fused causal attention kernel instead of a masked matmul.
+    ``starts`` makes the cache causal (training-time test): the context is written by one context
+    step and every query is over all of its rows in order. Rows are packed with documents: row r's
+    document begins at context index starts[b, r], and r sees context keys starts[b, r]..r only;
+    on GPUs that part runs in one fused FlexAttention kernel instead of a masked matmul.
+
+    Worked example, one row packing documents of 3 and 2 tokens: starts [0, 0, 0, 3, 3]; row 4
+    sees context keys {3, 4}, row 2 sees {0, 1, 2}.
     """
 
     k: Tensor | None = None  # [B, nkv, S, hd] context keys
     v: Tensor | None = None  # [B, nkv, S, hd]
     chain_k: Tensor | None = None  # [B, nkv, R, J, hd] J chain steps for each of R rows
     chain_v: Tensor | None = None  # [B, nkv, R, J, hd]
-    causal: bool = False
+    starts: Tensor | None = None  # [B, S] first context index of each row's document; None: not causal
+    block_mask: object = None  # the FlexAttention mask of ``starts``, built once for all steps
+
+    @property
+    def causal(self) -> bool:
+        return self.starts is not None
 
     def add_context(self, k: Tensor, v: Tensor) -> Tensor:
         """Append T context keys [B, nkv, T, hd]; returns the last context index each query sees [T]."""
@@ -190,17 +201,26 @@ class KVCache:
         return rows
 
 
-def masked_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
-    """q [B, nh, R, hd] over keys 0..last[r] of k, v [B, nkv, S, hd] -> (out [B, nh, R, hd], lse [B, nh, R] fp32).
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor, first: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """q [B, nh, R, hd] over keys first[b, r]..last[r] of k, v [B, nkv, S, hd] -> (out [B, nh, R, hd], lse [B, nh, R] fp32).
 
-    ``last`` may instead be a bool mask of the visible keys, [B, 1, 1, R, S] (batched decoding, where
-    each sequence of the batch has its own holes: padding, rejected drafts).
+    ``first`` [B, R] (default 0) is where the query's document begins; every query sees at least
+    its own key (first <= last), so no row of scores is all -inf. ``last`` may instead be a bool
+    mask of the visible keys, [B, 1, 1, R, S] (batched decoding, where each sequence of the batch
+    has its own holes: padding, rejected drafts).
     """
     B, nh, R, hd = q.shape
     nkv = k.shape[1]
     qg = q.view(B, nkv, nh // nkv, R, hd)  # query head h uses KV head h // (nh / nkv)
     scores = (qg @ k.unsqueeze(2).transpose(-1, -2)).float() / math.sqrt(hd)  # [B, nkv, g, R, S]
-    visible = last if last.dtype == torch.bool else torch.arange(k.shape[2], device=q.device) <= last[:, None]  # [R, S]
+    if last.dtype == torch.bool:
+        visible = last
+    else:
+        keys = torch.arange(k.shape[2], device=q.device)
+        visible = (keys <= last[:, None])[None]  # [1, R, S]
+        if first is not None:
+            visible = visible & (keys >= first[..., None])  # [B, R, S]
+        visible = visible[:, None, None]  # [B or 1, 1, 1, R, S]
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = scores.logsumexp(-1)  # [B, nkv, g, R]
     out = (scores - lse[..., None]).exp().to(q.dtype) @ v.unsqueeze(2)  # [B, nkv, g, R, hd]
@@ -214,36 +234,40 @@ def compiled_flex_attention():
     return torch.compile(flex_attention)  # uncompiled, flex attention materialises the scores
 
 
-@functools.lru_cache(maxsize=64)
-def causal_block_mask(length: int, device: torch.device):
+def document_block_mask(starts: Tensor):
+    """FlexAttention mask of packed rows: query q sees keys starts[b, q]..q (its own document, causal)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return create_block_mask(lambda b, h, q, k: q >= k, None, None, length, length, device=device)
+    B, T = starts.shape
+    return create_block_mask(lambda b, h, q, k: (q >= k) & (k >= starts[b, q]), B, None, T, T, device=starts.device)
 
 
-def fused_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """Causal q [B, nh, T, hd] over k, v [B, nkv, T, hd] in one kernel (FlexAttention; CUDA only).
+def fused_causal_attention(q: Tensor, k: Tensor, v: Tensor, block_mask) -> tuple[Tensor, Tensor]:
+    """Causal q [B, nh, T, hd] over k, v [B, nkv, T, hd] within documents, in one kernel (FlexAttention).
 
-    Same contract as ``masked_attention`` with last = 0..T-1. The log-sum-exp is differentiable,
-    which the chain keys of training-time test need: they are merged in outside the kernel.
+    Same contract as ``masked_attention`` with last = 0..T-1 and first = the ``document_block_mask``
+    starts. The log-sum-exp is differentiable, which the chain keys of training-time test need:
+    they are merged in outside the kernel.
     """
     out, lse = compiled_flex_attention()(
-        q, k, v, block_mask=causal_block_mask(q.shape[2], q.device),
-        enable_gqa=q.shape[1] != k.shape[1], return_lse=True,
+        q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1], return_lse=True,
     )
     return out, lse.float()
 
 
 def cached_attention(q: Tensor, cache: KVCache, last: Tensor) -> Tensor:
-    """Attention of q [B, nh, R, hd] over the cache: context keys 0..last[r], plus row r's chain keys.
+    """Attention of q [B, nh, R, hd] over the cache: context keys 0..last[r] (from the document
+    start with ``cache.starts``), plus row r's chain keys.
 
     The context part comes with its log-sum-exp, so the few chain keys of each row are merged in
     exactly (one softmax over both) without ever forming a [R, S + J] score matrix per row.
     """
     if cache.causal and q.is_cuda:
-        out, lse = fused_causal_attention(q, cache.k, cache.v)
+        if cache.block_mask is None:
+            cache.block_mask = document_block_mask(cache.starts)
+        out, lse = fused_causal_attention(q, cache.k, cache.v, cache.block_mask)
     else:
-        out, lse = masked_attention(q, cache.k, cache.v, last)
+        out, lse = masked_attention(q, cache.k, cache.v, last, None if cache.starts is None else cache.starts[:, last])
     if cache.chain_k is None:
         return out
     B, nh, R, hd = q.shape
@@ -455,6 +479,18 @@ class Eagle3Drafter(nn.Module):
         self.d2t.copy_(d2t)
         self.t2d.zero_()
         self.t2d[torch.arange(len(d2t), device=d2t.device) + d2t] = True
+
+    @torch.no_grad()
+    def init_head(self, lm_head_weight: Tensor, norm_weight: Tensor) -> None:
+        """Start from the verifier's head: lm_head row i = the verifier's lm_head row i + d2t[i]
+        (call after ``set_draft_vocab``), norm = the verifier's final norm.
+
+        Why: the drafter's h2 plays the part of the verifier's last residual stream, so with the
+        verifier's own head on top its step-0 predictions start from the verifier's token
+        geometry instead of noise (and the lm_head, Vd x H, can stay frozen).
+        """
+        self.lm_head.weight.copy_(lm_head_weight[torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t])
+        self.norm.weight.copy_(norm_weight)
 
     def forward(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor, cache: KVCache,
                 rows: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -70,7 +70,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     epochs: int = 2
     max_steps: int = 0
-    batch_size: int = 4
+    batch_size: int = 1
+    pack_tokens: int = 2048
+    freeze_lm_head: bool = True
     grad_accum: int = 1
     clip: float = 1.0
     log_every: int = 1
@@ -86,7 +88,7 @@ class TrainConfig:
         if set(values) - known:
             raise UserError(f"params.yaml: train: unknown key(s) {sorted(set(values) - known)}; known: {sorted(known)}")
         cfg = cls(**values)
-        for name in ("ttt_steps", "batch_size", "grad_accum", "log_every", "val_every", "checkpoint_every"):
+        for name in ("ttt_steps", "batch_size", "pack_tokens", "grad_accum", "log_every", "val_every", "checkpoint_every"):
             if getattr(cfg, name) < 1:
                 raise UserError(f"params.yaml: train.{name} must be >= 1, got {getattr(cfg, name)}")
         if cfg.max_steps < 0 or cfg.epochs < 1 or cfg.lr <= 0 or not 0 <= cfg.min_lr_ratio <= 1:
@@ -98,53 +100,91 @@ class TrainConfig:
 # Data order: a pure function of (seed, step), so resuming needs only the step.
 
 
-def steps_per_epoch(num_samples: int, global_batch: int) -> int:
-    if num_samples < global_batch:
-        raise UserError(f"train split: {num_samples} samples, fewer than one global batch of {global_batch} "
-                        "(train.batch_size x train.grad_accum x processes); lower train.batch_size or grad_accum")
-    return num_samples // global_batch
+class DataPlan:
+    """Which samples each optimizer step trains on, packed into rows of ``pack_tokens`` tokens.
 
+    Epoch e packs its permutation (seeded by seed and e) into rows (``eagle3.data.pack``); its
+    steps take G = batch_size x grad_accum x world rows each, in order, dropping the tail rows of
+    fewer than G. A step's rows are cut into world x grad_accum micro-batches of batch_size rows;
+    process r takes micro-batches r*grad_accum ... . A micro-batch is given as the sample indices
+    of its rows in order: collating packs them into the same rows again.
 
-def step_batches(num_samples: int, step: int, cfg: TrainConfig, seed: int, world: World) -> list[list[int]]:
-    """This process's ``grad_accum`` micro-batches (sample indices) of optimizer step ``step``.
-
-    The global batch (G = batch_size x grad_accum x world samples) of step s is slice s mod E of
-    epoch e = s // E's permutation (E = num_samples // G; an epoch's tail is dropped), cut into
-    world x grad_accum micro-batches; process r takes micro-batches r*grad_accum ... .
-
-    Worked example: 10 samples, batch_size 2, grad_accum 1, world 2: G = 4, E = 2; step 3 is
-    epoch 1's second slice perm_1[4:8]; process 0 takes perm_1[4:6], process 1 perm_1[6:8].
+    Worked example: lengths [3, 3, 2, 6, 1], pack_tokens 6, batch_size 1, grad_accum 1, world 2:
+    a permutation [4, 0, 3, 1, 2] packs into rows [[4, 0], [3], [1, 2]]; G = 2, so the epoch has
+    one step: process 0 trains on [4, 0], process 1 on [3]; row [1, 2] waits for the next epoch.
     """
-    size = cfg.batch_size * cfg.grad_accum * world.size
-    epoch, slot = divmod(step, steps_per_epoch(num_samples, size))
-    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-    mine = order[slot * size : (slot + 1) * size].view(world.size, cfg.grad_accum, cfg.batch_size)[world.rank]
-    return mine.tolist()
+
+    def __init__(self, lengths: list[int], cfg: TrainConfig, seed: int, world: World):
+        self.lengths, self.cfg, self.seed, self.world = lengths, cfg, seed, world
+        self.global_rows = cfg.batch_size * cfg.grad_accum * world.size
+        self.counts: list[int] = []  # steps of epochs 0, 1, ...
+        self.packed: tuple[int, list[list[int]]] = (-1, [])  # the last epoch packed, and its rows
+
+    def rows(self, epoch: int) -> list[list[int]]:
+        """Epoch ``epoch``'s packed rows (sample indices)."""
+        from eagle3.data import pack
+
+        if self.packed[0] != epoch:
+            order = torch.randperm(len(self.lengths), generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch)).tolist()
+            self.packed = (epoch, [[order[i] for i in row] for row in pack([self.lengths[i] for i in order], self.cfg.pack_tokens)])
+        return self.packed[1]
+
+    def steps_in(self, epoch: int) -> int:
+        while len(self.counts) <= epoch:
+            rows = len(self.rows(len(self.counts)))
+            if rows < self.global_rows:
+                raise UserError(f"train split: {rows} rows of train.pack_tokens {self.cfg.pack_tokens} tokens, fewer than one "
+                                f"global batch of {self.global_rows} rows (train.batch_size x train.grad_accum x processes); "
+                                "lower train.batch_size, grad_accum or pack_tokens")
+            self.counts.append(rows // self.global_rows)
+        return self.counts[epoch]
+
+    def total_steps(self) -> int:
+        return self.cfg.max_steps or sum(self.steps_in(e) for e in range(self.cfg.epochs))
+
+    def micro_batches(self, step: int) -> list[list[int]]:
+        """This process's ``grad_accum`` micro-batches of optimizer step ``step`` (sample indices)."""
+        epoch = 0
+        while step >= self.steps_in(epoch):
+            step -= self.steps_in(epoch)
+            epoch += 1
+        cfg, world = self.cfg, self.world
+        rows = self.rows(epoch)[step * self.global_rows : (step + 1) * self.global_rows]
+        mine = rows[world.rank * cfg.grad_accum * cfg.batch_size :][: cfg.grad_accum * cfg.batch_size]
+        return [sum(mine[i : i + cfg.batch_size], []) for i in range(0, len(mine), cfg.batch_size)]
+
+
+def check_lengths(splits: dict[str, Dataset], cfg: TrainConfig) -> None:
+    """Every sample must fit in one packed row."""
+    for name, dataset in splits.items():
+        longest = max(dataset.lengths)
+        if longest > cfg.pack_tokens:
+            raise UserError(f"{name} split: a sample of {longest} tokens is longer than train.pack_tokens {cfg.pack_tokens}; "
+                            "raise train.pack_tokens (or lower merge.max_tokens)")
 
 
 class StepSampler(Sampler):
     """Batch sampler: this process's micro-batches of steps ``start`` .. ``stop - 1``, in order."""
 
-    def __init__(self, num_samples: int, start: int, stop: int, cfg: TrainConfig, seed: int, world: World):
-        self.args = (num_samples, cfg, seed, world)
-        self.start, self.stop, self.accum = start, stop, cfg.grad_accum
+    def __init__(self, plan: DataPlan, start: int, stop: int):
+        self.plan, self.start, self.stop = plan, start, stop
 
     def __iter__(self):
-        num_samples, cfg, seed, world = self.args
         for step in range(self.start, self.stop):
-            yield from step_batches(num_samples, step, cfg, seed, world)
+            yield from self.plan.micro_batches(step)
 
     def __len__(self) -> int:
-        return (self.stop - self.start) * self.accum
+        return (self.stop - self.start) * self.plan.cfg.grad_accum
 
 
-def collate_ttt(items: list[dict[str, Tensor]], steps: int) -> dict[str, Any]:
-    """``eagle3.data.collate`` plus the rows each TTT step scores and the token count (host side)."""
+def collate_ttt(items: list[dict[str, Tensor]], cfg: TrainConfig) -> dict[str, Any]:
+    """``eagle3.data.collate`` into ``batch_size`` packed rows, plus the rows each TTT step scores
+    and the count of real tokens (host side)."""
     from eagle3.data import collate
 
-    batch = collate(items)
-    return {"input_ids": batch["input_ids"], "aux": batch["aux"], "final": batch["final"],
-            "selection": select_rows(batch["loss_mask"], steps), "tokens": int(batch["lengths"].sum())}
+    batch = collate(items, cfg.pack_tokens, cfg.batch_size)
+    return {"input_ids": batch["input_ids"], "aux": batch["aux"], "final": batch["final"], "position_ids": batch["position_ids"],
+            "selection": select_rows(batch["loss_mask"], batch["position_ids"], cfg.ttt_steps), "tokens": batch["tokens"]}
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -153,7 +193,7 @@ def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 
 def loader(dataset: Dataset, sampler: Sampler, cfg: TrainConfig, world: World) -> DataLoader:
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=partial(collate_ttt, steps=cfg.ttt_steps),
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=partial(collate_ttt, cfg=cfg),
                       num_workers=cfg.num_workers, pin_memory=world.device.type == "cuda")
 
 
@@ -194,7 +234,7 @@ def train_step(model, head: VerifierHead, micro: list[dict], optimizer, schedule
     sums = 0
     for i, (batch, target) in enumerate(zip(micro, targets)):
         with parallel.gradient_sync(model, enabled=i == len(micro) - 1), parallel.autocast(world.device):
-            ce, step_sums = model(batch["input_ids"], batch["aux"], target, batch["selection"])
+            ce, step_sums = model(batch["input_ids"], batch["aux"], batch["position_ids"], target, batch["selection"])
             loss = ttt_loss(ce, counts, cfg.step_decay) * world.size
         loss.backward()
         sums = sums + step_sums
@@ -208,17 +248,19 @@ def train_step(model, head: VerifierHead, micro: list[dict], optimizer, schedule
 @torch.no_grad()
 def validate(model, head: VerifierHead, dataset: Dataset, cfg: TrainConfig, world: World) -> dict[str, float]:
     """Metrics over the whole validation split (every process runs the same number of batches)."""
+    from eagle3.data import pack
+
     net = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    rows = pack(dataset.lengths, cfg.pack_tokens)  # in index order
     per_round = cfg.batch_size * world.size
-    rounds = math.ceil(len(dataset) / per_round)
     total = torch.zeros(5, cfg.ttt_steps, device=world.device)
-    for j in range(rounds):
+    for j in range(math.ceil(len(rows) / per_round)):
         start = j * per_round + world.rank * cfg.batch_size
-        indices = list(range(start, min(start + cfg.batch_size, len(dataset))))
-        batch = to_device(collate_ttt([dataset[i] for i in indices or [0]], cfg.ttt_steps), world.device)
+        indices = sum(rows[start : start + cfg.batch_size], [])
+        batch = to_device(collate_ttt([dataset[i] for i in indices or [0]], cfg), world.device)
         with parallel.autocast(world.device):
             target = head(batch["final"], batch["selection"].positions)
-            _, sums = net(batch["input_ids"], batch["aux"], target, batch["selection"])
+            _, sums = net(batch["input_ids"], batch["aux"], batch["position_ids"], target, batch["selection"])
         total += sums if indices else 0  # an idle process still joins FSDP's collectives
     return StepMetrics(parallel.all_reduce_sum(total, world)).summary(cfg.step_decay)
 
@@ -293,7 +335,9 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: 
     ``ttt`` and ``head`` are on ``world.device``; ``live`` (main process only) is a dvclive Live.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    total = cfg.max_steps or cfg.epochs * steps_per_epoch(len(train_set), cfg.batch_size * cfg.grad_accum * world.size)
+    check_lengths({"train": train_set, "val": val_set}, cfg)
+    plan = DataPlan(train_set.lengths, cfg, seed, world)
+    total = plan.total_steps()
     model = parallel.wrap(ttt, world, cfg.fsdp)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
                                   weight_decay=cfg.weight_decay, fused=world.device.type == "cuda")
@@ -301,7 +345,7 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: 
     state = resume(run_dir, model, optimizer, scheduler, world)
     for step, prefix, metrics in state.history:
         log_metrics(live, step, prefix, metrics)
-    batches = iter(loader(train_set, StepSampler(len(train_set), state.step, total, cfg, seed, world), cfg, world))
+    batches = iter(loader(train_set, StepSampler(plan, state.step, total), cfg, world))
     window, clock = torch.zeros(5, cfg.ttt_steps, device=world.device), Window()
     while state.step < total:
         micro = [to_device(next(batches), world.device) for _ in range(cfg.grad_accum)]
@@ -538,6 +582,8 @@ def train(args: argparse.Namespace, params, world: World) -> dict[str, Any]:
     torch.manual_seed(seed)  # the same initial weights on every process
     drafter = Eagle3Drafter(draft, tensors["embed"].to(world.device, dtype)).to(world.device)
     drafter.set_draft_vocab(d2t.to(world.device))
+    drafter.init_head(tensors["head"].to(world.device), tensors["norm"].to(world.device))
+    drafter.lm_head.requires_grad_(not cfg.freeze_lm_head)  # frozen: no gradient, no optimizer state
     norm = tensors["norm"] if meta["final_state"] == "pre-norm" else None
     head = VerifierHead(tensors["head"].to(world.device, dtype), d2t.to(world.device), norm, draft.rms_norm_eps).to(world.device)
     shards = sorted({row["shard"] for row in train_set.rows + val_set.rows})
