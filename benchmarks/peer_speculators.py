@@ -36,7 +36,7 @@ import torch
 
 from eagle3.model import DraftConfig
 from eagle3.train import TrainConfig, collate_ttt
-from train_throughput import random_documents, random_draft_vocab, step_flops
+from train_throughput import random_documents, random_draft_vocab, shape_arguments, step_flops
 
 
 def import_peer():
@@ -122,20 +122,11 @@ def packed_row(docs: list[dict], device, dtype) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--preset", help="drafter shape (default: smollm2-135m on cpu, llama3-8b on cuda)")
-    parser.add_argument("--batch", type=int, help="rows of --seq tokens, packed into one (default: 1 on cpu, 4 on cuda)")
-    parser.add_argument("--seq", type=int, help="tokens per row (default: 512 on cpu, 2048 on cuda)")
-    parser.add_argument("--ttt-steps", type=int, default=7, help="K")
-    parser.add_argument("--doc-tokens", type=int, default=0, help="mean random document length (0: one document per row)")
-    parser.add_argument("--answer", type=float, default=0.5, help="fraction of each random document under the loss mask")
+    shape_arguments(parser)  # --batch rows of --seq tokens are packed into one row here
     parser.add_argument("--loss", default="kl_div", help="its loss name (its trainer's default for Eagle3: kl_div)")
     parser.add_argument("--loss-implementation", default="fused", choices=["fused", "eager"])
     parser.add_argument("--attention", help="its draft_attn_impl (default: simple_flex_attention on cuda; eager on cpu, "
                         "where FlexAttention has no backward)")
-    parser.add_argument("--iters", type=int, default=5, help="timed optimizer steps")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s of the GPU (H100/H200 SXM: 989)")
     args = parser.parse_args()
     gpu = args.device == "cuda"
     preset = args.preset or ("llama3-8b" if gpu else "smollm2-135m")

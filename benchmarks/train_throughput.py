@@ -141,8 +141,8 @@ def measure(args, cfg: DraftConfig, micro: list[dict], flops: list[float], froze
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that fix the work of a step (shared with ``peer_speculators.py``)."""
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--preset", help="drafter shape (default: smollm2-135m on cpu, llama3-8b on cuda)")
     parser.add_argument("--batch", type=int, help="packed rows per step (default: 1 on cpu, 4 on cuda)")
@@ -150,16 +150,21 @@ def main() -> None:
     parser.add_argument("--ttt-steps", type=int, default=7, help="K")
     parser.add_argument("--doc-tokens", type=int, default=0, help="mean random document length (0: one document per row)")
     parser.add_argument("--answer", type=float, default=0.5, help="fraction of each random document under the loss mask")
+    parser.add_argument("--iters", type=int, default=5, help="timed optimizer steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s of the GPU (H100/H200 SXM: 989)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    shape_arguments(parser)
     parser.add_argument("--lm-head", nargs="+", default=["frozen"], choices=["frozen", "trainable"], help="one run each")
     parser.add_argument("--merged", help="real data: the merge output folder (with --hidden-states)")
     parser.add_argument("--hidden-states", help="real data: the extracted shards folder")
     parser.add_argument("--batches", type=int, default=8, help="distinct micro-batches cycled through (real data)")
-    parser.add_argument("--iters", type=int, default=5, help="timed optimizer steps")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
     parser.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
     parser.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
     parser.add_argument("--profile", action="store_true", help="also print the ops that take the most time in one step")
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s of the GPU (H100/H200 SXM: 989)")
     args = parser.parse_args()
     gpu = args.device == "cuda"
     preset = args.preset or ("llama3-8b" if gpu else "smollm2-135m")
