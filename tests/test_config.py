@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 
 from eagle3.common import UserError
 from eagle3.config import compose_params, shard_range, validate
+from eagle3.prompts import flat
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -33,13 +34,20 @@ def test_defaults_are_the_embedded_demo(tmp_path):
 def test_every_scale_extends_the_demo_with_contiguous_shards(tmp_path, scale):
     demo, bigger = compose(tmp_path, "dataset=demo"), compose(tmp_path, f"dataset={scale}")
     assert list(bigger.dataset.shards[: len(demo.dataset.shards)]) == list(demo.dataset.shards)
-    assert shard_range(bigger.dataset.shards[-1])[1] == bigger.dataset.num_prompts
     assert len(bigger.dataset.shards) <= 100  # DVC's cost grows quadratically with stage count
     assert bigger.dataset.sources == demo.dataset.sources
 
 
+def test_the_evals_sources_split_its_folders_without_overlap(tmp_path):
+    """math and code name their folders; chat excludes them (and the licensed ones): no folder twice."""
+    sources = {spec.label: spec for spec in compose(tmp_path).dataset.sources}
+    math, code = set(sources["math"].folders), set(sources["code"].folders)
+    excluded = set(flat(sources["chat"].exclude))
+    assert not math & code and math | code <= excluded and not sources["chat"].get("folders")
+
+
 def test_every_group_file_has_a_name_matching_its_file():
-    for path in CONF.glob("*/*.yaml"):
+    for path in CONF.glob("*/[!_]*.yaml"):  # `_x.yaml`: a part the options include, not an option
         assert yaml.safe_load(path.read_text())["name"] == path.stem, path
 
 

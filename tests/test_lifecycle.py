@@ -16,9 +16,9 @@ from local_s3 import add_remote, cache_objects, file_hashes, local_s3, lock_obje
 TARGET = "extract"  # the stages up to the hidden states, the artifact gc is about
 # A small local prompt file instead of the 755 MB `evals` registry keeps the `prompts` stage quick.
 SOURCE = {"sources": [{"kind": "jsonl", "path": "prompts.jsonl"}], "heldout_fraction": 0.2,
-          "eval_sets": {"heldout": 1, "humaneval": 1}}
-SMALL = {"name": "small", "num_prompts": 6, "shards": ["000000-000006"], **SOURCE}
-BIGGER = {"name": "bigger", "num_prompts": 9, "shards": ["000000-000006", "000006-000009"], **SOURCE}
+          "eval_sets": {"heldout": 1, "humaneval": 1, "math": 1}}
+SMALL = {"name": "small", "shards": ["000000-000006"], **SOURCE}
+BIGGER = {"name": "bigger", "shards": ["000000-000006", "000006-000009"], **SOURCE}
 FIXED = ["model=tiny-random", "generate.max_new_tokens=8"]
 
 

@@ -7,9 +7,9 @@ import yaml
 
 from conftest import run
 
-SMALL = {"name": "small", "num_prompts": 8, "shards": ["000000-000008"], "eval_sets": {"heldout": 2, "humaneval": 1}}
-BIGGER = {"name": "bigger", "num_prompts": 12, "shards": ["000000-000008", "000008-000012"],
-          "eval_sets": {"heldout": 2, "humaneval": 1}}
+SMALL = {"name": "small", "shards": ["000000-000008"], "eval_sets": {"heldout": 2, "humaneval": 1, "math": 1}}
+BIGGER = {"name": "bigger", "shards": ["000000-000008", "000008-000012"],
+          "eval_sets": {"heldout": 2, "humaneval": 1, "math": 1}}
 
 
 # The tiny verifier, short answers and a few training steps: the whole pipeline in about a minute.

