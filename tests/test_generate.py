@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle3.backends import Request, split_reasoning
-from eagle3.backends.local import LocalBackend, SeededSampling, plan_batches, top_p_filter
+from eagle3.backends.local import LocalBackend, SeededSampling, left_pad, plan_batches, top_p_filter
 from eagle3.common import UserError, read_json, stable_hash, write_jsonl
 from eagle3.config import compose_params
 from eagle3.generate import Journal, read_prompts, run_stage
@@ -92,6 +92,30 @@ def test_answer_counts_the_stop_token_once(tiny_verifier_dir):
 def test_batches_are_sorted_by_length_and_fixed_by_the_shard():
     requests = [Request(str(i), str(i), [], [0] * n, 0) for i, n in enumerate([5, 1, 3, 1])]
     assert [[r.id for r in b] for b in plan_batches(requests, 3)] == [["1", "3", "2"], ["0"]]
+
+
+def test_token_budget_gives_long_prompts_smaller_batches_and_padding_rounds_widths():
+    requests = [Request(str(i), str(i), [], [0] * n, 0) for i, n in enumerate([10, 20, 300, 310, 5])]
+    def lengths(*args, **kwargs):
+        return [[len(r.prompt_ids) for r in b] for b in plan_batches(requests, *args, **kwargs)]
+
+    assert lengths(8, 800, 100) == [[5, 10, 20], [300], [310]]  # [300, 310] would need 2 x (310 + 100) > 800
+    assert lengths(2) == [[5, 10], [20, 300], [310]]  # no budget: batch_size alone
+    assert lengths(8, 360, 100) == [[5, 10, 20], [300], [310]]  # 3 x (20 + 100) = 360 fits
+    assert lengths(8, 360, 100, pad_multiple=64) == [[5, 10], [20], [300], [310]]  # 3 x (64 + 100) does not
+    input_ids, mask = left_pad([[7, 8], [9]], pad_id=0, multiple=4)
+    assert input_ids.tolist() == [[0, 0, 7, 8], [0, 0, 0, 9]] and mask.tolist() == [[0, 0, 1, 1], [0, 0, 0, 1]]
+
+
+@pytest.mark.slow
+def test_greedy_answers_do_not_depend_on_batch_size_budget_or_padding(tmp_path, tiny_verifier_dir):
+    """CPU fp32: the speed knobs change batches and padding, never an answer."""
+    tokenizer = load_tokenizer(tiny_verifier_dir)
+    prompts = shard_file(tmp_path, tokenizer)
+    plain = generate(tmp_path, tiny_verifier_dir, prompts, stage_params(tmp_path, "generate.max_new_tokens=6"), "a")
+    knobs = ["generate.max_new_tokens=6", "backend.batch_size=2", "backend.batch_tokens=200", "backend.pad_multiple=64"]
+    fast = generate(tmp_path, tiny_verifier_dir, prompts, stage_params(tmp_path, *knobs), "b")
+    assert [r["messages"] for r in fast.records] == [r["messages"] for r in plain.records]
 
 
 def test_sampling_is_seeded_per_record_not_per_batch(tmp_path, tiny_verifier_dir):
