@@ -32,13 +32,21 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from eagle3.loss import TrainingTimeTest, VerifierHead
 from eagle3.model import DraftConfig, Eagle3Drafter
 from eagle3.parallel import close_world, init_world, wrap
 from eagle3.train import DataPlan, TrainConfig, collate_ttt, lr_factor, to_device, train_step
+
+
+def train_config(**keys) -> TrainConfig:
+    """conf/train/default.yaml with ``keys`` replaced (TrainConfig has no defaults of its own)."""
+    default = OmegaConf.load(Path(__file__).parents[1] / "conf" / "train" / "default.yaml")
+    return TrainConfig.from_params(OmegaConf.merge(default, keys))
 
 
 def random_draft_vocab(cfg: DraftConfig, generator: torch.Generator) -> torch.Tensor:
@@ -107,7 +115,7 @@ def measure(args, cfg: DraftConfig, micro: list[dict], flops: list[float], froze
     drafter.init_head(verifier_head, torch.ones(cfg.hidden_size, device=world.device))
     drafter.lm_head.requires_grad_(not frozen)
     head = VerifierHead(verifier_head, d2t).to(world.device)
-    train_cfg = TrainConfig(ttt_steps=args.ttt_steps)
+    train_cfg = train_config(ttt_steps=args.ttt_steps)
     model = wrap(TrainingTimeTest(drafter, args.ttt_steps), world, args.fsdp)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=train_cfg.lr, betas=(0.9, 0.95), fused=gpu)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, 10, 1000, 0.1))
@@ -174,7 +182,7 @@ def main() -> None:
     world = init_world(args.device)
     dtype = torch.bfloat16 if gpu else torch.float32
     cfg = DraftConfig.preset(preset)
-    packing = TrainConfig(ttt_steps=args.ttt_steps, batch_size=rows, pack_tokens=seq)
+    packing = train_config(ttt_steps=args.ttt_steps, batch_size=rows, pack_tokens=seq)
     if args.merged:
         items = real_micro_batches(args.merged, args.hidden_states, packing, args.batches, world)
     else:

@@ -37,20 +37,26 @@ from tiny_drafter import make_drafter, random_batch, verifier_head_weight, one_t
 
 CPU = World(0, 1, torch.device("cpu"))
 DEBUG = OmegaConf.load(ROOT / "conf" / "train" / "debug.yaml")
+DEFAULT = OmegaConf.load(ROOT / "conf" / "train" / "default.yaml")
+
+
+def train_config(**keys) -> TrainConfig:
+    """conf/train/default.yaml with ``keys`` replaced (TrainConfig has no defaults of its own)."""
+    return TrainConfig.from_params(OmegaConf.merge(DEFAULT, keys))
 
 
 def test_data_plan_worked_example():
     lengths = [3, 3, 2, 6, 1, 4, 5, 2]
-    cfg = TrainConfig(batch_size=1, grad_accum=1, pack_tokens=6, epochs=2)
+    cfg = train_config(batch_size=1, grad_accum=1, pack_tokens=6, epochs=2)
     perms = [torch.randperm(8, generator=torch.Generator().manual_seed(7 * 100_003 + e)).tolist() for e in (0, 1)]
     rows = [[[perm[i] for i in row] for row in pack([lengths[i] for i in perm], 6)] for perm in perms]
     two = [DataPlan(lengths, cfg, 7, World(r, 2, CPU.device)) for r in (0, 1)]
     assert two[0].total_steps() == len(rows[0]) // 2 + len(rows[1]) // 2
     step = len(rows[0]) // 2  # the first step of epoch 1
     assert two[0].micro_batches(step) == [rows[1][0]] and two[1].micro_batches(step) == [rows[1][1]]
-    one = DataPlan(lengths, TrainConfig(batch_size=1, grad_accum=2, pack_tokens=6), 7, CPU)
+    one = DataPlan(lengths, train_config(batch_size=1, grad_accum=2, pack_tokens=6), 7, CPU)
     assert one.micro_batches(step) == [rows[1][0], rows[1][1]]  # one process accumulating = two processes
-    wide = DataPlan(lengths, TrainConfig(batch_size=2, grad_accum=1, pack_tokens=6), 7, CPU)
+    wide = DataPlan(lengths, train_config(batch_size=2, grad_accum=1, pack_tokens=6), 7, CPU)
     assert wide.micro_batches(0) == [rows[0][0] + rows[0][1]]  # a micro-batch of two rows
     assert [len(r) for r in collate([Items.item(n) for n in (3, 3, 2)], 6, 2)["position_ids"]] == [6, 6]
 

@@ -68,10 +68,10 @@ class Settings:
     @classmethod
     def from_params(cls, params: DictConfig) -> Settings:
         cfg, layout = params.evaluate, params.layout
-        tree = cfg.get("tree")
+        tree = cfg.tree
         settings = cls(
             int(cfg.draft_tokens), None if tree is None else TreeShape(int(tree.num_steps), int(tree.topk), int(tree.num_draft_tokens)),
-            int(cfg.get("batch_size", 1)), int(cfg.max_new_tokens), tuple(cfg.sets),
+            int(cfg.batch_size), int(cfg.max_new_tokens), tuple(cfg.sets),
             None if cfg.max_prompts is None else int(cfg.max_prompts), bool(cfg.baseline),
             str(layout.device), str(layout.dtype), int(layout.threads), bool(params.model.trust_remote_code),
         )

@@ -60,26 +60,27 @@ CLOCK_METRICS = ("tokens_per_s",)  # logged to dvclive and the log, never writte
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The ``train`` params section; each key is documented in conf/train/default.yaml."""
+    """The ``train`` params section. Values come only from params.yaml (conf/train/*.yaml): no
+    field has a default, so a key missing there is an error, never a silent second value."""
 
-    ttt_steps: int = 7
-    step_decay: float = 0.8
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    epochs: int = 2
-    max_steps: int = 0
-    batch_size: int = 1
-    pack_tokens: int = 2048
-    freeze_lm_head: bool = True
-    grad_accum: int = 1
-    clip: float = 1.0
-    log_every: int = 1
-    val_every: int = 20
-    checkpoint_every: int = 20
-    fsdp: bool = False
-    num_workers: int = 0
+    ttt_steps: int  # K: draft steps unrolled in training
+    step_decay: float  # loss weight of TTT step k is step_decay**k
+    lr: float  # peak AdamW learning rate
+    min_lr_ratio: float  # the cosine decays to lr * min_lr_ratio at the last step
+    warmup_steps: int  # optimizer steps of linear warmup
+    weight_decay: float  # AdamW decoupled weight decay
+    epochs: int  # passes over the train split (when max_steps is 0)
+    max_steps: int  # optimizer steps to run; 0: from epochs
+    batch_size: int  # packed rows per micro-batch, per process
+    pack_tokens: int  # tokens per packed row; at least the longest sample
+    freeze_lm_head: bool  # keep the lm_head at the verifier's rows of the draft vocabulary
+    grad_accum: int  # micro-batches per optimizer step, per process
+    clip: float  # max global gradient norm
+    log_every: int  # optimizer steps between train metric lines (the only host syncs)
+    val_every: int  # optimizer steps between validations (and at the end)
+    checkpoint_every: int  # optimizer steps between resumable checkpoints (and at the end)
+    fsdp: bool  # FSDP instead of DDP (multi-process only)
+    num_workers: int  # DataLoader worker processes per training process
 
     @classmethod
     def from_params(cls, section) -> TrainConfig:
@@ -87,6 +88,8 @@ class TrainConfig:
         known = {f.name for f in fields(cls)}
         if set(values) - known:
             raise UserError(f"params.yaml: train: unknown key(s) {sorted(set(values) - known)}; known: {sorted(known)}")
+        if known - set(values):
+            raise UserError(f"params.yaml: train: missing key(s) {sorted(known - set(values))}; see conf/train/default.yaml")
         cfg = cls(**values)
         for name in ("ttt_steps", "batch_size", "pack_tokens", "grad_accum", "log_every", "val_every", "checkpoint_every"):
             if getattr(cfg, name) < 1:
