@@ -13,6 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from eagle3.common import UserError
+from eagle3.verifier_spec import VerifierSpec
 
 SHARD_NAME = re.compile(r"^(\d{6})-(\d{6})$")
 
@@ -49,10 +50,6 @@ def validate(params: DictConfig) -> None:
             raise UserError(f"params.yaml: dataset.shards must be contiguous; a shard ends at {stop}, the next starts at {start}")
     if starts[0][0] != 0:
         raise UserError("params.yaml: dataset.shards must start at 000000")
-    layers = list(params.model.aux_layers)
-    if len(layers) != 3 or layers != sorted(set(layers)) or not 0 <= layers[0] or layers[-1] >= params.model.num_layers:
-        raise UserError(
-            f"params.yaml: model.aux_layers {layers} must be 3 ascending layer ids in [0, {params.model.num_layers})"
-        )
+    VerifierSpec.from_params(params.model)  # taps within model.num_layers, a supported final state
     if params.layout.device == "cpu" and params.layout.dtype != "float32":
         raise UserError("params.yaml: layout.dtype must be float32 on the CPU (bf16 is several times slower there)")

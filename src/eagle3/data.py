@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 
 from eagle3.common import UserError, read_json, read_jsonl
 from eagle3.storage import decode_states, load_problem, read_rows
+from eagle3.verifier_spec import require_verifier
 
 
 class HiddenStates(Dataset):
@@ -59,12 +60,8 @@ class HiddenStates(Dataset):
 
     def _check_shard(self, shard: str) -> None:
         shard_meta = read_json(self.root / shard / "meta.json")
-        expected = self.meta["verifier"]["fingerprint"]
-        if shard_meta["verifier"]["fingerprint"] != expected:
-            raise UserError(
-                f"{self.root / shard}/meta.json: verifier {shard_meta['verifier']['fingerprint']} != {expected} "
-                "of the merged manifest; re-run `dvc repro`"
-            )
+        require_verifier(f"{self.root / shard}/meta.json", "extracted with", shard_meta["verifier"]["fingerprint"],
+                         self.meta["verifier"]["fingerprint"], "the merged manifest's is")
 
     def __len__(self) -> int:
         return len(self.rows)

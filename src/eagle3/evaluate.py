@@ -43,6 +43,7 @@ from eagle3.common import UserError, atomic_dir, load_params, read_json, read_js
 from eagle3.export import check_drafter, load_drafter
 from eagle3.speculative import EagleProposer, TreeShape, most_frequent, ngram, prefill, replay, speculative_decode
 from eagle3.verifier import eos_token_ids, load_tokenizer, load_verifier, prompt_ids, read_meta
+from eagle3.verifier_spec import require_verifier
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +129,7 @@ def check_pair(verifier_dir: Path, drafter_dir: Path, prompts_dir: Path) -> None
         raise UserError(f"{drafter_dir}: {problems[0]}" + (f" (and {len(problems) - 1} more; run eagle3 check-drafter)" if len(problems) > 1 else ""))
     verifier = read_meta(verifier_dir)["fingerprint"]["id"]
     prompts = read_json(prompts_dir / "meta.json").get("verifier")
-    if prompts != verifier:
-        raise UserError(f"{prompts_dir}/meta.json: prompts counted for verifier {prompts}, this verifier is {verifier}; rerun prompts")
+    require_verifier(f"{prompts_dir}/meta.json", "prompts counted for", prompts, verifier, "this verifier is", "rerun prompts")
 
 
 # --- measurement -----------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.common import read_json, write_json
 from eagle3.model import DraftConfig, Eagle3Drafter
+from eagle3.verifier_spec import tap_problem, verifier_mismatch
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHT_DTYPE = torch.bfloat16
@@ -275,11 +276,10 @@ def check_layer_ids(config: dict[str, Any], meta: dict[str, Any], num_layers: in
 
     ``num_layers`` (0: unknown) is the verifier's, for the engines' default taps when the config names none.
     """
-    ids = meta.get("aux_layers")
-    if not ids or len(ids) != 3 or ids != sorted(set(ids)):
-        return [f"meta.json: aux_layers {ids} is not 3 ascending layer ids"]
-    if ids[0] < 0 or (num_layers and ids[-1] >= num_layers):
-        return [f"meta.json: aux_layers {ids} outside the verifier's layers [0, {num_layers})"]
+    ids = meta.get("aux_layers") or []
+    problem = tap_problem(ids, num_layers)
+    if problem:
+        return [f"meta.json: {problem} (the verifier's layers)"]
     problems = []
     for engine, resolve in ENGINE_TAPS.items():
         got = resolve(config, num_layers)
@@ -299,9 +299,8 @@ def check_against_verifier(config: dict[str, Any], meta: dict[str, Any], verifie
         problems.append(f"config.json: max_position_embeddings {config.get('max_position_embeddings')} < the verifier's "
                         f"{verifier['max_position_embeddings']}: drafting would stop or misbehave on long contexts")
     recorded = (meta.get("verifier") or {}).get("fingerprint")
-    if verifier.get("fingerprint") and recorded != verifier["fingerprint"]:
-        problems.append(f"meta.json: trained for verifier {recorded}, this verifier is {verifier['fingerprint']}")
-    return problems
+    mismatch = verifier_mismatch("meta.json", "trained for", recorded, verifier["fingerprint"], "this verifier is") if verifier.get("fingerprint") else None
+    return problems + ([mismatch] if mismatch else [])
 
 
 def verifier_facts(folder: str | Path) -> dict[str, Any]:

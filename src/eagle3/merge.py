@@ -35,6 +35,7 @@ from omegaconf import DictConfig
 
 from eagle3.common import UserError, atomic_dir, load_params, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl
 from eagle3.verifier import read_meta
+from eagle3.verifier_spec import require_verifier
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +60,7 @@ def shard_meta(root: Path, shards: list[str], fingerprint: str) -> dict[str, Any
     common: dict[str, Any] = {}
     for shard in shards:
         meta = read_json(root / shard / "meta.json")
-        if meta["verifier"]["fingerprint"] != fingerprint:
-            raise UserError(
-                f"{root / shard}/meta.json: extracted with verifier {meta['verifier']['fingerprint']}, "
-                f"models/verifier is {fingerprint}; re-run `dvc repro`"
-            )
+        require_verifier(f"{root / shard}/meta.json", "extracted with", meta["verifier"]["fingerprint"], fingerprint)
         fields = {key: meta[key] for key in SHARD_KEYS}
         if common and fields != common:
             raise UserError(f"{root / shard}/meta.json: {fields} differs from the other shards' {common}; re-extract all shards")

@@ -60,6 +60,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from eagle3.model import KVCache
+from eagle3.verifier_spec import tapped_features
 
 
 @dataclass
@@ -124,11 +125,6 @@ class Round:
 
 
 # --- the verifier side ------------------------------------------------------------------------------
-
-
-def tapped_features(hidden_states: Sequence[Tensor], layer_ids: Sequence[int]) -> Tensor:
-    """concat of the residual streams entering layers ``layer_ids`` (HF hidden_states[k]): [B, T, 3H]."""
-    return torch.cat([hidden_states[k] for k in layer_ids], -1)
 
 
 def cache_kwargs(verifier, cache: DynamicCache) -> dict:

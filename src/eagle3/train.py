@@ -50,6 +50,7 @@ from eagle3.export import check_drafter, verifier_facts, write_drafter
 from eagle3.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
 from eagle3.model import DraftConfig, Eagle3Drafter
 from eagle3.parallel import World
+from eagle3.verifier_spec import require_verifier
 
 log = logging.getLogger(__name__)
 
@@ -449,8 +450,7 @@ def open_data(merged: Path, hidden_states: Path, fingerprint: str) -> tuple[Data
 
     train_set, val_set = HiddenStates(merged, hidden_states, "train"), HiddenStates(merged, hidden_states, "val")
     meta = train_set.meta
-    if meta["verifier"]["fingerprint"] != fingerprint:
-        raise UserError(f"{merged}/meta.json: built for verifier {meta['verifier']['fingerprint']}, models/verifier is {fingerprint}; re-run `dvc repro`")
+    require_verifier(f"{merged}/meta.json", "built for", meta["verifier"]["fingerprint"], fingerprint)
     if meta.get("final_state") not in ("post-norm", "pre-norm"):
         raise UserError(f"{merged}/meta.json: final_state {meta.get('final_state')!r} is neither post-norm nor pre-norm")
     return train_set, val_set, meta, load_file(merged / "vocab.safetensors")["d2t"]

@@ -1,0 +1,44 @@
+"""The verifier spec: each rule about the verifier, once (taps, fingerprint refusal, features, nested configs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import LlamaConfig, LlavaConfig
+
+from eagle3.common import UserError
+from eagle3.verifier_spec import VerifierSpec, require_verifier, tap_problem, tapped_features, verifier_mismatch
+
+from conftest import project_params
+
+
+def test_tap_rule_matches_docstring():
+    assert tap_problem([2, 15, 27], 30) is None and tap_problem([0, 1, 2], 0) is None  # 0: layer count unknown
+    for bad in ([2, 15, 30], [15, 2, 27], [2, 2, 27], [2, 15], [-1, 2, 3]):
+        assert "must be 3 ascending layer ids in [0, 30)" in tap_problem(bad, 30)
+
+
+def test_fingerprint_refusal_is_one_line():
+    assert verifier_mismatch("m.json", "built for", "ab12", "ab12") is None
+    assert verifier_mismatch("m.json", "built for", "ab12", "cd34") == "m.json: built for verifier ab12, models/verifier is cd34"
+    with pytest.raises(UserError, match=r"^m.json: built for verifier ab12, models/verifier is cd34; re-run `dvc repro`$"):
+        require_verifier("m.json", "built for", "ab12", "cd34")
+
+
+def test_tapped_features_concatenate_in_tap_order():
+    states = [torch.full((1, 2, 3), float(k)) for k in range(5)]  # HF hidden_states: [k] enters layer k
+    features = tapped_features(states, (1, 2, 4))
+    assert features.shape == (1, 2, 9) and features[0, 0].tolist() == [1.0] * 3 + [2.0] * 3 + [4.0] * 3
+
+
+def test_spec_reads_the_language_model_of_a_nested_config():
+    model = project_params().model  # SmolLM2: taps [2, 15, 27] of 30 layers
+    spec = VerifierSpec.from_params(model)
+    assert spec.aux_layers == (2, 15, 27) and spec.num_layers == 30 and spec.final_state == "post-norm"
+    nested = LlavaConfig(text_config=LlamaConfig(num_hidden_layers=16).to_dict())  # a multimodal wrapper
+    with pytest.raises(UserError, match=r"model.aux_layers \[2, 15, 27\] must be 3 ascending layer ids in \[0, 16\)"):
+        VerifierSpec.from_params(model, nested)
+    assert VerifierSpec.from_params(OmegaConf.merge(model, {"aux_layers": [1, 8, 13]}), nested).num_layers == 16
+    with pytest.raises(UserError, match="model.final_state"):
+        VerifierSpec.from_params(OmegaConf.merge(model, {"final_state": "pre-norm"}))
