@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -339,6 +339,9 @@ class DraftLayer(nn.Module):
 
 @dataclass(frozen=True)
 class DraftConfig:
+    """The drafter's shape. No field has a default: every value comes from the verifier
+    (``from_verifier``), an export (``export.config_from_export``) or a named preset."""
+
     hidden_size: int  # H: the verifier's hidden size; aux features are 3H wide
     intermediate_size: int  # SwiGLU width of the draft layer
     num_attention_heads: int  # query heads; q_proj maps 2H -> heads * head_dim
@@ -346,11 +349,11 @@ class DraftConfig:
     head_dim: int  # width of one attention head
     vocab_size: int  # V: the verifier's vocabulary (embedding rows, length of t2d)
     draft_vocab_size: int  # Vd: rows of lm_head, length of d2t
-    rms_norm_eps: float = 1e-5  # epsilon of every RMSNorm
-    rope_theta: float = 10000.0  # RoPE base, the verifier's
-    rope_scaling: dict | None = None  # HF rope scaling ({"rope_type": "llama3", ...}) or None
-    max_position_embeddings: int = 8192  # context the drafter is exported for (>= the verifier's)
-    aux_layers: tuple[int, ...] = field(default=(2, 15, 27))  # taps: residual stream entering layer k
+    rms_norm_eps: float  # epsilon of every RMSNorm
+    rope_theta: float  # RoPE base, the verifier's
+    rope_scaling: dict | None  # HF rope scaling ({"rope_type": "llama3", ...}) or None
+    max_position_embeddings: int  # context the drafter is exported for (>= the verifier's)
+    aux_layers: tuple[int, ...]  # taps: residual stream entering layer k (verifier_spec.tap_problem)
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -434,14 +437,14 @@ LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_fre
 PRESETS = {
     # Tiny shapes for unit tests and CPU smoke runs.
     "debug": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  vocab_size=512, draft_vocab_size=128, max_position_embeddings=2048, aux_layers=(1, 2, 3)),
-    # The default demo verifier, SmolLM2-135M-Instruct.
+                  vocab_size=512, draft_vocab_size=128, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                  max_position_embeddings=2048, aux_layers=(1, 2, 3)),
+    # The shapes of real verifiers, for benchmarks (test_model checks the SmolLM2 one against its config).
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                         vocab_size=49152, draft_vocab_size=32000, rope_theta=100000.0, max_position_embeddings=8192,
-                         aux_layers=(2, 15, 27)),
-    # Llama-3.1-8B-Instruct.
+                         vocab_size=49152, draft_vocab_size=32000, rms_norm_eps=1e-5, rope_theta=100000.0, rope_scaling=None,
+                         max_position_embeddings=8192, aux_layers=(2, 15, 27)),
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                      vocab_size=128256, draft_vocab_size=32000, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
+                      vocab_size=128256, draft_vocab_size=32000, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
                       max_position_embeddings=131072, aux_layers=(2, 16, 29)),
 }
 

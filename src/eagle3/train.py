@@ -50,7 +50,7 @@ from eagle3.export import check_drafter, verifier_facts, write_drafter
 from eagle3.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
 from eagle3.model import DraftConfig, Eagle3Drafter
 from eagle3.parallel import World
-from eagle3.verifier_spec import require_verifier
+from eagle3.verifier_spec import require_verifier, text_config
 
 log = logging.getLogger(__name__)
 
@@ -429,7 +429,7 @@ def verifier_parts(folder: Path) -> tuple[SimpleNamespace, dict[str, Tensor]]:
     from eagle3.verifier import weights_dir
 
     raw = read_json(folder / "config.json")
-    config = SimpleNamespace(**raw.get("text_config", raw))
+    config = SimpleNamespace(**text_config(raw))
     found: dict[str, Tensor] = {}
     for file in sorted(weights_dir(folder).glob("*.safetensors")):
         with safe_open(file, framework="pt") as part:
