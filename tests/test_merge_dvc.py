@@ -19,7 +19,6 @@ from conftest import ROOT, project_params
 from test_extract import conversation, write_generated
 
 SHARDS = ["000000-000004", "000004-000008"]
-MODULES = ["src/eagle3/extract.py", "src/eagle3/storage.py", "src/eagle3/merge.py"]
 
 
 def run(repo: Path, *command: str) -> str:
@@ -44,9 +43,8 @@ def test_second_shard_is_the_only_one_extracted(tmp_path, tiny_verifier_dir, tin
     repo.mkdir()
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {name: stages[name] for name in ("extract", "merge")}}))
-    for module in MODULES:  # stage deps; the code that runs is the installed eagle3
-        (repo / module).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(ROOT / module, repo / module)
+    # The stages' code deps (the code that runs is the installed eagle3).
+    shutil.copytree(ROOT / "src", repo / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     shutil.copytree(tiny_verifier_dir, repo / "models" / "verifier")
     for n, shard in enumerate(SHARDS):
         write_generated(repo / "data" / "generated" / shard, [conversation(4 * n + i) for i in range(4)])
