@@ -3,14 +3,10 @@ the journal into exactly the bytes of an uninterrupted run."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
-import time
 
 import pytest
-from conftest import run
+from conftest import kill_when, run, start_repro
 from omegaconf import OmegaConf
 from test_generate import output_bytes, prompt
 
@@ -33,14 +29,8 @@ def test_sigkill_mid_shard_then_dvc_repro_resumes_byte_identical(make_project, t
     journal_dir = repo / ".eagle3" / "journal" / "generate"
     stage = f"generate@{shard}"
 
-    killed = subprocess.Popen(["dvc", "repro", "-s", stage], cwd=repo, start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while journaled(journal_dir) < 2:
-        assert killed.poll() is None and time.monotonic() < deadline, "the stage ended before it could be killed"
-        time.sleep(0.02)
-    os.killpg(killed.pid, signal.SIGKILL)  # dvc and the stage process
-    killed.wait()
+    killed = start_repro(repo, "-s", stage)
+    kill_when(killed, lambda: journaled(journal_dir) >= 2, timeout=120)  # SIGKILL of dvc and the stage process
     before = journaled(journal_dir)
     assert 2 <= before < len(questions) and not (repo / "data" / "generated" / shard).exists()
 

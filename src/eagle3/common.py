@@ -50,7 +50,7 @@ def stage_main(fn: Callable[[list[str]], None]) -> None:
         sys.exit(2)
 
 
-def exit_with_launcher(interval: float = 1.0) -> None:
+def exit_with_launcher(worker: bool = False, interval: float = 1.0) -> None:
     """Exit when the process that launched this stage dies, even by SIGKILL (Linux).
 
     DVC runs a stage as its child; torchrun starts its workers in a new session. So a ``kill -9``
@@ -58,20 +58,22 @@ def exit_with_launcher(interval: float = 1.0) -> None:
     workers) running on, writing checkpoints next to the rerun's. A daemon thread watches the
     chain of parents from this process up to the launcher: the processes of the same DVC stage
     (same ``DVC_STAGE`` in their environment: shell, torchrun agent, spawned workers) and the
-    DVC process above them, or, outside DVC, the torchrun agent of a worker. When any of them is
+    DVC process above them, or, outside DVC, the torchrun agent of a worker (or, with ``worker``,
+    the stage process that spawned this one). When any of them is
     gone (a parent changed: orphans are re-parented), this process exits at once; checkpoints and
     outputs are written atomically, so nothing half-written is left. Nothing is watched when the
     stage is run by hand (no DVC, no torchrun), or where ``/proc`` does not exist.
     """
-    links = launcher_links()
+    links = launcher_links(worker)
     if links:
         threading.Thread(target=_watch_links, args=(links, interval), name="launcher-watch", daemon=True).start()
 
 
-def launcher_links() -> list[tuple[int, int]]:
+def launcher_links(worker: bool = False) -> list[tuple[int, int]]:
     """(pid, parent pid) pairs from this process up to the stage's launcher (see exit_with_launcher)."""
     stage = os.environ.get("DVC_STAGE")
-    if not Path("/proc/self/stat").exists() or (stage is None and "TORCHELASTIC_RUN_ID" not in os.environ):
+    worker = worker or "TORCHELASTIC_RUN_ID" in os.environ
+    if not Path("/proc/self/stat").exists() or (stage is None and not worker):
         return []
     links = [(os.getpid(), os.getppid())]
     while stage is not None and _environ(links[-1][1]).get("DVC_STAGE") == stage:

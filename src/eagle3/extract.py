@@ -39,7 +39,9 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from eagle3.common import UserError, atomic_dir, load_params, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl
+from eagle3.common import (
+    UserError, atomic_dir, exit_with_launcher, load_params, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl,
+)
 from eagle3.storage import STORAGE_DTYPES, encode_states, magnitudes
 from eagle3.verifier import load_tokenizer, load_verifier, read_meta
 from eagle3.verifier_spec import VerifierSpec, require_verifier, tap_problem, tapped_features
@@ -418,6 +420,7 @@ def run_worker(rank: int, job: Job, samples: list[Sample]) -> tuple[list[dict], 
 
 def _spawned_worker(rank: int, job: Job, samples: list[Sample], result: Path) -> None:
     """Entry point of a spawned worker: its results go to a JSON file the parent reads."""
+    exit_with_launcher(worker=True)  # never outlive the stage process, even a SIGKILLed one
     index, rejected = run_worker(rank, job, samples)
     write_json(result, {"index": index, "rejected": rejected})
 
