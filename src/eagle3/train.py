@@ -55,7 +55,7 @@ from eagle3.verifier_spec import require_verifier, text_config
 log = logging.getLogger(__name__)
 
 VERIFIER_KEYS = {"embed": "model.embed_tokens.weight", "head": "lm_head.weight", "norm": "model.norm.weight"}
-TRAINING_CODE = ("train.py", "loss.py", "model.py", "parallel.py", "data.py", "storage.py")  # what changes the weights
+TRAINING_CODE = ("train.py", "loss.py", "model.py", "parallel.py", "data.py", "storage.py", "verifier_spec.py")  # what changes the weights
 CLOCK_METRICS = ("tokens_per_s",)  # logged to dvclive and the log, never written into models/drafter
 
 
