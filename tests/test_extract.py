@@ -13,6 +13,7 @@ from eagle3.common import UserError, read_jsonl, write_json, write_jsonl
 from eagle3.storage import dequantize_fp8, magnitudes, quantize_fp8, read_rows
 from eagle3.extract import ChatFormat, PartWriter, Sample, Settings, check_sample, extract_samples, extract_shard, prepare, render
 from eagle3.verifier import load_tokenizer, load_verifier, read_meta
+from eagle3.verifier_spec import VerifierSpec
 
 from conftest import project_params
 
@@ -57,7 +58,7 @@ def tiny_params(tiny_model_params, **extract):
 
 
 def smollm2_format(tokenizer) -> ChatFormat:
-    return ChatFormat.from_params(project_params().model, tokenizer)
+    return ChatFormat.from_spec(VerifierSpec.from_params(project_params().model), tokenizer)
 
 
 def masked_text(tokenizer, ids: list[int], mask: list[int]) -> str:

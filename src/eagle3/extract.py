@@ -60,15 +60,15 @@ class RenderError(ValueError):
 
 @dataclass(frozen=True)
 class ChatFormat:
-    """How a conversation becomes tokens and which tokens are the answer (from params ``model``)."""
+    """How a conversation becomes tokens and which tokens are the answer (from the verifier spec)."""
 
     chat_template: str | None  # Jinja template; None: the tokenizer's own
     reasoning_format: str  # "template": the template renders reasoning_content; else a prefix with {reasoning}
     end_of_turn: str  # the marker closing the answer (masked: the drafter must predict it)
 
     @classmethod
-    def from_params(cls, model: DictConfig, tokenizer) -> ChatFormat:
-        return cls(model.chat_template, model.reasoning_format, model.end_of_turn or tokenizer.eos_token)
+    def from_spec(cls, spec: VerifierSpec, tokenizer) -> ChatFormat:
+        return cls(spec.chat_template, spec.reasoning_format, spec.end_of_turn or tokenizer.eos_token)
 
 
 @dataclass(frozen=True)
@@ -487,7 +487,7 @@ def extract_shard(verifier: Path, generated: Path, out: Path, params: DictConfig
     fingerprint = verifier_meta["fingerprint"]["id"]
     check_generated(generated, fingerprint)
     tokenizer = load_tokenizer(verifier, trust)
-    fmt = ChatFormat.from_params(params.model, tokenizer)
+    fmt = ChatFormat.from_spec(VerifierSpec.from_params(params.model), tokenizer)
     records = list(read_jsonl(generated / "records.jsonl"))
     samples, rejected = prepare(records, tokenizer, fmt, settings.max_length)
     if not samples:

@@ -50,7 +50,7 @@ from eagle3.export import check_drafter, verifier_facts, write_drafter
 from eagle3.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
 from eagle3.model import DraftConfig, Eagle3Drafter
 from eagle3.parallel import World
-from eagle3.verifier_spec import require_verifier, text_config
+from eagle3.verifier_spec import VerifierSpec, require_verifier, text_config
 
 log = logging.getLogger(__name__)
 
@@ -578,7 +578,7 @@ def train(args: argparse.Namespace, params, world: World) -> dict[str, Any]:
     train_set, val_set, meta, d2t = open_data(args.merged, args.hidden_states, fingerprint)
     config, tensors = verifier_parts(args.verifier)
     try:
-        draft = DraftConfig.from_verifier(config, len(d2t), meta["aux_layers"], to_plain(params.model.draft_head) or {})
+        draft = DraftConfig.from_verifier(config, len(d2t), meta["aux_layers"], VerifierSpec.from_params(params.model).draft_head)
     except ValueError as err:
         raise UserError(f"params.yaml: model.draft_head: {err}") from None
     dtype = torch.bfloat16 if world.device.type == "cuda" else torch.float32
