@@ -50,11 +50,10 @@ from eagle3.export import check_drafter, verifier_facts, write_drafter
 from eagle3.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
 from eagle3.model import DraftConfig, Eagle3Drafter
 from eagle3.parallel import World
-from eagle3.verifier_spec import VerifierSpec, require_verifier, text_config
+from eagle3.verifier_spec import VERIFIER_TENSORS, VerifierSpec, require_verifier, text_config
 
 log = logging.getLogger(__name__)
 
-VERIFIER_KEYS = {"embed": "model.embed_tokens.weight", "head": "lm_head.weight", "norm": "model.norm.weight"}
 TRAINING_CODE = ("train.py", "loss.py", "model.py", "parallel.py", "data.py", "storage.py", "verifier_spec.py")  # what changes the weights
 CLOCK_METRICS = ("tokens_per_s",)  # logged to dvclive and the log, never written into models/drafter
 
@@ -434,10 +433,10 @@ def verifier_parts(folder: Path) -> tuple[SimpleNamespace, dict[str, Tensor]]:
     for file in sorted(weights_dir(folder).glob("*.safetensors")):
         with safe_open(file, framework="pt") as part:
             names = set(part.keys())
-            found.update({key: part.get_tensor(name) for key, name in VERIFIER_KEYS.items() if name in names})
+            found.update({key: part.get_tensor(name) for key, name in VERIFIER_TENSORS.items() if name in names})
     if "head" not in found and getattr(config, "tie_word_embeddings", False) and "embed" in found:
         found["head"] = found["embed"]
-    missing = [VERIFIER_KEYS[k] for k in VERIFIER_KEYS if k not in found]
+    missing = [VERIFIER_TENSORS[k] for k in VERIFIER_TENSORS if k not in found]
     if missing:
         raise UserError(f"{folder}: verifier weights lack {missing}")
     return config, found

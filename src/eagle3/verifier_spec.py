@@ -24,6 +24,9 @@ from eagle3.common import UserError, to_plain
 
 NUM_TAPS = 3  # low, middle and high layer: fc reads 3H
 FINAL_STATES = ("post-norm",)  # train applies only the lm_head to `final`: it must be after the final norm
+# The verifier tensors training reads (its frozen embedding, lm_head and final norm), by their HF
+# names in the checkpoint's safetensors; a tied lm_head is absent and falls back to the embedding.
+VERIFIER_TENSORS = {"embed": "model.embed_tokens.weight", "head": "lm_head.weight", "norm": "model.norm.weight"}
 
 
 def tap_problem(ids: Sequence[int], num_layers: int) -> str | None:
