@@ -10,8 +10,8 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle3.common import UserError, read_jsonl, write_json, write_jsonl
-from eagle3.storage import dequantize_fp8, magnitudes, quantize_fp8, read_rows
-from eagle3.extract import ChatFormat, PartWriter, Sample, Settings, check_sample, extract_samples, extract_shard, prepare, render
+from eagle3.storage import PartWriter, dequantize_fp8, magnitudes, quantize_fp8, read_rows
+from eagle3.extract import ChatFormat, Sample, Settings, check_sample, extract_samples, extract_shard, prepare, render
 from eagle3.verifier import load_tokenizer, load_verifier, read_meta
 from eagle3.verifier_spec import VerifierSpec
 

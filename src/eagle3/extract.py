@@ -30,7 +30,6 @@ import math
 import os
 import shutil
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -42,7 +41,7 @@ from tqdm import tqdm
 from eagle3.common import (
     UserError, atomic_dir, exit_with_launcher, load_params, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl,
 )
-from eagle3.storage import STORAGE_DTYPES, encode_states, magnitudes
+from eagle3.storage import STORAGE_DTYPES, PartWriter, encode_sample, magnitudes
 from eagle3.verifier import load_tokenizer, load_verifier, read_meta
 from eagle3.verifier_spec import VerifierSpec, require_verifier, tap_problem, tapped_features
 
@@ -250,17 +249,6 @@ def hidden_states(
         yield ids[row, :length], aux[row, :length], final[row, :length]
 
 
-def encode_sample(ids: torch.Tensor, mask: list[int], aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
-    """The tensors stored for one sample (``eagle3.storage`` format), hidden states still on their device."""
-    groups = aux.shape[1] // final.shape[1]
-    return {
-        "input_ids": ids.to(torch.int32),
-        "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-        **encode_states("aux", aux, dtype, groups),
-        **encode_states("final", final, dtype, 1),
-    }
-
-
 def check_sample(sample: Sample, stored: dict[str, torch.Tensor], largest: dict[str, float]) -> str | None:
     """Why the tensors about to be stored for ``sample`` must not be trained on, or None.
 
@@ -272,69 +260,6 @@ def check_sample(sample: Sample, stored: dict[str, torch.Tensor], largest: dict[
         if not math.isfinite(value):
             return f"non-finite values (NaN/Inf) in {name}"
     return None
-
-
-class PartWriter:
-    """Concatenates samples into safetensors parts of about ``part_bytes`` and indexes them.
-
-    Parts are written by one background thread while the verifier runs the next batches (at 8B the
-    writes took as long as the forward). At most one part is being written while the next fills,
-    so host memory stays at about two parts. Use it as a context manager: leaving without an error
-    writes the rest and waits for it (raising a failed write's error); with one, it only waits.
-    """
-
-    def __init__(self, folder: Path, part_bytes: int):
-        self.folder, self.part_bytes = folder, part_bytes
-        self.pending: list[tuple[Sample, dict[str, torch.Tensor], dict[str, float]]] = []
-        self.pending_bytes = 0
-        self.index: list[dict[str, Any]] = []
-        self.background = ThreadPoolExecutor(1, thread_name_prefix="part-writer")
-        self.writing: Future | None = None
-
-    def add(self, sample: Sample, stored: dict[str, torch.Tensor], largest: dict[str, float]) -> None:
-        self.pending.append((sample, stored, largest))
-        self.pending_bytes += sum(t.nbytes for t in stored.values())
-        if self.pending_bytes >= self.part_bytes:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        name = f"part-{min(s.record for s, _, _ in self.pending):06d}.safetensors"  # records are unique across parts
-        offset = 0
-        for sample, _, largest in self.pending:
-            length = len(sample.input_ids)
-            self.index.append(
-                {"id": sample.id, "record": sample.record, "part": name, "offset": offset, "length": length,
-                 "masked": sum(sample.loss_mask), "truncated": sample.truncated, "max_abs": largest}
-            )
-            offset += length
-        self.wait()
-        self.writing = self.background.submit(write_part, self.folder / name, [stored for _, stored, _ in self.pending])
-        self.pending, self.pending_bytes = [], 0
-
-    def wait(self) -> None:
-        if self.writing is not None:
-            self.writing.result()  # re-raises a failed write here, in the extracting thread
-            self.writing = None
-
-    def __enter__(self) -> PartWriter:
-        return self
-
-    def __exit__(self, error_type, *_) -> None:
-        try:
-            if error_type is None:
-                self.flush()
-                self.wait()
-        finally:
-            self.background.shutdown()
-
-
-def write_part(path: Path, samples: list[dict[str, torch.Tensor]]) -> None:
-    """One safetensors part: each key's tensors of all ``samples`` concatenated along tokens."""
-    from safetensors.torch import save_file
-
-    save_file({key: torch.cat([stored[key] for stored in samples]) for key in samples[0]}, path)
 
 
 def extract_samples(model, samples: list[Sample], settings: Settings, folder: Path, pad_id: int) -> tuple[list[dict], list[dict]]:

@@ -10,13 +10,16 @@ the token axis:
 A sample is the token range ``[offset, offset + length)`` of one part. Its index entry records
 ``max_abs``, the largest |value| of its decoded ``aux`` and ``final``: the loader checks every
 sample it reads against its entry (``load_problem``), so a corrupted part is refused, not trained
-on. This module is a dependency of every ``extract`` stage (a change here re-extracts) and of
+on. ``PartWriter`` writes the parts and the index entries; ``read_rows`` reads a sample back. This module is a dependency of every ``extract`` stage (a change here re-extracts) and of
 ``train``, which reads it.
 """
 
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -99,3 +102,83 @@ def read_rows(part, names: list[str], start: int, stop: int) -> dict[str, torch.
     """Rows ``[start, stop)`` of the named tensors of an open part (only those bytes are read)."""
     keys = set(part.keys())
     return {key: part.get_slice(key)[start:stop] for key in names if key in keys}
+
+
+# --- writing a shard (extract) ---------------------------------------------------------------------
+
+
+def encode_sample(ids: torch.Tensor, mask: list[int], aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """The tensors stored for one sample (``eagle3.storage`` format), hidden states still on their device."""
+    groups = aux.shape[1] // final.shape[1]
+    return {
+        "input_ids": ids.to(torch.int32),
+        "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+        **encode_states("aux", aux, dtype, groups),
+        **encode_states("final", final, dtype, 1),
+    }
+
+
+class PartWriter:
+    """Concatenates samples into safetensors parts of about ``part_bytes`` and indexes them.
+
+    A sample (``eagle3.extract.Sample``) brings ``id``, ``record`` (its line in records.jsonl, unique
+    in the shard), ``input_ids``, ``loss_mask`` and ``truncated``; its index entry is built here.
+
+    Parts are written by one background thread while the verifier runs the next batches (at 8B the
+    writes took as long as the forward). At most one part is being written while the next fills,
+    so host memory stays at about two parts. Use it as a context manager: leaving without an error
+    writes the rest and waits for it (raising a failed write's error); with one, it only waits.
+    """
+
+    def __init__(self, folder: Path, part_bytes: int):
+        self.folder, self.part_bytes = folder, part_bytes
+        self.pending: list[tuple[Any, dict[str, torch.Tensor], dict[str, float]]] = []
+        self.pending_bytes = 0
+        self.index: list[dict[str, Any]] = []
+        self.background = ThreadPoolExecutor(1, thread_name_prefix="part-writer")
+        self.writing: Future | None = None
+
+    def add(self, sample: Any, stored: dict[str, torch.Tensor], largest: dict[str, float]) -> None:
+        self.pending.append((sample, stored, largest))
+        self.pending_bytes += sum(t.nbytes for t in stored.values())
+        if self.pending_bytes >= self.part_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        name = f"part-{min(s.record for s, _, _ in self.pending):06d}.safetensors"  # records are unique across parts
+        offset = 0
+        for sample, _, largest in self.pending:
+            length = len(sample.input_ids)
+            self.index.append(
+                {"id": sample.id, "record": sample.record, "part": name, "offset": offset, "length": length,
+                 "masked": sum(sample.loss_mask), "truncated": sample.truncated, "max_abs": largest}
+            )
+            offset += length
+        self.wait()
+        self.writing = self.background.submit(write_part, self.folder / name, [stored for _, stored, _ in self.pending])
+        self.pending, self.pending_bytes = [], 0
+
+    def wait(self) -> None:
+        if self.writing is not None:
+            self.writing.result()  # re-raises a failed write here, in the extracting thread
+            self.writing = None
+
+    def __enter__(self) -> PartWriter:
+        return self
+
+    def __exit__(self, error_type, *_) -> None:
+        try:
+            if error_type is None:
+                self.flush()
+                self.wait()
+        finally:
+            self.background.shutdown()
+
+
+def write_part(path: Path, samples: list[dict[str, torch.Tensor]]) -> None:
+    """One safetensors part: each key's tensors of all ``samples`` concatenated along tokens."""
+    from safetensors.torch import save_file
+
+    save_file({key: torch.cat([stored[key] for stored in samples]) for key in samples[0]}, path)
