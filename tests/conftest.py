@@ -162,8 +162,10 @@ def make_project(tmp_path: Path, tiny_verifier_dir: Path):
     def build(*overrides: str, name: str = "project") -> Path:
         repo = tmp_path / name
         repo.mkdir()
-        shutil.copy(ROOT / "dvc.yaml", repo)
+        for file in ("dvc.yaml", ".dvcignore", ".gitignore"):
+            shutil.copy(ROOT / file, repo)
         shutil.copytree(ROOT / "conf", repo / "conf")
+        shutil.copytree(ROOT / "data" / "sources", repo / "data" / "sources")
         shutil.copytree(ROOT / "src", repo / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
         tiny = {"name": "tiny-random", "copy_weights": True, "trust_remote_code": False,
                 "source": {"kind": "random", "tokenizer": str(tiny_verifier_dir), "config": TINY_LLAMA,

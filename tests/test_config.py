@@ -1,12 +1,14 @@
 """Hydra composition of conf/ into params.yaml, the same way `dvc exp run -S` does it."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from eagle3.common import UserError
+from eagle3.common import USER_ERROR, UserError
 from eagle3.config import compose_params, shard_range, validate
 from eagle3.prompts import flat
 
@@ -74,3 +76,69 @@ def test_impossible_combinations_are_refused(tmp_path):
         validate(params)
     with pytest.raises(UserError, match="range"):
         shard_range("first")
+
+
+def test_params_command_validates_before_writing(tmp_path):
+    out = tmp_path / "params.yaml"
+    compose_params([], conf_dir=CONF, output=out)
+    good = out.read_bytes()
+    for override in ("model.aux_layers=[100,200,300]", "dataset.shards=[000000-000032,000040-001000]"):
+        with pytest.raises(UserError, match=r"params.yaml: (model.aux_layers|dataset.shards) = "):
+            compose_params([override], conf_dir=CONF, output=out)
+        assert out.read_bytes() == good, override
+    assert [p.name for p in tmp_path.iterdir()] == ["params.yaml"]  # no scratch left
+
+
+BAD = [
+    ("train.lr=-1", "params.yaml: train.lr = -1: must be a number > 0"),
+    ("evaluate.draft_tokens=0", "params.yaml: evaluate.draft_tokens = 0: must be an integer >= 1"),
+    ("model.aux_layers=[2,27,15]", "params.yaml: model.aux_layers [2, 27, 15] must be 3 ascending layer ids in [0, 30)"),
+    ("model.aux_layers=[2,15,30]", "params.yaml: model.aux_layers [2, 15, 30] must be 3 ascending layer ids in [0, 30)"),
+    ("dataset.shards=[000000-000032,000040-001000]",
+     "params.yaml: dataset.shards = ['000000-000032', '000040-001000']: must be contiguous ranges (one ends at 000032, "
+     "the next starts at 000040)"),
+    ("merge.max_tokens=4", "params.yaml: merge.max_tokens = 4: must be >= merge.min_tokens (8)"),
+    ("generate.top_p=0", "params.yaml: generate.top_p = 0: must be a number in (0, 1]"),
+    ("extract.dtype=float16", "params.yaml: extract.dtype = 'float16': must be one of ['bfloat16', 'float8_e4m3fn']"),
+    ("evaluate.sets=[heldout,mmlu]", "params.yaml: evaluate.sets = ['heldout', 'mmlu']: must be sets that dataset.eval_sets "
+     "builds (['heldout', 'humaneval', 'math'])"),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD, ids=[b[0].split("=")[0] for b in BAD])
+def test_a_bad_value_is_one_line_naming_key_value_and_what_is_allowed(tmp_path, override, message):
+    with pytest.raises(UserError) as caught:
+        compose(tmp_path, override)
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+def test_the_committed_params_are_valid():
+    validate(OmegaConf.load(ROOT / "params.yaml"))
+
+
+LAUNCH = ["-m", "eagle3.launch", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+          "--rdzv-endpoint", "localhost:0"]
+STAGES = [  # what `dvc exp run -S key=value` hands a stage: params.yaml with the bad value, unchecked
+    (["-m", "eagle3.prompts", "verifier", "out", "--sources", "sources"], "dataset.shards", ["000000-000032", "000040-001000"],
+     "dataset.shards = ['000000-000032', '000040-001000']: must be contiguous ranges (one ends at 000032, the next "
+     "starts at 000040)"),
+    (["-m", "eagle3.generate", "verifier", "prompts.jsonl", "out"], "generate.temperature", -1,
+     "generate.temperature = -1: must be a number >= 0"),
+    (["-m", "eagle3.extract", "verifier", "generated", "out"], "model.aux_layers", [2, 27, 15],
+     "model.aux_layers [2, 27, 15] must be 3 ascending layer ids in [0, L)"),
+    ([*LAUNCH, "-m", "eagle3.train", "verifier", "merged", "hidden", "out", "--checkpoints", "ckpt", "--live", "live"],
+     "train.lr", -1, "train.lr = -1: must be a number > 0"),
+    (["-m", "eagle3.evaluate", "verifier", "drafter", "prompts", "out"], "evaluate.draft_tokens", 0,
+     "evaluate.draft_tokens = 0: must be an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("argv,key,value,message", STAGES, ids=[s[1] for s in STAGES])
+def test_a_stage_refuses_a_bad_param_in_one_line_before_anything(tmp_path, argv, key, value, message):
+    params = OmegaConf.load(ROOT / "params.yaml")
+    OmegaConf.update(params, key, value)
+    OmegaConf.save(params, tmp_path / "params.yaml")
+    result = subprocess.run([sys.executable, *argv, "--params", "params.yaml"], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == USER_ERROR, result.stderr
+    assert result.stderr.splitlines() == [f"error: params.yaml: {message}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]  # nothing written

@@ -1,20 +1,27 @@
 """dvc.yaml declares every input a stage reads: code deps derived from imports, params from reads.
 
-A stage's code is the closure of the eagle3 modules its ``-m eagle3.<stage>`` imports (found
+A stage's code is the closure of the eagle3 modules its ``-m eagle3.<module>`` imports (found
 with ``ast``, so imports inside functions count too). Each of them must be a dep of the stage
 (a folder dep covers its files), and no ``src/`` dep may be stale, or editing it reruns the
 stage for nothing. The package ``__init__`` is no dep: it holds only the docstring and version.
+
+A stage reads params only through ``config.stage_params(PARAMS)``, which hands it the keys of its
+module's ``PARAMS`` and nothing else; ``PARAMS`` must equal the stage's ``params:`` in dvc.yaml.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
+import pytest
 import yaml
+from omegaconf.errors import ConfigAttributeError
 
 from conftest import ROOT
+from eagle3.config import stage_params
 
 SRC = ROOT / "src"
 
@@ -55,9 +62,14 @@ def code_closure(module: str) -> set[Path]:
     return seen - {SRC / "eagle3" / "__init__.py"}
 
 
-def stage_code(body: dict) -> set[Path]:
+def run_modules(body: dict) -> list[str]:
+    """The eagle3 modules a stage's cmd runs; the last one is the stage's own (before it: launchers)."""
     cmd = body["cmd"] if isinstance(body["cmd"], str) else " ".join(body["cmd"])
-    return {file for module in re.findall(r"-m\s+(eagle3[\w.]*)", cmd) for file in code_closure(module)}
+    return re.findall(r"-m\s+(eagle3[\w.]*)", cmd)
+
+
+def stage_code(body: dict) -> set[Path]:
+    return {file for module in run_modules(body) for file in code_closure(module)}
 
 
 def covered(file: Path, deps: list[str]) -> bool:
@@ -94,3 +106,27 @@ def test_package_init_holds_only_docstring_and_version():
     docstring, *rest = body
     assert isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant)
     assert [ast.unparse(node).split(" =")[0] for node in rest] == ["__version__"]
+
+
+def test_every_stage_reads_exactly_its_declared_params():
+    wrong = []
+    for name, body in stages().items():
+        module = run_modules(body)[-1]
+        reads, declared = set(importlib.import_module(module).PARAMS), set(body.get("params", []))
+        if reads != declared:
+            wrong.append(f"stage {name}: {module}.PARAMS {sorted(reads)} != dvc.yaml params {sorted(declared)}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_stage_cannot_read_an_undeclared_param():
+    params = stage_params(["seed", "dataset.shards"], ROOT / "params.yaml")
+    assert params.seed == 0 and list(params.dataset.shards) == ["000000-000032"]
+    with pytest.raises(ConfigAttributeError):
+        params.dataset.sources  # noqa: B018 (the read itself must fail)
+    with pytest.raises(ConfigAttributeError):
+        params.model  # noqa: B018
+
+
+def test_only_stage_params_reads_the_params_file():
+    readers = [path.name for path in (SRC / "eagle3").rglob("*.py") if "OmegaConf.load(" in path.read_text()]
+    assert readers == ["config.py"]

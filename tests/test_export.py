@@ -70,6 +70,10 @@ def test_round_trip_same_logits(exported):
     assert check_drafter(folder) == []
 
 
+def truncate(path, keep: float = 0.5):
+    path.write_bytes(path.read_bytes()[: int(path.stat().st_size * keep)])
+
+
 FAULTS = {
     "layers.0 instead of midlayer": (
         lambda f: edit_tensors(f, lambda t: {k.replace("midlayer.", "layers.0."): v for k, v in t.items()}), "layers.0.*"),
@@ -90,6 +94,7 @@ FAULTS = {
         "config.json: vllm would tap layers [2, 2, 1]"),  # vLLM's default taps of a 4-layer verifier
     "too small context": (lambda f: edit_json(f / "config.json", lambda c: c.update(max_position_embeddings=1024)), "max_position_embeddings 1024 <"),
     "taps beyond the verifier": (lambda f: edit_json(f / "meta.json", lambda m: m.update(aux_layers=[1, 2, 4])), "aux_layers [1, 2, 4] must be 3 ascending layer ids in [0, 4)"),
+    "truncated model.safetensors": (lambda f: truncate(f / "model.safetensors"), "not a readable safetensors file"),
     "not the engine architecture": (lambda f: edit_json(f / "config.json", lambda c: c.update(architectures=["LlamaForCausalLM"])), "architectures"),
 }
 
@@ -104,6 +109,18 @@ def test_check_drafter_catches(exported, fault, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli(["check-drafter", str(folder)])
     assert exit_.value.code == 1 and message in capsys.readouterr().out
+
+
+def test_truncated_weights_are_one_line_naming_the_file(exported, capsys):
+    _, folder = exported
+    truncate(folder / "model.safetensors")
+    with pytest.raises(SystemExit):
+        cli(["check-drafter", str(folder)])
+    out = capsys.readouterr()
+    assert out.out.splitlines() == [
+        f"{folder}: {folder / 'model.safetensors'}: not a readable safetensors file (Error while deserializing header: "
+        "incomplete metadata, file not fully covered); export it again (`dvc repro -f train`)"]
+    assert "Traceback" not in out.err
 
 
 def test_against_real_verifier_folder(tmp_path, tiny_verifier_dir, capsys):

@@ -13,7 +13,6 @@ from eagle3.common import UserError, read_jsonl, write_json, write_jsonl
 from eagle3.storage import PartWriter, dequantize_fp8, magnitudes, quantize_fp8, read_rows
 from eagle3.extract import ChatFormat, Sample, Settings, check_sample, extract_samples, extract_shard, prepare, render
 from eagle3.verifier import load_tokenizer, load_verifier, read_meta
-from eagle3.verifier_spec import VerifierSpec
 
 from conftest import project_params
 
@@ -58,7 +57,7 @@ def tiny_params(tiny_model_params, **extract):
 
 
 def smollm2_format(tokenizer) -> ChatFormat:
-    return ChatFormat.from_spec(VerifierSpec.from_params(project_params().model), tokenizer)
+    return ChatFormat.from_params(project_params().model, tokenizer)
 
 
 def masked_text(tokenizer, ids: list[int], mask: list[int]) -> str:
@@ -264,6 +263,17 @@ def test_preflight_refuses_before_loading_the_model(tmp_path, tiny_verifier_dir,
     monkeypatch.setattr("eagle3.extract.load_verifier", lambda *a, **k: pytest.fail("model loaded before the preflight"))
     with pytest.raises(UserError, match=r"extract: needs \d+\.\d\d MB, 0\.00 MB free on "):
         extract_shard(tiny_verifier_dir, generated, tmp_path / "out", tiny_params(tiny_model_params))
+    assert not (tmp_path / "out").exists()
+
+
+def test_taps_beyond_the_verifier_are_refused_before_loading_it(tmp_path, tiny_verifier_dir, tiny_model_params, monkeypatch):
+    generated = write_generated(tmp_path / "generated", [conversation(0)])
+    params = tiny_params(tiny_model_params)
+    params.model.aux_layers = [1, 2, 4]  # the tiny verifier has 4 layers: ids 0..3
+    monkeypatch.setattr("eagle3.extract.load_verifier", lambda *a, **k: pytest.fail("model loaded before the check"))
+    with pytest.raises(UserError) as caught:
+        extract_shard(tiny_verifier_dir, generated, tmp_path / "out", params)
+    assert str(caught.value) == f"params.yaml: model.aux_layers [1, 2, 4] must be 3 ascending layer ids in [0, 4) (the layers of {tiny_verifier_dir})"
     assert not (tmp_path / "out").exists()
 
 

@@ -5,17 +5,20 @@ Scale A, push; scale-up B reuses A's shard; a tapped-layer change C re-extracts 
 """
 
 import json
+import subprocess
+import sys
 
 import pytest
 import yaml
 
 from conftest import run
 from eagle3.config import compose_params
+from eagle3.s3 import ServerHome, stop
 from local_s3 import add_remote, cache_objects, file_hashes, local_s3, lock_objects  # noqa: F401
 
 TARGET = "extract"  # the stages up to the hidden states, the artifact gc is about
 # A small local prompt file instead of the 755 MB `evals` registry keeps the `prompts` stage quick.
-SOURCE = {"sources": [{"kind": "jsonl", "path": "prompts.jsonl"}], "heldout_fraction": 0.2,
+SOURCE = {"sources": [{"kind": "jsonl", "path": "data/sources/prompts.jsonl"}], "heldout_fraction": 0.2,
           "eval_sets": {"heldout": 1, "humaneval": 1, "math": 1}}
 SMALL = {"name": "small", "shards": ["000000-000006"], **SOURCE}
 BIGGER = {"name": "bigger", "shards": ["000000-000006", "000006-000009"], **SOURCE}
@@ -43,7 +46,7 @@ def test_push_invalidate_gc_and_restore(make_project, local_s3):
     for spec in (SMALL, BIGGER):
         (repo / "conf" / "dataset" / f"{spec['name']}.yaml").write_text(yaml.safe_dump({**demo, **spec}))
     prompts = [{"messages": [{"role": "user", "content": f"Name a fact about the number {i}."}]} for i in range(30)]
-    (repo / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    (repo / "data" / "sources" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
     add_remote(repo)
     local_s3(repo)
 
@@ -78,3 +81,23 @@ def test_push_invalidate_gc_and_restore(make_project, local_s3):
     assert "up to date" in run(["dvc", "status", TARGET], repo).stdout
     restored = file_hashes(repo, "data", "models")  # plus B's and C's second shard, untracked at A
     assert {path: restored.get(path) for path in a_files} == a_files
+
+
+def test_gc_with_the_s3_server_down_is_one_line_and_deletes_nothing(tmp_path, local_s3):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    run(["git", "init", "-q"], repo)
+    run(["dvc", "init", "-q"], repo)
+    (repo / "kept.txt").write_text("an artifact\n")
+    run(["dvc", "add", "-q", "kept.txt"], repo)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "kept"], repo)
+    add_remote(repo)
+    port = local_s3(repo)
+    stop(ServerHome(repo / ".eagle3" / "s3"))  # the server is down
+    before = cache_objects(repo)
+    result = subprocess.run([sys.executable, "-m", "eagle3.cli", "gc"], cwd=repo, capture_output=True, text=True)
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(f"error: remote 'local-s3' (http://127.0.0.1:{port}) cannot be asked for the kept "
+                                    "objects (EndpointConnectionError: Could not connect to the endpoint URL")
+    assert "nothing was deleted; start the server (`eagle3 s3 serve --background`" in result.stderr
+    assert cache_objects(repo) == before

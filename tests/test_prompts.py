@@ -192,9 +192,58 @@ def test_parquet_source(tmp_path, count_tokens):
 
 def test_stage_command_fails_cleanly_and_writes_nothing(tmp_path, tiny_verifier_dir):
     params = project_params()
-    params.dataset.sources = [{"kind": "jsonl", "path": str(tmp_path / "missing.jsonl")}]
+    params.dataset.sources = [{"kind": "jsonl", "path": str(tmp_path / "sources" / "missing.jsonl")}]
     (tmp_path / "params.yaml").write_text(OmegaConf.to_yaml(params))
     result = subprocess.run([sys.executable, "-m", "eagle3.prompts", str(tiny_verifier_dir), str(tmp_path / "out"),
-                             "--params", str(tmp_path / "params.yaml")], capture_output=True, text=True)
+                             "--sources", str(tmp_path / "sources"), "--params", str(tmp_path / "params.yaml")],
+                            capture_output=True, text=True)
     assert result.returncode == 2 and "missing.jsonl" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_record_without_a_prompt_is_named_with_file_and_line(tmp_path, count_tokens):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "fine"}\n\n{"text": "no prompt field"}\n')
+    with pytest.raises(UserError) as caught:
+        build_prompts(dataset({"kind": "jsonl", "path": str(path)}, ["000000-000001"]), 0, count_tokens)
+    assert str(caught.value).startswith(f"{path}:3: not a chat prompt; give a 'messages'")
+
+
+def test_an_empty_source_file_is_named(tmp_path, count_tokens):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    with pytest.raises(UserError, match=rf"^{path}: no records; add prompts to it or remove it from dataset.sources$"):
+        build_prompts(dataset({"kind": "jsonl", "path": str(path)}, ["000000-000001"]), 0, count_tokens)
+
+
+def write_source(path, topic: str, count: int = 12) -> None:
+    path.write_text("".join(json.dumps({"prompt": f"Tell me about {topic} number {i}."}) + "\n" for i in range(count)))
+
+
+@pytest.mark.slow
+def test_editing_a_prompt_file_under_data_sources_reruns_prompts(make_project):
+    repo = make_project("dataset.sources=[{kind:jsonl,path:data/sources/mine.jsonl}]", "dataset.shards=[000000-000008]")
+    source, shard = repo / "data" / "sources" / "mine.jsonl", repo / "data" / "prompts" / "shards" / "000000-000008.jsonl"
+    write_source(source, "rivers")
+    assert "Running stage 'prompts'" in run(["dvc", "repro", "prompts"], repo).stdout
+    before = shard.read_text()
+    assert "rivers" in before
+    assert "didn't change" in run(["dvc", "repro", "prompts"], repo).stdout
+    write_source(source, "mountains")  # every line rewritten
+    assert "Running stage 'prompts'" in run(["dvc", "repro", "prompts"], repo).stdout
+    assert "mountains" in shard.read_text()
+
+
+def test_a_prompt_file_outside_the_sources_folder_is_refused(tmp_path, tiny_verifier_dir):
+    params = project_params()
+    params.dataset.sources = [{"kind": "jsonl", "path": "prompts.jsonl"}]
+    (tmp_path / "params.yaml").write_text(OmegaConf.to_yaml(params))
+    write_source(tmp_path / "prompts.jsonl", "rivers")
+    result = subprocess.run([sys.executable, "-m", "eagle3.prompts", str(tiny_verifier_dir), "out", "--sources",
+                             "data/sources"], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "error: params.yaml: dataset.sources[0].path: prompts.jsonl is outside data/sources/, the folder whose edits "
+        "rerun `prompts`; move the file there and set the path to data/sources/prompts.jsonl "
+        "(a large file: `dvc add data/sources/prompts.jsonl`)"]
     assert not (tmp_path / "out").exists()

@@ -7,6 +7,7 @@ clear line naming the file and what to do. ``stage_main`` and ``atomic_dir`` giv
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import logging
@@ -24,9 +25,11 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 log = logging.getLogger("eagle3")
 
+USER_ERROR = 2  # exit status of a stage stopped by a UserError (already reported in one line)
+
 
 class UserError(Exception):
-    """Bad input or environment: printed as one line, exit status 2, no traceback."""
+    """Bad input or environment: printed as one line, exit status USER_ERROR, no traceback."""
 
 
 def setup_logging(level: int = logging.INFO) -> None:
@@ -40,14 +43,14 @@ def setup_logging(level: int = logging.INFO) -> None:
 
 
 def stage_main(fn: Callable[[list[str]], None]) -> None:
-    """Run a stage's ``main(argv)``; turn a UserError into one line and exit 2."""
+    """Run a stage's ``main(argv)``; turn a UserError into one line and exit USER_ERROR."""
     setup_logging()
     exit_with_launcher()
     try:
         fn(sys.argv[1:])
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(USER_ERROR)
 
 
 def exit_with_launcher(worker: bool = False, interval: float = 1.0) -> None:
@@ -109,24 +112,21 @@ def _watch_links(links: list[tuple[int, int]], interval: float) -> None:
                 os._exit(143)  # at once: the rerun owns the outputs now
 
 
-def load_params(path: str | os.PathLike = "params.yaml") -> DictConfig:
-    """The composed params (params.yaml), the single source of every stage's settings."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: not found; run from the repository root or compose it with `eagle3 params`")
-    return OmegaConf.load(path)
-
 
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary sibling folder that replaces ``final`` only if the block succeeds.
 
     On any exception the temporary folder is removed and ``final`` is left as it was, so DVC
-    never caches a half-written output.
+    never caches a half-written output. A sibling, so that the rename is atomic (same
+    filesystem); named ``.<name>.tmp-<pid>-*``, a pattern that .dvcignore and .gitignore list,
+    so one left by a killed run never enters a hash (e.g. merge's of data/hidden_states). Such
+    leftovers of ``final`` are deleted here, before writing.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    remove_stale_tmp(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; outputs are shared through the DVC cache
     try:
         yield tmp
@@ -138,6 +138,25 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     elif final.exists() or final.is_symlink():
         final.unlink()
     tmp.rename(final)
+
+
+def remove_stale_tmp(final: Path) -> None:
+    """Delete the temporary folders of ``final`` whose writing process is gone."""
+    for stale in final.parent.glob(f".{glob.escape(final.name)}.tmp-*"):
+        pid = stale.name.removeprefix(f".{final.name}.tmp-").split("-")[0]
+        if not (pid.isdigit() and _alive(int(pid))):
+            log.info("removing %s, left by a killed run", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -156,6 +175,12 @@ def read_json(path: str | os.PathLike) -> Any:
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
     """Records of a JSONL file; a malformed line is a UserError naming file and line."""
+    for _, record in numbered_jsonl(path):
+        yield record
+
+
+def numbered_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+    """(line number, record) of a JSONL file, blank lines skipped; as ``read_jsonl``."""
     path = Path(path)
     try:
         handle = path.open("rb")
@@ -171,7 +196,7 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
                 raise UserError(f"{path}:{number}: malformed JSON line ({err}); fix or remove it") from None
             if not isinstance(record, dict):
                 raise UserError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-            yield record
+            yield number, record
 
 
 def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> int:

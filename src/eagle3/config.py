@@ -1,55 +1,263 @@
-"""Params composition and the checks no YAML schema can express.
+"""Params: composition, the checks no YAML schema can express, and each stage's declared view.
 
 ``dvc exp run -S group=option`` composes ``conf/`` into ``params.yaml`` with Hydra; plain
 ``dvc repro`` reads the committed ``params.yaml``. ``eagle3 params -S ...`` composes it the same
-way (through DVC's own function) without running anything.
+way (through DVC's own function) without running anything, and writes it only once it is valid.
+
+A stage reads its params through ``stage_params(PARAMS)``: only the keys it declares (the same
+list as its ``params:`` in dvc.yaml, checked by a test), validated before it does anything else.
+Reading an undeclared key fails, so a stage cannot depend on a param DVC does not track, and a
+bad value set with ``dvc exp run -S`` stops the stage with the same one-line error as here.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from eagle3.common import UserError
-from eagle3.verifier_spec import VerifierSpec
+from eagle3.common import USER_ERROR, UserError
+from eagle3.verifier_spec import FINAL_STATES, tap_problem
 
 SHARD_NAME = re.compile(r"^(\d{6})-(\d{6})$")
+SOURCE_KINDS = ("evals", "jsonl", "parquet", "hf")
+STORAGE_DTYPES = ("bfloat16", "float8_e4m3fn")
+_ABSENT = object()
 
 
 def compose_params(overrides: list[str], conf_dir: str | Path = "conf", output: str | Path = "params.yaml") -> None:
-    """Compose ``conf/config.yaml`` with Hydra overrides into ``output``, exactly as DVC does."""
+    """Compose ``conf/config.yaml`` with Hydra overrides into ``output``, exactly as DVC does.
+
+    The composition goes to a temporary file beside ``output`` and replaces it only once valid.
+    """
     from hydra.errors import HydraException
     from dvc.utils.hydra import compose_and_dump
 
-    conf_dir = Path(conf_dir).resolve()
+    conf_dir, output = Path(conf_dir).resolve(), Path(output)
     if not (conf_dir / "config.yaml").is_file():
         raise UserError(f"{conf_dir}/config.yaml: not found")
+    handle, scratch = tempfile.mkstemp(prefix=f".{output.name}.tmp-", dir=output.parent)
+    os.close(handle)
     try:
-        compose_and_dump(Path(output), str(conf_dir), None, "config", str(conf_dir), list(overrides))
+        compose_and_dump(Path(scratch), str(conf_dir), None, "config", str(conf_dir), list(overrides))
+        validate(OmegaConf.load(scratch))
+        os.replace(scratch, output)
     except HydraException as err:
         first = str(err).strip().splitlines()[0]
         raise UserError(f"conf/: {first}") from None
-    validate(OmegaConf.load(output))
+    finally:
+        Path(scratch).unlink(missing_ok=True)
+
+
+def stage_params(keys: Iterable[str], path: str | os.PathLike = "params.yaml") -> DictConfig:
+    """The declared ``keys`` of the params file, validated; reading any other key raises.
+
+    Under torchrun every process validates the same values: only rank 0 prints the error.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: not found; run from the repository root or compose it with `eagle3 params`")
+    params, view = OmegaConf.load(path), OmegaConf.create()
+    for key in keys:
+        value = OmegaConf.select(params, key, default=_ABSENT)
+        if value is _ABSENT:
+            raise UserError(f"{path}: {key} is missing; recompose it with `eagle3 params`")
+        OmegaConf.update(view, key, value, force_add=True)
+    try:
+        validate(view)
+    except UserError:
+        if os.environ.get("RANK", "0") != "0":
+            raise SystemExit(USER_ERROR) from None
+        raise
+    OmegaConf.set_struct(view, True)
+    return view
 
 
 def shard_range(name: str) -> tuple[int, int]:
     """``"000032-001000"`` -> ``(32, 1000)``: a shard is a range of the seeded prompt order."""
-    match = SHARD_NAME.match(name)
+    match = SHARD_NAME.match(str(name))
     if not match or int(match[1]) >= int(match[2]):
         raise UserError(f"params.yaml: dataset.shards: {name!r} is not a range 'SSSSSS-EEEEEE' with start < end")
     return int(match[1]), int(match[2])
 
 
+# --- value checks: key -> (test, what is allowed) -------------------------------------------------
+
+
+def _int(low: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _number(low: float, high: float = float("inf"), open_low: bool = False) -> Callable[[Any], bool]:
+    def check(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and (v > low if open_low else v >= low) and v <= high
+
+    return check
+
+
+def _bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _one_of(*allowed: Any) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v in allowed), f"one of {list(allowed)}"
+
+
+POSITIVE = (_int(1), "an integer >= 1")
+NON_NEGATIVE = (_int(0), "an integer >= 0")
+BOOL = (_bool, "true or false")
+FRACTION = (_number(0, 1), "a number in [0, 1]")
+
+CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "seed": NON_NEGATIVE,
+    "dataset.heldout_fraction": FRACTION,
+    "dataset.max_prompt_tokens": POSITIVE,
+    "model.copy_weights": BOOL,
+    "model.trust_remote_code": BOOL,
+    "model.final_state": _one_of(*FINAL_STATES),
+    "layout.device": _one_of("cpu", "cuda"),
+    "layout.dtype": _one_of("float32", "bfloat16", "float16"),
+    "layout.extract_workers": POSITIVE,
+    "layout.train_procs": POSITIVE,
+    "layout.nnodes": POSITIVE,
+    "layout.threads": POSITIVE,
+    "generate.max_new_tokens": POSITIVE,
+    "generate.temperature": (_number(0), "a number >= 0"),
+    "generate.top_p": (_number(0, 1, open_low=True), "a number in (0, 1]"),
+    "generate.context": POSITIVE,
+    "generate.trust_remote_code": BOOL,
+    "backend.batch_size": POSITIVE,
+    "backend.batch_tokens": ((lambda v: v is None or _int(1)(v)), "an integer >= 1, or null for no token budget"),
+    "backend.pad_multiple": POSITIVE,
+    "backend.concurrency": POSITIVE,
+    "backend.timeout": (_number(0, open_low=True), "a number > 0"),
+    "backend.max_retries": NON_NEGATIVE,
+    "backend.backoff": (_number(0), "a number >= 0"),
+    "backend.backoff_max": (_number(0), "a number >= 0"),
+    "backend.port": ((lambda v: _int(1)(v) and v < 65536), "a port number in [1, 65535]"),
+    "backend.health_timeout": (_number(0, open_low=True), "a number > 0"),
+    "extract.dtype": _one_of(*STORAGE_DTYPES),
+    "extract.max_length": POSITIVE,
+    "extract.batch_tokens": POSITIVE,
+    "extract.part_bytes": POSITIVE,
+    "merge.val_fraction": ((lambda v: _number(0, 1)(v) and v < 1), "a number in [0, 1)"),
+    "merge.min_tokens": POSITIVE,
+    "merge.max_tokens": POSITIVE,
+    "merge.draft_vocab_size": POSITIVE,
+    "train.ttt_steps": POSITIVE,
+    "train.step_decay": (_number(0, 1, open_low=True), "a number in (0, 1]"),
+    "train.lr": (_number(0, open_low=True), "a number > 0"),
+    "train.min_lr_ratio": FRACTION,
+    "train.warmup_steps": NON_NEGATIVE,
+    "train.weight_decay": (_number(0), "a number >= 0"),
+    "train.epochs": POSITIVE,
+    "train.max_steps": (_int(0), "an integer >= 0 (0: run the epochs)"),
+    "train.batch_size": POSITIVE,
+    "train.pack_tokens": POSITIVE,
+    "train.freeze_lm_head": BOOL,
+    "train.grad_accum": POSITIVE,
+    "train.clip": (_number(0, open_low=True), "a number > 0"),
+    "train.log_every": POSITIVE,
+    "train.val_every": POSITIVE,
+    "train.checkpoint_every": POSITIVE,
+    "train.fsdp": BOOL,
+    "train.num_workers": NON_NEGATIVE,
+    "evaluate.draft_tokens": POSITIVE,
+    "evaluate.batch_size": POSITIVE,
+    "evaluate.max_new_tokens": POSITIVE,
+    "evaluate.max_prompts": ((lambda v: v is None or _int(1)(v)), "an integer >= 1, or null for all"),
+    "evaluate.baseline": BOOL,
+}
+
+
+def _get(params: DictConfig, key: str) -> Any:
+    value = OmegaConf.select(params, key, default=_ABSENT)
+    return OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value
+
+
+def _refuse(key: str, value: Any, allowed: str) -> UserError:
+    return UserError(f"params.yaml: {key} = {value!r}: must be {allowed}")
+
+
 def validate(params: DictConfig) -> None:
-    """Reject combinations that would fail hours later, naming the key to fix."""
-    starts = [shard_range(s) for s in params.dataset.shards]
-    for (_, stop), (start, _) in zip(starts, starts[1:]):
+    """Reject values and combinations that would fail hours later: one line with key, value, what is allowed.
+
+    Checks only the keys present, so a stage validates exactly the keys it declares.
+    """
+    for key, (ok, allowed) in CHECKS.items():
+        value = _get(params, key)
+        if value is not _ABSENT and not ok(value):
+            raise _refuse(key, value, allowed)
+    for check in (_check_shards, _check_sources, _check_eval_sets, _check_aux_layers, _check_relations):
+        check(params)
+
+
+def _check_shards(params: DictConfig) -> None:
+    shards = _get(params, "dataset.shards")
+    if shards is _ABSENT:
+        return
+    if not isinstance(shards, list) or not shards:
+        raise _refuse("dataset.shards", shards, "a non-empty list of ranges 'SSSSSS-EEEEEE'")
+    ranges = [shard_range(s) for s in shards]
+    if ranges[0][0] != 0:
+        raise _refuse("dataset.shards", shards, "contiguous ranges starting at 000000")
+    for (_, stop), (start, _) in zip(ranges, ranges[1:]):
         if start != stop:
-            raise UserError(f"params.yaml: dataset.shards must be contiguous; a shard ends at {stop}, the next starts at {start}")
-    if starts[0][0] != 0:
-        raise UserError("params.yaml: dataset.shards must start at 000000")
-    VerifierSpec.from_params(params.model)  # taps within model.num_layers, a supported final state
-    if params.layout.device == "cpu" and params.layout.dtype != "float32":
-        raise UserError("params.yaml: layout.dtype must be float32 on the CPU (bf16 is several times slower there)")
+            raise _refuse("dataset.shards", shards, f"contiguous ranges (one ends at {stop:06d}, the next starts at {start:06d})")
+
+
+def _check_sources(params: DictConfig) -> None:
+    sources = _get(params, "dataset.sources")
+    if sources is _ABSENT:
+        return
+    if not isinstance(sources, list) or not sources:
+        raise _refuse("dataset.sources", sources, "a non-empty list of {kind: ...} entries")
+    for index, spec in enumerate(sources):
+        kind = spec.get("kind") if isinstance(spec, dict) else None
+        if kind not in SOURCE_KINDS:
+            raise _refuse(f"dataset.sources[{index}].kind", kind, f"one of {list(SOURCE_KINDS)}")
+        if kind in ("jsonl", "parquet") and not spec.get("path"):
+            raise _refuse(f"dataset.sources[{index}].path", spec.get("path"), f"the path of the {kind} file")
+        if kind == "hf" and not spec.get("name"):
+            raise _refuse(f"dataset.sources[{index}].name", spec.get("name"), "a HF dataset name")
+
+
+def _check_eval_sets(params: DictConfig) -> None:
+    """Counts per eval set (which sets exist, the prompts stage knows), and sets of those to evaluate."""
+    sets = _get(params, "dataset.eval_sets")
+    if sets is not _ABSENT and (not isinstance(sets, dict) or not all(_int(0)(n) for n in sets.values())):
+        raise _refuse("dataset.eval_sets", sets, "a mapping of eval set names to prompt counts >= 0")
+    chosen = _get(params, "evaluate.sets")
+    if chosen is not _ABSENT and (not isinstance(chosen, list) or not chosen):
+        raise _refuse("evaluate.sets", chosen, "a non-empty list of eval set names")
+    if _ABSENT not in (sets, chosen) and set(chosen) - set(sets):
+        raise _refuse("evaluate.sets", chosen, f"sets that dataset.eval_sets builds ({sorted(sets)})")
+
+
+def _check_aux_layers(params: DictConfig) -> None:
+    """The taps, within model.num_layers when the view has it (extract checks the verifier's own count)."""
+    layers, num_layers = _get(params, "model.aux_layers"), _get(params, "model.num_layers")
+    if layers is _ABSENT:
+        return
+    if not isinstance(layers, list) or not all(_int(0)(k) for k in layers):
+        raise _refuse("model.aux_layers", layers, "a list of layer ids")
+    problem = tap_problem(layers, num_layers if _int(1)(num_layers) else 0)
+    if problem:
+        raise UserError(f"params.yaml: model.{problem}")
+
+
+def _check_relations(params: DictConfig) -> None:
+    device, dtype = _get(params, "layout.device"), _get(params, "layout.dtype")
+    if device == "cpu" and dtype not in (_ABSENT, "float32"):
+        raise _refuse("layout.dtype", dtype, "float32 on the CPU (bf16 is several times slower there)")
+    context, new = _get(params, "generate.context"), _get(params, "generate.max_new_tokens")
+    if _ABSENT not in (context, new) and context <= new:
+        raise _refuse("generate.context", context, f"larger than generate.max_new_tokens ({new})")
+    low, high = _get(params, "merge.min_tokens"), _get(params, "merge.max_tokens")
+    if _ABSENT not in (low, high) and high < low:
+        raise _refuse("merge.max_tokens", high, f">= merge.min_tokens ({low})")

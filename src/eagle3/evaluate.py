@@ -39,13 +39,16 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from eagle3.common import UserError, atomic_dir, load_params, read_json, read_jsonl, stage_main
+from eagle3.common import UserError, atomic_dir, read_json, read_jsonl, stage_main
+from eagle3.config import stage_params
 from eagle3.export import check_drafter, load_drafter
 from eagle3.speculative import EagleProposer, TreeShape, most_frequent, ngram, prefill, replay, speculative_decode
 from eagle3.verifier import eos_token_ids, load_tokenizer, load_verifier, prompt_ids, read_meta
 from eagle3.verifier_spec import require_verifier
 
 log = logging.getLogger(__name__)
+
+PARAMS = ("evaluate", "layout.device", "layout.dtype", "layout.threads", "model.trust_remote_code")  # = dvc.yaml
 
 WARMUP_TOKENS = 4  # a short untimed decode of each kind first, so one-off setup costs are not timed
 
@@ -70,21 +73,14 @@ class Settings:
     def from_params(cls, params: DictConfig) -> Settings:
         cfg, layout = params.evaluate, params.layout
         tree = cfg.tree
-        settings = cls(
+        settings = cls(  # values validated by config.validate, but for the tree's shape
             int(cfg.draft_tokens), None if tree is None else TreeShape(int(tree.num_steps), int(tree.topk), int(tree.num_draft_tokens)),
             int(cfg.batch_size), int(cfg.max_new_tokens), tuple(cfg.sets),
             None if cfg.max_prompts is None else int(cfg.max_prompts), bool(cfg.baseline),
             str(layout.device), str(layout.dtype), int(layout.threads), bool(params.model.trust_remote_code),
         )
-        for key in ("draft_tokens", "batch_size", "max_new_tokens"):
-            if getattr(settings, key) < 1:
-                raise UserError(f"params.yaml: evaluate.{key} must be >= 1, got {getattr(settings, key)}")
         for problem in settings.tree.problems() if settings.tree else ():
             raise UserError(f"params.yaml: evaluate.tree: {problem}")
-        if not settings.sets:
-            raise UserError("params.yaml: evaluate.sets is empty; name at least one eval set (heldout, humaneval)")
-        if settings.max_prompts is not None and settings.max_prompts < 1:
-            raise UserError(f"params.yaml: evaluate.max_prompts must be >= 1 or null, got {settings.max_prompts}")
         return settings
 
     def methods(self) -> dict[str, TreeShape | None]:
@@ -272,7 +268,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    settings = Settings.from_params(load_params(args.params))
+    settings = Settings.from_params(stage_params(PARAMS, args.params))
     check_pair(args.verifier, args.drafter, args.prompts)
     eval_sets = load_eval_sets(args.prompts, settings.sets, settings.max_prompts)
 

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from eagle3.common import read_json, write_json
+from eagle3.common import UserError, read_json, write_json
 from eagle3.model import DraftConfig, Eagle3Drafter
 from eagle3.verifier_spec import tap_problem, text_config, verifier_mismatch
 
@@ -211,7 +212,7 @@ def load_drafter(folder: str | Path, embed_tokens: torch.Tensor) -> Eagle3Drafte
     meta = read_json(folder / "meta.json")
     cfg = config_from_export(read_json(folder / "config.json"), meta["aux_layers"])
     drafter = Eagle3Drafter(cfg, embed_tokens)
-    tensors = load_file(folder / "model.safetensors")
+    tensors = read_tensors(folder / "model.safetensors")
     module_names = {exported: name for name, exported in EXPORT_NAMES.items()}
     state = {module_names.get(name, name): tensor for name, tensor in tensors.items()}
     drafter.load_state_dict(state, strict=True)
@@ -329,8 +330,19 @@ def check_drafter(folder: str | Path, verifier_folder: str | Path | None = None)
         cfg = config_from_export(config, meta.get("aux_layers") or ())
     except ValueError as err:
         return problems + [f"config.json: {err}"]
-    tensors = load_file(folder / "model.safetensors")
+    try:
+        tensors = read_tensors(folder / "model.safetensors")
+    except UserError as err:
+        return problems + [str(err)]
     return problems + check_tensors(tensors, cfg) + check_vocab(tensors, cfg)
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file; a truncated or corrupt one is a UserError naming it."""
+    try:
+        return load_file(path)
+    except SafetensorError as err:
+        raise UserError(f"{path}: not a readable safetensors file ({err}); export it again (`dvc repro -f train`)") from None
 
 
 def rewrite_config(folder: str | Path) -> Path:

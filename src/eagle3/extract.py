@@ -38,14 +38,19 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from eagle3.common import (
-    UserError, atomic_dir, exit_with_launcher, load_params, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl,
-)
-from eagle3.storage import STORAGE_DTYPES, PartWriter, encode_sample, magnitudes
+from eagle3.common import UserError, atomic_dir, exit_with_launcher, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl
+from eagle3.config import stage_params
+from eagle3.storage import PartWriter, encode_sample, magnitudes
 from eagle3.verifier import load_tokenizer, load_verifier, read_meta
-from eagle3.verifier_spec import VerifierSpec, require_verifier, tap_problem, tapped_features
+from eagle3.verifier_spec import require_verifier, tap_problem, tapped_features
 
 log = logging.getLogger(__name__)
+
+# = dvc.yaml. The layout too: device and dtype change the stored states, and so can the batch
+# composition that workers and threads change (rounding); a layout change re-extracts.
+PARAMS = ("extract", "model.aux_layers", "model.final_state", "model.chat_template", "model.reasoning_format",
+          "model.end_of_turn", "model.trust_remote_code", "layout.device", "layout.dtype", "layout.extract_workers",
+          "layout.threads")
 
 DISK_FREE_ENV = "EAGLE3_DISK_FREE_BYTES"  # overrides the measured free space (tests, quotas)
 INDEX_BYTES_PER_SAMPLE = 256  # index.jsonl line + share of a part header
@@ -59,20 +64,21 @@ class RenderError(ValueError):
 
 @dataclass(frozen=True)
 class ChatFormat:
-    """How a conversation becomes tokens and which tokens are the answer (from the verifier spec)."""
+    """How a conversation becomes tokens and which tokens are the answer (from params ``model``)."""
 
     chat_template: str | None  # Jinja template; None: the tokenizer's own
     reasoning_format: str  # "template": the template renders reasoning_content; else a prefix with {reasoning}
     end_of_turn: str  # the marker closing the answer (masked: the drafter must predict it)
 
     @classmethod
-    def from_spec(cls, spec: VerifierSpec, tokenizer) -> ChatFormat:
-        return cls(spec.chat_template, spec.reasoning_format, spec.end_of_turn or tokenizer.eos_token)
+    def from_params(cls, model: DictConfig, tokenizer) -> ChatFormat:
+        """Reads only the three keys extract declares (not the whole spec: a draft_head change must not re-extract)."""
+        return cls(model.chat_template, model.reasoning_format, model.end_of_turn or tokenizer.eos_token)
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What ``extract`` reads from params: its section, the taps, and the layout (hardware only)."""
+    """What ``extract`` reads from params: its section, the taps, and the layout."""
 
     aux_layers: tuple[int, ...]  # model.aux_layers: HF hidden_states indices, ascending
     dtype: str  # extract.dtype: storage dtype, bfloat16 | float8_e4m3fn
@@ -86,13 +92,9 @@ class Settings:
 
     @classmethod
     def from_params(cls, params: DictConfig) -> Settings:
-        extract, layout = params.extract, params.layout
-        if extract.dtype not in STORAGE_DTYPES:
-            raise UserError(f"params.yaml: extract.dtype {extract.dtype!r} is not one of {list(STORAGE_DTYPES)}")
-        if min(extract.max_length, extract.batch_tokens, extract.part_bytes) <= 0:
-            raise UserError("params.yaml: extract.max_length, batch_tokens and part_bytes must be positive")
+        extract, layout = params.extract, params.layout  # values validated by config.validate
         return cls(
-            VerifierSpec.from_params(params.model).aux_layers, extract.dtype, int(extract.max_length), int(extract.batch_tokens),
+            tuple(params.model.aux_layers), extract.dtype, int(extract.max_length), int(extract.batch_tokens),
             int(extract.part_bytes), layout.device, layout.dtype, int(layout.extract_workers), int(layout.threads),
         )
 
@@ -412,7 +414,7 @@ def extract_shard(verifier: Path, generated: Path, out: Path, params: DictConfig
     fingerprint = verifier_meta["fingerprint"]["id"]
     check_generated(generated, fingerprint)
     tokenizer = load_tokenizer(verifier, trust)
-    fmt = ChatFormat.from_spec(VerifierSpec.from_params(params.model), tokenizer)
+    fmt = ChatFormat.from_params(params.model, tokenizer)
     records = list(read_jsonl(generated / "records.jsonl"))
     samples, rejected = prepare(records, tokenizer, fmt, settings.max_length)
     if not samples:
@@ -465,7 +467,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("out", type=Path, help="output folder, e.g. data/hidden_states/000000-000032")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
-    extract_shard(args.verifier, args.generated, args.out, load_params(args.params))
+    extract_shard(args.verifier, args.generated, args.out, stage_params(PARAMS, args.params))
 
 
 if __name__ == "__main__":

@@ -151,9 +151,24 @@ def absent(repo: Repo, refs: list[Ref], remote: str | None) -> list[Ref]:
     missing = []
     for name in {ref.oid.name for ref in refs}:
         group = [ref for ref in refs if ref.oid.name == name]
-        present = set(remote_odb(repo, group[0].oid, remote).oids_exist([ref.oid.value for ref in group]))
+        odb = remote_odb(repo, group[0].oid, remote)
+        try:
+            present = set(odb.oids_exist([ref.oid.value for ref in group]))
+        except Exception as err:  # transport and auth errors come in many types (aiohttp, botocore, s3fs, ...)
+            raise UserError(unreachable(repo, remote, err)) from None
         missing += [ref for ref in group if ref.oid.value not in present]
     return missing
+
+
+def unreachable(repo: Repo, remote: str | None, err: Exception) -> str:
+    """One line: which remote could not be asked, why, and what to do."""
+    name = remote or repo.config["core"].get("remote")
+    settings = repo.config["remote"].get(name, {})
+    where = settings.get("endpointurl") or settings.get("url")
+    reason = (str(err).strip().splitlines() or [""])[0]
+    return (f"remote {name!r} ({where}) cannot be asked for the kept objects ({type(err).__name__}: {reason}); "
+            "nothing was deleted; start the server (`eagle3 s3 serve --background` for the local one) or fix the "
+            "remote's settings, then run `eagle3 gc` again")
 
 
 def push_command(repo: Repo, refs: list[Ref], remote: str | None) -> str:
@@ -206,6 +221,7 @@ def run_gc(args: argparse.Namespace) -> None:
 
     for name in ("dvc", "dvc_objects", "dvc_data"):  # DVC's own console handlers print these once already
         logging.getLogger(name).propagate = False
+    logging.getLogger("aiobotocore").setLevel(logging.WARNING)  # "Found credentials in ..." on every run
     with Repo() as repo, lock_repo(repo):  # held from the check to the deletion: no dvc command in between
         verdict = check(repo, expand_ranges(repo, args.rev), args.all_commits, args.remote)
         problem = refusal(repo, verdict, args.remote)

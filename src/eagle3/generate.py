@@ -36,10 +36,13 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from eagle3.backends import Answer, Backend, Failure, Request, has_surrogates, make_backend
-from eagle3.common import UserError, atomic_dir, load_params, sha256_file, stable_hash, stage_main, to_plain, write_json, write_jsonl
+from eagle3.common import UserError, atomic_dir, sha256_file, stable_hash, stage_main, to_plain, write_json, write_jsonl
+from eagle3.config import stage_params
 from eagle3.verifier import load_tokenizer, prompt_ids, read_meta
 
 log = logging.getLogger(__name__)
+
+PARAMS = ("generate", "backend")  # = dvc.yaml
 
 # Backend keys that change how answers are fetched, not what they are: a new server URL or a
 # higher concurrency after a crash still resumes from the journal, and gives the same output bytes.
@@ -327,7 +330,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--journal-dir", type=Path, default=Path(".eagle3/journal/generate"))
     args = parser.parse_args(argv)
-    run_stage(args.verifier, args.prompts, args.out, load_params(args.params), args.journal_dir, args.metrics)
+    run_stage(args.verifier, args.prompts, args.out, stage_params(PARAMS, args.params), args.journal_dir, args.metrics)
 
 
 if __name__ == "__main__":

@@ -33,11 +33,14 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from eagle3.common import UserError, atomic_dir, load_params, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl
+from eagle3.common import UserError, atomic_dir, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl
+from eagle3.config import stage_params
 from eagle3.verifier import read_meta
 from eagle3.verifier_spec import require_verifier
 
 log = logging.getLogger(__name__)
+
+PARAMS = ("seed", "dataset.shards", "merge")  # = dvc.yaml
 
 SHARD_KEYS = ("aux_layers", "hidden_size", "vocab_size", "layer_convention", "final_state")  # equal across shards
 
@@ -236,7 +239,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("metrics", type=Path, help="dvclive folder for the statistics, e.g. metrics/merge")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
-    merge(args.verifier, args.hidden_states, args.out, args.metrics, load_params(args.params))
+    merge(args.verifier, args.hidden_states, args.out, args.metrics, stage_params(PARAMS, args.params))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import hashlib
 import json
 import heapq
 import logging
+import os
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -32,25 +33,26 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
 from eagle3.common import (
     UserError,
     atomic_dir,
-    load_params,
-    read_jsonl,
+    numbered_jsonl,
     stable_hash,
     stage_main,
     to_plain,
     write_json,
     write_jsonl,
 )
-from eagle3.config import shard_range
+from eagle3.config import shard_range, stage_params
 from eagle3.verifier import load_tokenizer, package_file, prompt_ids, read_meta
 
 log = logging.getLogger(__name__)
 
+PARAMS = ("seed", "dataset.shards", "dataset.sources", "dataset.eval_sets", "dataset.heldout_fraction",
+          "dataset.max_prompt_tokens", "model.trust_remote_code")  # = dvc.yaml
 ROLES = {"system", "user", "assistant"}
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 
@@ -151,20 +153,49 @@ def evals_candidates(spec: DictConfig, seed: int, where: str) -> Iterator[Candid
         yield candidate
 
 
-def file_records(spec: DictConfig, where: str) -> Iterator[dict]:
-    path = Path(str(spec.get("path", "")))
+def check_local_sources(sources: ListConfig, folder: Path) -> None:
+    """Refuse a prompt file outside ``folder`` (a dep of the stage: DVC sees edits only there)."""
+    for index, spec in enumerate(sources):
+        if spec.kind not in ("jsonl", "parquet"):
+            continue
+        path = Path(str(spec.path))
+        if not os.path.abspath(path).startswith(os.path.abspath(folder) + os.sep):
+            raise UserError(
+                f"params.yaml: dataset.sources[{index}].path: {path} is outside {folder}/, the folder whose edits "
+                f"rerun `prompts`; move the file there and set the path to {folder / path.name} "
+                f"(a large file: `dvc add {folder / path.name}`)"
+            )
+
+
+def file_records(spec: DictConfig) -> Iterator[dict]:
+    """The records of a local JSONL or Parquet file, each a chat prompt: else the file and line are named."""
+    path = Path(str(spec.path))
     if not path.is_file():
-        raise UserError(f"{where}.path: {path} not found or not a file")
+        raise UserError(f"{path}: not found or not a file; check dataset.sources")
     if spec.kind == "jsonl":
-        yield from read_jsonl(path)
-        return
+        numbered = ((f"{path}:{number}", record) for number, record in numbered_jsonl(path))
+    else:
+        numbered = ((f"{path}: row {number}", record) for number, record in enumerate(parquet_rows(path), start=1))
+    empty = True
+    for place, record in numbered:
+        if to_messages(record) is None:
+            raise UserError(
+                f"{place}: not a chat prompt; give a 'messages' (or 'conversations') list of {{role, content}} "
+                "turns ending with a user turn, or a 'prompt' string"
+            )
+        empty = False
+        yield record
+    if empty:
+        raise UserError(f"{path}: no records; add prompts to it or remove it from dataset.sources")
+
+
+def parquet_rows(path: Path) -> list[dict]:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        return pq.read_table(path).to_pylist()
     except Exception as err:  # pyarrow raises many types for unreadable files
         raise UserError(f"{path}: not a readable Parquet file ({err})") from None
-    yield from table.to_pylist()
 
 
 def hf_records(spec: DictConfig, where: str) -> Iterator[dict]:
@@ -196,7 +227,7 @@ def source_candidates(spec: DictConfig, index: int, seed: int) -> Iterator[Candi
     if spec.kind == "evals":
         return evals_candidates(spec, seed, where)
     if spec.kind in ("jsonl", "parquet"):
-        records = memory_candidates(file_records(spec, where), str(spec.path), seed)
+        records = memory_candidates(file_records(spec), str(spec.path), seed)
     elif spec.kind == "hf":
         records = memory_candidates(hf_records(spec, where), f"hf/{spec.name}", seed)
     else:
@@ -442,10 +473,12 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle3.prompts", description="build prompt shards and eval sets")
     parser.add_argument("verifier", type=Path, help="verifier folder (its tokenizer measures prompt length)")
     parser.add_argument("out", type=Path, help="output folder, e.g. data/prompts")
+    parser.add_argument("--sources", type=Path, required=True, help="the folder of local prompt files, e.g. data/sources")
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--metrics", type=Path, help="also write the statistics here (a DVC metric: source shares)")
     args = parser.parse_args(argv)
-    params = load_params(args.params)
+    params = stage_params(PARAMS, args.params)
+    check_local_sources(params.dataset.sources, args.sources)
     count_tokens = PromptCounter(load_tokenizer(args.verifier, bool(params.model.trust_remote_code)))
     shards, evals, stats = build_prompts(params.dataset, int(params.seed), count_tokens)
     meta: dict[str, Any] = {

@@ -24,8 +24,7 @@ from typing import Any
 import torch
 
 from eagle3.common import UserError
-
-STORAGE_DTYPES = ("bfloat16", "float8_e4m3fn")
+from eagle3.config import STORAGE_DTYPES
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
 

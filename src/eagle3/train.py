@@ -45,14 +45,17 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
 from eagle3 import parallel
-from eagle3.common import UserError, atomic_dir, load_params, read_json, sha256_file, stable_hash, stage_main, to_plain, write_json
+from eagle3.common import UserError, atomic_dir, read_json, sha256_file, stable_hash, stage_main, to_plain, write_json
+from eagle3.config import stage_params
 from eagle3.export import check_drafter, verifier_facts, write_drafter
 from eagle3.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
 from eagle3.model import DraftConfig, Eagle3Drafter
 from eagle3.parallel import World
-from eagle3.verifier_spec import VERIFIER_TENSORS, VerifierSpec, require_verifier, text_config
+from eagle3.verifier_spec import VERIFIER_TENSORS, require_verifier, text_config
 
 log = logging.getLogger(__name__)
+
+PARAMS = ("seed", "train", "model.draft_head")  # = dvc.yaml
 
 TRAINING_CODE = ("train.py", "loss.py", "model.py", "parallel.py", "data.py", "storage.py", "verifier_spec.py")  # what changes the weights
 CLOCK_METRICS = ("tokens_per_s",)  # logged to dvclive and the log, never written into models/drafter
@@ -90,13 +93,7 @@ class TrainConfig:
             raise UserError(f"params.yaml: train: unknown key(s) {sorted(set(values) - known)}; known: {sorted(known)}")
         if known - set(values):
             raise UserError(f"params.yaml: train: missing key(s) {sorted(known - set(values))}; see conf/train/default.yaml")
-        cfg = cls(**values)
-        for name in ("ttt_steps", "batch_size", "pack_tokens", "grad_accum", "log_every", "val_every", "checkpoint_every"):
-            if getattr(cfg, name) < 1:
-                raise UserError(f"params.yaml: train.{name} must be >= 1, got {getattr(cfg, name)}")
-        if cfg.max_steps < 0 or cfg.epochs < 1 or cfg.lr <= 0 or not 0 <= cfg.min_lr_ratio <= 1:
-            raise UserError("params.yaml: train needs max_steps >= 0, epochs >= 1, lr > 0 and 0 <= min_lr_ratio <= 1")
-        return cfg
+        return cls(**values)  # values validated by config.validate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -577,7 +574,7 @@ def train(args: argparse.Namespace, params, world: World) -> dict[str, Any]:
     train_set, val_set, meta, d2t = open_data(args.merged, args.hidden_states, fingerprint)
     config, tensors = verifier_parts(args.verifier)
     try:
-        draft = DraftConfig.from_verifier(config, len(d2t), meta["aux_layers"], VerifierSpec.from_params(params.model).draft_head)
+        draft = DraftConfig.from_verifier(config, len(d2t), meta["aux_layers"], to_plain(params.model.draft_head) or {})
     except ValueError as err:
         raise UserError(f"params.yaml: model.draft_head: {err}") from None
     dtype = torch.bfloat16 if world.device.type == "cuda" else torch.float32
@@ -622,11 +619,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads per process (0: torch's default)")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
+    params = stage_params(PARAMS, args.params)  # before anything starts
     if args.threads:
         torch.set_num_threads(args.threads)
     world = parallel.init_world(args.device)
     try:
-        train(args, load_params(args.params), world)
+        train(args, params, world)
     finally:
         parallel.close_world(world)
 

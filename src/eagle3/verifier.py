@@ -30,7 +30,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig
 
-from eagle3.common import UserError, atomic_dir, load_params, read_json, sha256_file, stage_main, to_plain, write_json
+from eagle3.common import UserError, atomic_dir, read_json, sha256_file, stage_main, to_plain, write_json
+from eagle3.config import stage_params
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 SMALL_FILE_LIMIT = 64 << 20  # config/tokenizer files are hashed whole; weights are sampled when referenced
 DTYPES = {"float32", "bfloat16", "float16"}
 SPLIT_NAME = re.compile(r"-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp's gguf-split file names
+PARAMS = ("model.name", "model.source", "model.copy_weights", "model.chat_template",  # = dvc.yaml
+          "model.trust_remote_code")
 
 
 def package_file(package: str, file: str, field: str = "model.source") -> Path:
@@ -326,7 +329,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("out", type=Path, help="output folder, e.g. models/verifier")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
-    import_verifier(load_params(args.params).model, args.out)
+    import_verifier(stage_params(PARAMS, args.params).model, args.out)
 
 
 if __name__ == "__main__":
