@@ -82,9 +82,10 @@ def family_params(tmp: Path, family: str) -> Path:
         vocab_size=config["vocab_size"], max_position_embeddings=config["max_position_embeddings"], aux_layers=[1, 2, 3],
         source={"kind": "random", "tokenizer": str(tmp / "tokenizer"), "config": config, "seed": 0, "dtype": "float32"},
     )
-    write_jsonl(tmp / "questions.jsonl", [{"prompt": q + tail} for q in QUESTIONS for tail in ("", " Be brief.")])
+    (tmp / "data" / "sources").mkdir(parents=True)
+    write_jsonl(tmp / "data" / "sources" / "questions.jsonl", [{"prompt": q + tail} for q in QUESTIONS for tail in ("", " Be brief.")])
     params.dataset.update(name="families", num_prompts=12, shards=["000000-000012"], eval_sets={"heldout": 3},
-                          sources=[{"kind": "jsonl", "path": str(tmp / "questions.jsonl")}], heldout_fraction=0.25)
+                          sources=[{"kind": "jsonl", "path": str(tmp / "data" / "sources" / "questions.jsonl")}], heldout_fraction=0.25)
     OmegaConf.save(params, path)
     return path
 
@@ -96,7 +97,7 @@ def run_pipeline(tmp: Path, params: Path) -> dict[str, float]:
     generated, states = tmp / "data" / "generated" / shard, tmp / "data" / "hidden_states"
     steps = {
         "verifier": lambda: import_verifier(OmegaConf.load(params).model, verifier),
-        "prompts": lambda: prompts.main([str(verifier), str(prompts_dir), *p]),
+        "prompts": lambda: prompts.main([str(verifier), str(prompts_dir), "--sources", str(tmp / "data" / "sources"), *p]),
         "generate": lambda: generate.main([str(verifier), str(prompts_dir / "shards" / f"{shard}.jsonl"), str(generated),
                                            "--journal-dir", str(tmp / "journal"), *p]),
         "extract": lambda: extract.main([str(verifier), str(generated), str(states / shard), *p]),
