@@ -61,6 +61,14 @@ def test_data_plan_worked_example():
     assert [len(r) for r in collate([Items.item(n) for n in (3, 3, 2)], 6, 2)["position_ids"]] == [6, 6]
 
 
+def test_a_frozen_random_head_is_refused():
+    from eagle3.config import validate
+
+    with pytest.raises(UserError, match="train.freeze_lm_head = True: must be false unless train.lm_head_init is verifier"):
+        validate(OmegaConf.create({"train": {**OmegaConf.to_container(DEBUG), "lm_head_init": "random", "freeze_lm_head": True}}))
+    validate(OmegaConf.create({"train": {**OmegaConf.to_container(DEBUG), "lm_head_init": "verifier", "freeze_lm_head": True}}))
+
+
 def test_lr_factor_worked_example():
     assert [round(lr_factor(s, 2, 6, 0.1), 3) for s in (0, 1, 2, 4, 6)] == [0.5, 1.0, 1.0, 0.55, 0.1]
 
@@ -347,8 +355,9 @@ def test_sigkill_of_the_launcher_ends_torchrun_workers(tiny_data, tiny_verifier_
 def test_two_processes_equal_one(tiny_data, tiny_verifier_dir):
     """torchrun --nproc-per-node 2 (gloo, batch 2 each) == one process (batch 4), same global batches."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    one = stage_params(tiny_data / "one.yaml", batch_size=4, max_steps=3)
-    two = stage_params(tiny_data / "two.yaml", batch_size=2, max_steps=3)
+    head = {"lm_head_init": "verifier", "freeze_lm_head": True}
+    one = stage_params(tiny_data / "one.yaml", batch_size=4, max_steps=3, **head)
+    two = stage_params(tiny_data / "two.yaml", batch_size=2, max_steps=3, **head)
     run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eagle3.train",
                             *stage_args(tiny_data, tiny_verifier_dir, "two", two), "--threads", "1"],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -159,6 +159,7 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.max_steps": (_int(0), "an integer >= 0 (0: run the epochs)"),
     "train.batch_size": POSITIVE,
     "train.pack_tokens": POSITIVE,
+    "train.lm_head_init": _one_of("random", "verifier"),
     "train.freeze_lm_head": BOOL,
     "train.grad_accum": POSITIVE,
     "train.clip": (_number(0, open_low=True), "a number > 0"),
@@ -261,3 +262,5 @@ def _check_relations(params: DictConfig) -> None:
     low, high = _get(params, "merge.min_tokens"), _get(params, "merge.max_tokens")
     if _ABSENT not in (low, high) and high < low:
         raise _refuse("merge.max_tokens", high, f">= merge.min_tokens ({low})")
+    if _get(params, "train.freeze_lm_head") is True and _get(params, "train.lm_head_init") != "verifier":
+        raise _refuse("train.freeze_lm_head", True, "false unless train.lm_head_init is verifier (it keeps the lm_head at its start)")

@@ -76,7 +76,8 @@ class TrainConfig:
     max_steps: int  # optimizer steps to run; 0: from epochs
     batch_size: int  # packed rows per micro-batch, per process
     pack_tokens: int  # tokens per packed row; at least the longest sample
-    freeze_lm_head: bool  # keep the lm_head at the verifier's rows of the draft vocabulary
+    lm_head_init: str  # random, or verifier: its lm_head rows of the draft vocabulary (and final norm)
+    freeze_lm_head: bool  # keep the lm_head at its verifier start
     grad_accum: int  # micro-batches per optimizer step, per process
     clip: float  # max global gradient norm
     log_every: int  # optimizer steps between train metric lines (the only host syncs)
@@ -581,7 +582,8 @@ def train(args: argparse.Namespace, params, world: World) -> dict[str, Any]:
     torch.manual_seed(seed)  # the same initial weights on every process
     drafter = Eagle3Drafter(draft, tensors["embed"].to(world.device, dtype)).to(world.device)
     drafter.set_draft_vocab(d2t.to(world.device))
-    drafter.init_head(tensors["head"].to(world.device), tensors["norm"].to(world.device))
+    if cfg.lm_head_init == "verifier":
+        drafter.init_head(tensors["head"].to(world.device), tensors["norm"].to(world.device))
     drafter.lm_head.requires_grad_(not cfg.freeze_lm_head)  # frozen: no gradient, no optimizer state
     norm = tensors["norm"] if meta["final_state"] == "pre-norm" else None
     head = VerifierHead(tensors["head"].to(world.device, dtype), d2t.to(world.device), norm, draft.rms_norm_eps).to(world.device)
