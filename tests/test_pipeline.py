@@ -1,11 +1,15 @@
 """The real pipeline: `dvc repro` and `dvc exp run -S` in a temporary git repo (tiny random verifier)."""
 
+import csv
+import io
 import json
+import shlex
 
 import pytest
 import yaml
 
-from conftest import run
+from conftest import ROOT, run
+from pixels import count_color
 
 SMALL = {"name": "small", "shards": ["000000-000008"], "eval_sets": {"heldout": 2, "humaneval": 1, "math": 1}}
 BIGGER = {"name": "bigger", "shards": ["000000-000008", "000008-000012"],
@@ -26,6 +30,18 @@ def overrides(*pairs: str) -> list[str]:
     return [arg for pair in pairs for arg in ("-S", pair)]
 
 
+HEADLINE = {"heldout.tau", "heldout.speedup", "heldout.tree_tau", "heldout.baseline_tau", "heldout.ngram_tau",
+            "humaneval.tau", "humaneval.speedup", "humaneval.baseline_tau", "val.acc_0", "val.sim_accept_len", "tokens_trained", "hidden_state_bytes",
+            "dataset.name", "model.name"}
+PURPLE = (0x94, 0x5D, 0xD6)  # the first series colour of DVC's templates
+
+
+def readme_exp_show() -> list[str]:
+    """The compact `dvc exp show` command of the README."""
+    line = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("dvc exp show --drop"))
+    return shlex.split(line)
+
+
 def stage_lines(output: str) -> list[str]:
     return sorted(line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage"))
 
@@ -39,6 +55,7 @@ def test_repro_then_scale_up_recomputes_only_new_shards(make_project):
     first = run(["dvc", "repro"], repo)
     assert {"verifier", "prompts"} <= set(stage_lines(first.stdout))
     assert "up to date" in run(["dvc", "status"], repo).stdout
+    check_results(repo)
     prompt_shard = (repo / "data" / "prompts" / "shards" / "000000-000008.jsonl").read_bytes()
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "small"], repo)
@@ -53,3 +70,18 @@ def test_repro_then_scale_up_recomputes_only_new_shards(make_project):
     assert params["dataset"]["name"] == "bigger" and params["model"]["name"] == "tiny-random"
     shown = json.loads(run(["dvc", "exp", "show", "--json"], repo).stdout)
     assert "bigger" in json.dumps(shown)
+
+
+def check_results(repo):
+    """The README's compact table has the headline columns and fits a terminal; the report draws every chart."""
+    columns = next(csv.reader(io.StringIO(run([*readme_exp_show(), "--csv"], repo).stdout)))
+    assert HEADLINE <= set(columns) and len(columns) < 40, columns
+    metrics = json.loads(run(["dvc", "metrics", "show", "--json"], repo).stdout)
+    assert list(metrics["workspace"]["data"]) == ["metrics/summary.json"]  # the stages' details are not metrics
+    charts = json.loads(run(["dvc", "plots", "show", "--json"], repo).stdout)
+    assert not charts.get("errors") and len(charts["data"]) == 8, charts.get("errors")  # 2 eval sets: 2 charts each
+    files = run(["eagle3", "report", "--out", "report"], repo).stdout.split()
+    assert len(files) == 9 and files[0].endswith("index.html")
+    assert count_color(repo / "report" / "loss.png", PURPLE) > 500  # the curves are drawn
+    page = (repo / "report" / "index.html").read_text()
+    assert page.count("<svg") == 8 and page.count("<path") > 8 * 4

@@ -29,7 +29,7 @@ from eagle3.loss import TrainingTimeTest, VerifierHead
 from eagle3.merge import merge
 from eagle3.parallel import World
 from eagle3.data import collate, pack
-from eagle3.train import DataPlan, TrainConfig, fit, lock_run, lr_factor, main, train, verifier_parts
+from eagle3.train import DataPlan, TrainConfig, fit, lock_run, lr_factor, main, tokens_trained, train, verifier_parts
 
 from conftest import ROOT, project_params
 from test_extract import conversation, tiny_params, write_generated
@@ -67,6 +67,16 @@ def test_a_frozen_random_head_is_refused():
     with pytest.raises(UserError, match="train.freeze_lm_head = True: must be false unless train.lm_head_init is verifier"):
         validate(OmegaConf.create({"train": {**OmegaConf.to_container(DEBUG), "lm_head_init": "random", "freeze_lm_head": True}}))
     validate(OmegaConf.create({"train": {**OmegaConf.to_container(DEBUG), "lm_head_init": "verifier", "freeze_lm_head": True}}))
+
+
+def test_tokens_trained_counts_every_process_and_epoch():
+    lengths = [3, 3, 2, 6, 1, 4, 5, 2]
+    cfg = train_config(batch_size=1, grad_accum=1, pack_tokens=6, epochs=3)
+    plans = [DataPlan(lengths, cfg, 7, World(r, 2, CPU.device)) for r in (0, 1)]
+    steps = plans[0].total_steps()
+    brute = sum(lengths[i] for step in range(steps) for plan in plans for micro in plan.micro_batches(step) for i in micro)
+    assert tokens_trained(lengths, steps, cfg, 7, world_size=2) == brute
+    assert tokens_trained(lengths, 1, cfg, 7, world_size=2) < brute  # a resumed count is a prefix of the same order
 
 
 def test_lr_factor_worked_example():

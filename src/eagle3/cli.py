@@ -5,13 +5,14 @@
                                           validate an exported drafter for SGLang and vLLM; exit 1 on faults
     eagle3 s3 serve|status|stop           local S3 server for the DVC remote (rclone serve s3)
     eagle3 gc [--rev REV ...] [--dry-run] `dvc gc -w`, only once every kept revision is in the remote
+    eagle3 report [REV ...] [--out report] dvc.yaml's plots as HTML and PNG files that need no network
 """
 
 from __future__ import annotations
 
 import argparse
 
-from eagle3 import gc, s3
+from eagle3 import gc, report, s3
 from eagle3.common import UserError, setup_logging
 
 
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_check_drafter)
     s3.add_parser(commands)
     gc.add_parser(commands)
+    report.add_parser(commands)
     return parser
 
 

@@ -22,7 +22,9 @@ prompts whose output equals plain greedy), ``forwards`` (the chain's), ``tree/{t
 tokens_per_s, lossless, forwards}``, ``baseline/{tau, token}``, ``ngram/tau``, ``plain_tokens_per_s``,
 ``tokens``, ``prompts``, ``seconds``; plots ``plots/custom/acceptance/<set>.json`` (per draft
 position or tree depth k: the fraction of verifier forwards that accepted k drafts or more, hence
-τ = 1 + Σ_k acceptance_k) and ``plots/custom/tau/<set>.json`` (the distribution of τ over forwards).
+τ = 1 + Σ_k acceptance_k) and ``plots/custom/tau/<set>.json`` (the distribution of τ over forwards);
+both with the series ``drafter`` (the chain), ``tree``, ``baseline`` and ``ngram``, which
+dvc.yaml's top-level ``plots`` draws in one chart per set.
 """
 
 from __future__ import annotations
@@ -250,9 +252,8 @@ def log_report(live, name: str, report: dict) -> None:
     rows = [{"position": i + 1, "conditional": column(chain["conditional"], i),
              **{c: column(s["acceptance"], i) for c, s in series.items()}} for i in range(depth)]
     live.log_plot(f"acceptance/{name}", rows, x="position", y="drafter")  # rendering is declared in dvc.yaml
-    rows = [{"tau": i + 1, "fraction": column(chain["tau_distribution"], i),
-             **{c: column(s["tau_distribution"], i) for c, s in series.items() if c != "drafter"}} for i in range(depth + 1)]
-    live.log_plot(f"tau/{name}", rows, x="tau", y="fraction")
+    rows = [{"tau": i + 1, **{c: column(s["tau_distribution"], i) for c, s in series.items()}} for i in range(depth + 1)]
+    live.log_plot(f"tau/{name}", rows, x="tau", y="drafter")
 
 
 def warm_up(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int]) -> None:

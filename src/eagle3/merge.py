@@ -148,6 +148,11 @@ def coverage(counts: np.ndarray, t2d: np.ndarray) -> float:
     return float(counts[t2d].sum() / total) if total else 0.0
 
 
+def stored_bytes(root: Path, candidates: list[Candidate]) -> int:
+    """Bytes of the listed shards' safetensors parts (hidden states and token ids): the disk a run needs."""
+    return sum((root / shard / part).stat().st_size for shard, part in sorted({(c.shard, c.entry["part"]) for c in candidates}))
+
+
 def length_histogram(candidates: list[Candidate]) -> list[dict[str, int]]:
     """Samples per power-of-two length bin: ``{"length": upper bound, "samples": n}`` for lengths ≤ bound."""
     lengths = np.array([c.entry["length"] for c in candidates])
@@ -173,6 +178,7 @@ def merge(verifier: Path, root: Path, out: Path, metrics: Path, params: DictConf
         "train_records": len(train),
         "val_records": len(val),
         "tokens": int(sum(c.entry["length"] for c in kept)),
+        "hidden_state_bytes": stored_bytes(root, candidates),
         "masked_tokens": int(sum(c.entry["masked"] for c in kept)),
         **{f"dropped_{reason}": n for reason, n in dropped.items()},
         "draft_vocab_size": len(d2t),
@@ -227,8 +233,7 @@ def log_metrics(folder: Path, stats: dict[str, Any], histogram: list[dict[str, i
     with Live(str(folder), dvcyaml=False, save_dvc_exp=False) as live:
         for name, value in stats.items():
             live.log_metric(name, value, plot=False)
-        live.log_plot("length_histogram", histogram, x="samples", y="length", template="bar_horizontal",
-                      title="samples per length (tokens ≤ bin)")
+        live.log_plot("length_histogram", histogram, x="samples", y="length")  # rendering is declared in dvc.yaml
 
 
 def main(argv: list[str]) -> None:

@@ -164,6 +164,21 @@ def check_lengths(splits: dict[str, Dataset], cfg: TrainConfig) -> None:
                             "raise train.pack_tokens (or lower merge.max_tokens)")
 
 
+def tokens_trained(lengths: list[int], steps: int, cfg: TrainConfig, seed: int, world_size: int) -> int:
+    """Tokens (padding excluded) of all samples of optimizer steps 0 .. steps-1, over all processes.
+
+    A function of the data order (``DataPlan``), not a running count, so a resumed run reports
+    the same number. Each step trains on G = batch_size x grad_accum x world rows of its epoch.
+    """
+    plan = DataPlan(lengths, cfg, seed, World(0, world_size, torch.device("cpu")))  # rows do not depend on the rank
+    total, step, epoch = 0, 0, 0
+    while step < steps:
+        taken = min(plan.steps_in(epoch), steps - step)
+        total += sum(lengths[i] for row in plan.rows(epoch)[: taken * plan.global_rows] for i in row)
+        step, epoch = step + taken, epoch + 1
+    return total
+
+
 class StepSampler(Sampler):
     """Batch sampler: this process's micro-batches of steps ``start`` .. ``stop - 1``, in order."""
 
@@ -602,11 +617,22 @@ def train(args: argparse.Namespace, params, world: World) -> dict[str, Any]:
                         "run": run_dir.name, "processes": world.size, "params": to_plain(params.train),
                         "data": {"merged": str(args.merged), "train_samples": len(train_set), "val_samples": len(val_set)}}
             export(args.out, args.verifier, best["model"], draft, tensors["embed"], d2t, training)
-            for name, value in (summary["best"] or {}).items():
-                live.log_metric(f"best/{name}", value, plot=False)
-            live.end()
+            log_summary(live, summary, tokens_trained(train_set.lengths, summary["steps"], cfg, seed, world.size))
     parallel.barrier(world)
     return summary
+
+
+def log_summary(live, summary: dict[str, Any], tokens: int) -> None:
+    """The best validation's metrics, the tokens trained, and the best step's per-position accuracy
+    (``plots/custom/ttt_acceptance.json``: one row per draft position, 1-based as in evaluate)."""
+    best = summary["best"] or {}
+    for name, value in best.items():
+        live.log_metric(f"best/{name}", value, plot=False)
+    live.log_metric("tokens_trained", tokens, plot=False)
+    positions = sorted(int(name.removeprefix("acc_")) for name in best if name.startswith("acc_"))
+    rows = [{"position": k + 1, "accuracy": best[f"acc_{k}"], "conditional": best[f"cond_acc_{k}"]} for k in positions]
+    live.log_plot("ttt_acceptance", rows, x="position", y="accuracy")  # rendering is declared in dvc.yaml
+    live.end()
 
 
 def main(argv: list[str]) -> None:

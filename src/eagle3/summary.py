@@ -1,0 +1,78 @@
+"""Stage ``summary``: a run's headline numbers in one small metrics file.
+
+    python -m eagle3.summary dvclive/train/metrics.json metrics/merge/metrics.json \\
+        dvclive/evaluate/metrics.json metrics/summary.json
+
+Why: ``dvc exp show`` makes a column of every key of every declared metrics file. The stages'
+own statistics (every TTT step's loss and accuracy, generation and merge counts, timings) run to
+a couple of hundred keys, so they stay in their files, and this is the pipeline's only DVC
+metric: what runs are compared by.
+
+``metrics/summary.json``:
+
+- per eval set: ``tau`` and ``speedup`` of the drafter's chain, and ``<method>_tau`` (and
+  ``<method>_speedup`` where measured) of every method reported beside it: ``tree`` drafting,
+  the ``baseline`` (most frequent token) and ``ngram`` (prompt lookup);
+- ``val``: ``acc_0`` and ``sim_accept_len`` of the best validation (the exported weights);
+- ``tokens_trained`` (padding excluded) and ``hidden_state_bytes`` (the stored shards).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from eagle3.common import UserError, read_json, stage_main, write_json
+
+DIGITS = 4  # rounding of ratios: differences below it are noise at the demo's scale
+
+
+def eval_set_headline(report: dict[str, Any]) -> dict[str, float]:
+    """``tau``, ``speedup``, ``<method>_tau`` and ``<method>_speedup`` of one eval set of evaluate's metrics.
+
+    Example: {"tau": 2.1, "speedup": 1.4, "prompts": 4, "tree": {"tau": 2.5, "speedup": 1.5, "forwards": 9},
+    "baseline": {"tau": 1.2, "token": 28}} -> {"tau": 2.1, "speedup": 1.4, "tree_tau": 2.5,
+    "tree_speedup": 1.5, "baseline_tau": 1.2}.
+    """
+    row = {"tau": report["tau"], "speedup": report["speedup"]}
+    for method, value in report.items():
+        if isinstance(value, dict):
+            row.update({f"{method}_{key}": value[key] for key in ("tau", "speedup") if key in value})
+    return {key: round(value, DIGITS) for key, value in row.items()}
+
+
+def headline(train: dict[str, Any], merge: dict[str, Any], evaluate: dict[str, Any]) -> dict[str, Any]:
+    """The summary of a run from the three stages' metrics files (their parsed JSON)."""
+    best = train["best"]
+    return {
+        **{name: eval_set_headline(report) for name, report in evaluate.items()},
+        "val": {"acc_0": round(best["acc_0"], DIGITS), "sim_accept_len": round(best["sim_accept_len"], DIGITS)},
+        "tokens_trained": train["tokens_trained"],
+        "hidden_state_bytes": merge["hidden_state_bytes"],
+    }
+
+
+def read_metrics(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
+    data = read_json(path)
+    missing = [key for key in keys if key not in data]
+    if missing:
+        raise UserError(f"{path}: lacks {missing}; it was written by an older version of its stage, run `dvc repro -f` on it")
+    return data
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eagle3.summary", description=__doc__.splitlines()[0])
+    parser.add_argument("train", type=Path, help="train's metrics, e.g. dvclive/train/metrics.json")
+    parser.add_argument("merge", type=Path, help="merge's statistics, e.g. metrics/merge/metrics.json")
+    parser.add_argument("evaluate", type=Path, help="evaluate's metrics, e.g. dvclive/evaluate/metrics.json")
+    parser.add_argument("out", type=Path, help="the summary, e.g. metrics/summary.json")
+    args = parser.parse_args(argv)
+    summary = headline(read_metrics(args.train, ("best", "tokens_trained")), read_metrics(args.merge, ("hidden_state_bytes",)),
+                       read_json(args.evaluate))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(args.out, summary)
+
+
+if __name__ == "__main__":
+    stage_main(main)

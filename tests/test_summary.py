@@ -1,0 +1,36 @@
+"""The headline metrics file: what `dvc exp show` compares runs by."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3.summary import headline, main
+
+TRAIN = {"best": {"acc_0": 0.412345, "sim_accept_len": 0.91, "loss": 3.0, "acc_1": 0.2, "step": 40}, "tokens_trained": 5120,
+         "train": {"loss": 3.1}}
+MERGE = {"hidden_state_bytes": 1_000_000, "records": 28}
+EVALUATE = {
+    "heldout": {"tau": 1.523456, "speedup": 0.5, "prompts": 4, "lossless": 1.0, "tree": {"tau": 1.9, "speedup": 0.6, "forwards": 9},
+                "baseline": {"tau": 1.19, "token": 28}, "ngram": {"tau": 1.3}},
+    "humaneval": {"tau": 1.2, "speedup": 0.4, "prompts": 2, "baseline": {"tau": 1.1, "token": 79}},
+}
+
+
+def test_headline_keeps_tau_speedup_baselines_and_training_facts():
+    assert headline(TRAIN, MERGE, EVALUATE) == {
+        "heldout": {"tau": 1.5235, "speedup": 0.5, "tree_tau": 1.9, "tree_speedup": 0.6, "baseline_tau": 1.19, "ngram_tau": 1.3},
+        "humaneval": {"tau": 1.2, "speedup": 0.4, "baseline_tau": 1.1},
+        "val": {"acc_0": 0.4123, "sim_accept_len": 0.91},
+        "tokens_trained": 5120,
+        "hidden_state_bytes": 1_000_000,
+    }
+
+
+def test_metrics_of_an_older_train_are_refused_with_the_file_named(tmp_path, capsys):
+    paths = {name: tmp_path / f"{name}.json" for name in ("train", "merge", "evaluate")}
+    for (name, path), data in zip(paths.items(), ({"best": TRAIN["best"]}, MERGE, EVALUATE)):
+        path.write_text(json.dumps(data))
+    with pytest.raises(Exception, match="lacks \\['tokens_trained'\\]"):
+        main([str(paths["train"]), str(paths["merge"]), str(paths["evaluate"]), str(tmp_path / "summary.json")])
