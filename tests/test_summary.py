@@ -12,6 +12,7 @@ TRAIN = {"best": {"acc_0": 0.412345, "sim_accept_len": 0.91, "loss": 3.0, "acc_1
          "train": {"loss": 3.1}}
 MERGE = {"hidden_state_bytes": 1_000_000, "records": 28}
 EVALUATE = {
+    "wall_seconds": 12.5,
     "heldout": {"tau": 1.523456, "speedup": 0.5, "prompts": 4, "lossless": 1.0, "tree": {"tau": 1.9, "speedup": 0.6, "forwards": 9},
                 "baseline": {"tau": 1.19, "token": 28}, "ngram": {"tau": 1.3}},
     "humaneval": {"tau": 1.2, "speedup": 0.4, "prompts": 2, "baseline": {"tau": 1.1, "token": 79}},

@@ -46,7 +46,7 @@ def headline(train: dict[str, Any], merge: dict[str, Any], evaluate: dict[str, A
     """The summary of a run from the three stages' metrics files (their parsed JSON)."""
     best = train["best"]
     return {
-        **{name: eval_set_headline(report) for name, report in evaluate.items()},
+        **{name: eval_set_headline(report) for name, report in evaluate.items() if isinstance(report, dict)},  # sets, not wall_seconds
         "val": {"acc_0": round(best["acc_0"], DIGITS), "sim_accept_len": round(best["sim_accept_len"], DIGITS)},
         "tokens_trained": train["tokens_trained"],
         "hidden_state_bytes": merge["hidden_state_bytes"],
