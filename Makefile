@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 demo: setup
-	. $(BIN)/activate && dvc repro && dvc status
+	. $(BIN)/activate && dvc repro && dvc status && eagle3 report
 
 test: setup
 	. $(BIN)/activate && python -m pytest -q tests
