@@ -102,6 +102,19 @@ def base_tokenizer_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_kimi_dir(smollm2_dir: Path) -> Path:
+    """A checkpoint folder shaped like Kimi-K2.5's (vision wrapper, DeepSeek-V3 text model under
+    ``language_model.``, remote-code tokenizer), tiny and random: see tests/tiny_kimi.py."""
+    import tiny_kimi
+
+    target = CACHE / "tiny-kimi"
+    if not (target / "model.safetensors.index.json").is_file():
+        shutil.rmtree(target, ignore_errors=True)
+        tiny_kimi.build(smollm2_dir, target)
+    return target
+
+
+@pytest.fixture(scope="session")
 def tiny_model_params():
     """A ``model`` params section describing the tiny verifier (for stage functions that take one)."""
     return tiny_model_spec()
@@ -157,9 +170,10 @@ def make_project(tmp_path: Path, tiny_verifier_dir: Path):
     ``make_project(*overrides)`` copies dvc.yaml, conf/ and src/, adds a ``model=tiny-random``
     option (random weights of the tiny shape, SmolLM2's tokenizer), composes params.yaml with
     the overrides exactly as ``dvc exp run -S`` would, and commits. Returns the repo path.
+    ``model=`` adds another ``model`` section as ``conf/model/<its name>.yaml`` and chooses it.
     """
 
-    def build(*overrides: str, name: str = "project") -> Path:
+    def build(*overrides: str, name: str = "project", model=None) -> Path:
         repo = tmp_path / name
         repo.mkdir()
         for file in ("dvc.yaml", ".dvcignore", ".gitignore"):
@@ -172,13 +186,16 @@ def make_project(tmp_path: Path, tiny_verifier_dir: Path):
                            "seed": 0, "dtype": "float32"}}
         tiny.update({k: v for k, v in OmegaConf.to_container(tiny_model_spec()).items() if k not in tiny})
         (repo / "conf" / "model" / "tiny-random.yaml").write_text(OmegaConf.to_yaml(tiny))
+        if model is not None:
+            (repo / "conf" / "model" / f"{model.name}.yaml").write_text(OmegaConf.to_yaml(model))
         run(["git", "init", "-q", "-b", "main"], repo)
         run(["git", "config", "user.email", "test@eagle3"], repo)
         run(["git", "config", "user.name", "eagle3 test"], repo)
         run(["dvc", "init", "-q"], repo)
         for key, value in [("hydra.enabled", "true"), ("cache.type", "hardlink"), ("core.autostage", "true")]:
             run(["dvc", "config", key, value], repo)
-        compose_params(["model=tiny-random", *overrides], conf_dir=repo / "conf", output=repo / "params.yaml")
+        choice = f"model={model.name if model is not None else 'tiny-random'}"
+        compose_params([choice, *overrides], conf_dir=repo / "conf", output=repo / "params.yaml")
         run(["git", "add", "-A"], repo)
         run(["git", "commit", "-qm", "project"], repo)
         return repo

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -45,12 +46,13 @@ from eagle3.common import UserError, atomic_dir, read_json, read_jsonl, stage_ma
 from eagle3.config import stage_params
 from eagle3.export import check_drafter, load_drafter
 from eagle3.speculative import EagleProposer, TreeShape, most_frequent, ngram, prefill, replay, speculative_decode
-from eagle3.verifier import eos_token_ids, load_tokenizer, load_verifier, prompt_ids, read_meta
+from eagle3.verifier import (Placement, close_sharded, eos_token_ids, input_embedding, load_tokenizer, load_verifier, prompt_ids,
+                             read_meta, shard_rank, text_config)
 from eagle3.verifier_spec import require_verifier
 
 log = logging.getLogger(__name__)
 
-PARAMS = ("evaluate", "layout.device", "layout.dtype", "layout.threads", "model.trust_remote_code")  # = dvc.yaml
+PARAMS = ("evaluate", "layout.device", "layout.dtype", "layout.threads", "layout.verifier", "model.trust_remote_code")  # = dvc.yaml
 
 WARMUP_TOKENS = 4  # a short untimed decode of each kind first, so one-off setup costs are not timed
 
@@ -70,6 +72,7 @@ class Settings:
     dtype: str
     threads: int
     trust_remote_code: bool
+    placement: Placement  # layout.verifier: tp > 1 decodes with one copy sharded over tp torchrun processes
 
     @classmethod
     def from_params(cls, params: DictConfig) -> Settings:
@@ -80,6 +83,7 @@ class Settings:
             int(cfg.batch_size), int(cfg.max_new_tokens), tuple(cfg.sets),
             None if cfg.max_prompts is None else int(cfg.max_prompts), bool(cfg.baseline),
             str(layout.device), str(layout.dtype), int(layout.threads), bool(params.model.trust_remote_code),
+            Placement.from_params(layout),
         )
         for problem in settings.tree.problems() if settings.tree else ():
             raise UserError(f"params.yaml: evaluate.tree: {problem}")
@@ -272,7 +276,16 @@ def main(argv: list[str]) -> None:
     settings = Settings.from_params(stage_params(PARAMS, args.params))
     check_pair(args.verifier, args.drafter, args.prompts)
     eval_sets = load_eval_sets(args.prompts, settings.sets, settings.max_prompts)
+    settings.placement.check(text_config(args.verifier, settings.trust_remote_code), settings.device)
+    if settings.placement.launch("eagle3.evaluate", argv):
+        return
+    # Sharded: every process decodes every prompt in lockstep (each verifier forward is collective;
+    # the replicated logits and drafter give every process the same decisions); rank 0 writes.
+    evaluate_all(args, settings, eval_sets, started)
+    close_sharded()
 
+
+def evaluate_all(args: argparse.Namespace, settings: Settings, eval_sets: dict[str, list[dict]], started: float) -> None:
     from dvclive import Live
 
     torch.set_num_threads(settings.threads)
@@ -280,12 +293,12 @@ def main(argv: list[str]) -> None:
         # cuDNN's SDPA pays a setup per new shape (measured ~10 s per 256 prompts on an H200), and every
         # verify forward here has a new key length; the other SDPA kernels have none.
         torch.backends.cuda.enable_cudnn_sdp(False)
-    verifier = load_verifier(args.verifier, settings.device, settings.dtype, settings.trust_remote_code)
+    verifier = load_verifier(args.verifier, settings.device, settings.dtype, settings.trust_remote_code, settings.placement)
     tokenizer = load_tokenizer(args.verifier, settings.trust_remote_code)
-    embed = verifier.get_input_embeddings().weight
+    embed = input_embedding(verifier)
     drafter = load_drafter(args.drafter, embed).to(settings.device, embed.dtype).eval()
     eos_ids = eos_token_ids(verifier, tokenizer)
-    with atomic_dir(args.out) as tmp:
+    with atomic_dir(args.out) if shard_rank() == 0 else tempfile.TemporaryDirectory() as tmp:
         live = Live(str(tmp), dvcyaml=False, save_dvc_exp=False)
         for name, records in eval_sets.items():
             prompts = [torch.tensor(prompt_ids(tokenizer, r["messages"]), device=settings.device) for r in records]  # [n] each

@@ -25,7 +25,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.common import UserError, read_json, write_json
 from eagle3.model import DraftConfig, Eagle3Drafter
-from eagle3.verifier_spec import tap_problem, text_config, verifier_mismatch
+from eagle3.verifier import language_model, text_config_dict
+from eagle3.verifier_spec import tap_problem, verifier_mismatch
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHT_DTYPE = torch.bfloat16
@@ -307,7 +308,7 @@ def check_against_verifier(config: dict[str, Any], meta: dict[str, Any], verifie
 def verifier_facts(folder: str | Path) -> dict[str, Any]:
     """What the export must agree with, read from a verifier folder (config.json + meta.json)."""
     folder = Path(folder)
-    config = text_config(read_json(folder / "config.json"))
+    config = text_config_dict(folder, language_model(folder))  # a multimodal wrapper keeps the LM's config inside
     facts = {key: config.get(key) for key in ("hidden_size", "vocab_size", "max_position_embeddings")}
     facts["num_layers"] = config.get("num_hidden_layers")
     meta = folder / "meta.json"

@@ -41,16 +41,16 @@ from tqdm import tqdm
 from eagle3.common import UserError, atomic_dir, exit_with_launcher, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl
 from eagle3.config import stage_params
 from eagle3.storage import PartWriter, encode_sample, magnitudes
-from eagle3.verifier import load_tokenizer, load_verifier, read_meta
+from eagle3.verifier import Placement, close_sharded, load_tokenizer, load_verifier, read_meta, shard_rank, text_config
 from eagle3.verifier_spec import require_verifier, tap_problem, tapped_features
 
 log = logging.getLogger(__name__)
 
 # = dvc.yaml. The layout too: device and dtype change the stored states, and so can the batch
-# composition that workers and threads change (rounding); a layout change re-extracts.
+# composition that workers, threads and the verifier's sharding change (rounding); a layout change re-extracts.
 PARAMS = ("extract", "model.aux_layers", "model.final_state", "model.chat_template", "model.reasoning_format",
           "model.end_of_turn", "model.trust_remote_code", "layout.device", "layout.dtype", "layout.extract_workers",
-          "layout.threads")
+          "layout.threads", "layout.verifier")
 
 DISK_FREE_ENV = "EAGLE3_DISK_FREE_BYTES"  # overrides the measured free space (tests, quotas)
 INDEX_BYTES_PER_SAMPLE = 256  # index.jsonl line + share of a part header
@@ -89,13 +89,19 @@ class Settings:
     compute_dtype: str  # layout.dtype: the verifier's dtype for the forward
     workers: int  # layout.extract_workers: processes, one per device
     threads: int  # layout.threads: torch intra-op threads per process
+    placement: Placement = Placement()  # layout.verifier: a whole copy per worker (tp 1), or one copy over tp workers
 
     @classmethod
     def from_params(cls, params: DictConfig) -> Settings:
         extract, layout = params.extract, params.layout  # values validated by config.validate
+        placement = Placement.from_params(layout)
+        if placement.sharded and layout.extract_workers != placement.tp:
+            raise UserError(f"params.yaml: layout.verifier.tp {placement.tp} shards one copy of the verifier over {placement.tp} "
+                            f"processes (GPUs), layout.extract_workers is {layout.extract_workers}: use a layout with "
+                            f"{placement.tp} GPUs (gpu8), or set extract_workers to tp")
         return cls(
             tuple(params.model.aux_layers), extract.dtype, int(extract.max_length), int(extract.batch_tokens),
-            int(extract.part_bytes), layout.device, layout.dtype, int(layout.extract_workers), int(layout.threads),
+            int(extract.part_bytes), layout.device, layout.dtype, int(layout.extract_workers), int(layout.threads), placement,
         )
 
 
@@ -163,9 +169,25 @@ def render(tokenizer, messages: list[dict], fmt: ChatFormat, finished: bool = Tr
     if marker_at < 0:
         raise RenderError(f"no end-of-turn marker {marker!r} after the answer")
     start, end = len(head), marker_at + len(marker) if finished else content_at + len(content)
+    if not tokenizer.is_fast:
+        return encode_pieces(tokenizer, text, start, end)
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(stop > start and first < end) for first, stop in encoding["offset_mapping"]]
     return list(encoding["input_ids"]), mask
+
+
+def encode_pieces(tokenizer, text: str, start: int, end: int) -> tuple[list[int], list[int]]:
+    """``render``'s ids and mask for a tokenizer without offsets (Kimi-K2.5's tiktoken one is pure Python).
+
+    The text before, inside and after the span ``[start, end)`` is tokenized separately; this is
+    exact when both edges are special tokens (``<think>``/``<|im_middle|>`` ends the generation
+    prompt, ``<|im_end|>`` closes the answer), which is checked against the whole text's ids.
+    """
+    pieces = [tokenizer(part, add_special_tokens=False)["input_ids"] for part in (text[:start], text[start:end], text[end:])]
+    ids = [token for piece in pieces for token in piece]
+    if ids != list(tokenizer(text, add_special_tokens=False)["input_ids"]):
+        raise RenderError("the answer's edges are not token boundaries, and this tokenizer has no offsets to find them")
+    return ids, [0] * len(pieces[0]) + [1] * len(pieces[1]) + [0] * len(pieces[2])
 
 
 def record_problem(record: dict) -> str | None:
@@ -264,8 +286,8 @@ def check_sample(sample: Sample, stored: dict[str, torch.Tensor], largest: dict[
     return None
 
 
-def extract_samples(model, samples: list[Sample], settings: Settings, folder: Path, pad_id: int) -> tuple[list[dict], list[dict]]:
-    """Run, check and store ``samples``; returns (index entries, rejections)."""
+def extract_samples(model, samples: list[Sample], settings: Settings, folder: Path | None, pad_id: int) -> tuple[list[dict], list[dict]]:
+    """Run, check and store ``samples`` (``folder`` None: run and check only); returns (index entries, rejections)."""
     rejected = []
     progress = tqdm(total=sum(len(s.input_ids) for s in samples), desc="extract", unit="tok")
     with PartWriter(folder, settings.part_bytes) as writer:
@@ -333,7 +355,7 @@ class Job:
 
     verifier: Path
     settings: Settings
-    folder: Path  # where the parts are written
+    folder: Path | None  # where the parts are written (None: not by this process)
     trust_remote_code: bool
     pad_id: int
 
@@ -341,7 +363,8 @@ class Job:
 def run_worker(rank: int, job: Job, samples: list[Sample]) -> tuple[list[dict], list[dict]]:
     torch.set_num_threads(job.settings.threads)
     settings = job.settings
-    model = load_verifier(job.verifier, device_of(settings.device, rank), settings.compute_dtype, job.trust_remote_code)
+    model = load_verifier(job.verifier, device_of(settings.device, rank), settings.compute_dtype, job.trust_remote_code,
+                          settings.placement)
     return extract_samples(model, samples, settings, job.folder, job.pad_id)
 
 
@@ -353,10 +376,14 @@ def _spawned_worker(rank: int, job: Job, samples: list[Sample], result: Path) ->
 
 
 def run_workers(job: Job, samples: list[Sample]) -> tuple[list[dict], list[dict]]:
-    """Extract in this process, or in ``layout.extract_workers`` spawned processes, each on a contiguous slice."""
+    """Extract in this process, or in ``layout.extract_workers`` spawned processes, each on a contiguous slice.
+
+    A sharded verifier is one copy over the torchrun processes this one belongs to: every process
+    runs every sample (the forward is collective), and only rank 0 has a folder to write to.
+    """
     workers = job.settings.workers
-    if workers <= 1:
-        return run_worker(0, job, samples)
+    if workers <= 1 or job.settings.placement.sharded:
+        return run_worker(shard_rank(), job, samples)
     import torch.multiprocessing as mp
 
     per_worker = -(-len(samples) // workers)  # ceil
@@ -396,10 +423,10 @@ def check_generated(generated: Path, fingerprint: str) -> None:
 
 
 def verifier_shape(verifier: Path, settings: Settings, trust_remote_code: bool) -> dict[str, int]:
-    """Hidden size, vocabulary and layer count from the verifier's config (no weights loaded)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(verifier, trust_remote_code=trust_remote_code).get_text_config()
+    """Hidden size, vocabulary and layer count from the verifier's config (no weights loaded); refuses
+    a ``layout.verifier`` placement this verifier cannot be sharded with."""
+    config = text_config(verifier, trust_remote_code)
+    settings.placement.check(config, settings.device)
     problem = tap_problem(settings.aux_layers, config.num_hidden_layers)
     if problem:
         raise UserError(f"params.yaml: model.{problem} (the layers of {verifier})")
@@ -422,6 +449,9 @@ def extract_shard(verifier: Path, generated: Path, out: Path, params: DictConfig
         raise UserError(f"{generated}/records.jsonl: none of {len(records)} records is usable ({dict(reasons)})")
     shape = verifier_shape(verifier, settings, trust)
     estimate = preflight(samples, shape["hidden_size"], settings, out)
+    if shard_rank() != 0:  # another process of a sharded verifier: the same inputs, checks and forwards; rank 0 writes
+        run_workers(Job(verifier, settings, None, trust, tokenizer.pad_token_id or 0), samples)
+        return {}
     with atomic_dir(out) as tmp:
         index, late = run_workers(Job(verifier, settings, tmp, trust, tokenizer.pad_token_id or 0), samples)
         index.sort(key=lambda entry: entry["record"])
@@ -467,7 +497,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("out", type=Path, help="output folder, e.g. data/hidden_states/000000-000032")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
-    extract_shard(args.verifier, args.generated, args.out, stage_params(PARAMS, args.params))
+    params = stage_params(PARAMS, args.params)
+    settings = Settings.from_params(params)
+    if settings.placement.sharded:  # refuse a placement the verifier cannot take before tp processes start
+        verifier_shape(args.verifier, settings, bool(params.model.trust_remote_code))
+    if settings.placement.launch("eagle3.extract", argv):
+        return
+    extract_shard(args.verifier, args.generated, args.out, params)
+    close_sharded()
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ class PartWriter:
     writes the rest and waits for it (raising a failed write's error); with one, it only waits.
     """
 
-    def __init__(self, folder: Path, part_bytes: int):
+    def __init__(self, folder: Path | None, part_bytes: int):
         self.folder, self.part_bytes = folder, part_bytes
         self.pending: list[tuple[Any, dict[str, torch.Tensor], dict[str, float]]] = []
         self.pending_bytes = 0
@@ -156,7 +156,8 @@ class PartWriter:
             )
             offset += length
         self.wait()
-        self.writing = self.background.submit(write_part, self.folder / name, [stored for _, stored, _ in self.pending])
+        if self.folder is not None:  # None: the ranks of a sharded verifier other than rank 0 write nothing
+            self.writing = self.background.submit(write_part, self.folder / name, [stored for _, stored, _ in self.pending])
         self.pending, self.pending_bytes = [], 0
 
     def wait(self) -> None:

@@ -51,7 +51,7 @@ from eagle3.export import check_drafter, verifier_facts, write_drafter
 from eagle3.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
 from eagle3.model import DraftConfig, Eagle3Drafter
 from eagle3.parallel import World
-from eagle3.verifier_spec import VERIFIER_TENSORS, require_verifier, text_config
+from eagle3.verifier_spec import VERIFIER_TENSORS, require_verifier
 
 log = logging.getLogger(__name__)
 
@@ -435,23 +435,27 @@ def log_metrics(live, step: int, prefix: str, metrics: dict[str, float]) -> None
 
 def verifier_parts(folder: Path) -> tuple[SimpleNamespace, dict[str, Tensor]]:
     """The verifier's LM config and the three tensors training needs (embedding, lm_head, final
-    norm), read from its safetensors files without loading the model."""
+    norm), read from its safetensors files without loading the model. A nested language model
+    (``model.language_model``) has them under its prefix."""
     from safetensors import safe_open
 
-    from eagle3.verifier import weights_dir
+    from eagle3.verifier import language_model, text_config_dict, weights_dir
 
-    raw = read_json(folder / "config.json")
-    config = SimpleNamespace(**text_config(raw))
+    lm = language_model(folder)
+    config = SimpleNamespace(**text_config_dict(folder, lm))
+    wanted = {lm.prefix + name: key for key, name in VERIFIER_TENSORS.items()}
     found: dict[str, Tensor] = {}
     for file in sorted(weights_dir(folder).glob("*.safetensors")):
         with safe_open(file, framework="pt") as part:
-            names = set(part.keys())
-            found.update({key: part.get_tensor(name) for key, name in VERIFIER_TENSORS.items() if name in names})
+            found.update({wanted[name]: part.get_tensor(name) for name in wanted.keys() & set(part.keys())})
     if "head" not in found and getattr(config, "tie_word_embeddings", False) and "embed" in found:
         found["head"] = found["embed"]
-    missing = [VERIFIER_TENSORS[k] for k in VERIFIER_TENSORS if k not in found]
+    missing = [lm.prefix + VERIFIER_TENSORS[k] for k in VERIFIER_TENSORS if k not in found]
     if missing:
         raise UserError(f"{folder}: verifier weights lack {missing}")
+    packed = [lm.prefix + VERIFIER_TENSORS[k] for k, t in found.items() if not t.is_floating_point()]
+    if packed:
+        raise UserError(f"{folder}: {packed} are quantized (packed integers); the drafter needs them in floating point")
     return config, found
 
 

@@ -60,12 +60,6 @@ def require_verifier(where: str, made: str, recorded: Any, fingerprint: str, cur
         raise UserError(f"{problem}; {fix}")
 
 
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's part of a verifier's raw config.json: multimodal wrappers nest it under
-    ``text_config`` (the raw-JSON counterpart of transformers' ``get_text_config()``)."""
-    return config.get("text_config", config)
-
-
 def tapped_features(hidden_states: Sequence, aux_layers: Sequence[int]):
     """The drafter's input features: the tapped residual streams concatenated, [B, T, H] x 3 -> [B, T, 3H].
 
