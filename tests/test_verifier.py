@@ -52,7 +52,8 @@ def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path):
 
 def test_missing_local_folder_fails_cleanly_from_the_command_line(tmp_path):
     params = tmp_path / "params.yaml"
-    params.write_text(OmegaConf.to_yaml({"model": hf_model(tmp_path / "nowhere", copy=True)}))
+    model = OmegaConf.merge(hf_model(tmp_path / "nowhere", copy=True), {"chat_template": None})  # every key the stage declares
+    params.write_text(OmegaConf.to_yaml({"model": model}))
     result = subprocess.run([sys.executable, "-m", "eagle3.verifier", str(tmp_path / "out"), "--params", str(params)],
                             capture_output=True, text=True)
     assert result.returncode == 2
