@@ -7,12 +7,15 @@ clear line naming the file and what to do. ``stage_main`` and ``atomic_dir`` giv
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import glob
 import hashlib
 import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -69,7 +72,23 @@ def exit_with_launcher(worker: bool = False, interval: float = 1.0) -> None:
     """
     links = launcher_links(worker)
     if links:
+        # The kernel's own guard for the closest link: SIGKILL as soon as the direct parent dies.
+        # It needs no Python thread, which a busy GPU training loop was seen to starve (a worker
+        # outlived its killed torchrun agent on an H200); the watcher covers the links above it.
+        die_with_parent(signal.SIGKILL)
+        if os.getppid() != links[0][1]:  # the parent died before the guard was set
+            os._exit(143)
         threading.Thread(target=_watch_links, args=(links, interval), name="launcher-watch", daemon=True).start()
+
+
+PR_SET_PDEATHSIG = 1
+LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent dies, even by SIGKILL (no-op elsewhere)."""
+    if LIBC is not None:
+        LIBC.prctl(PR_SET_PDEATHSIG, int(sig))
 
 
 def launcher_links(worker: bool = False) -> list[tuple[int, int]]:

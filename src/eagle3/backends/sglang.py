@@ -10,15 +10,12 @@ gets SIGTERM when the stage process itself is killed.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import os
 import shlex
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
@@ -28,13 +25,11 @@ from omegaconf import DictConfig
 
 from eagle3.backends import Done, Request
 from eagle3.backends.openai import OpenAIBackend
-from eagle3.common import UserError
+from eagle3.common import UserError, die_with_parent
 from eagle3.verifier import weights_dir
 
 log = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1
-LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
 
 
 def launch_command(cfg: DictConfig, model_path: Path, chat_template: Path | None = None) -> list[str]:
@@ -79,11 +74,6 @@ def stop(process: subprocess.Popen, grace: float = 30.0) -> None:
         process.wait()
 
 
-def die_with_parent() -> None:
-    """In the server's process (Linux): get SIGTERM when the stage dies, even by SIGKILL."""
-    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def port_in_use(host: str, port: int) -> bool:
     with socket.socket() as probe:
         return probe.connect_ex((host, port)) == 0
@@ -96,7 +86,7 @@ def running_server(command: Sequence[str], host: str, port: int, health_timeout:
         raise UserError(f"{host}:{port} is already in use (a server left by a killed run?); stop it or set backend.port")
     log.info("starting SGLang: %s", shlex.join(command))
     process = subprocess.Popen(
-        command, start_new_session=True, stdout=2, preexec_fn=die_with_parent if LIBC else None
+        command, start_new_session=True, stdout=2, preexec_fn=die_with_parent
     )  # stdout=2: the server's log goes to the stage's stderr
     try:
         wait_healthy(process, f"http://{host}:{port}/health", health_timeout)
