@@ -23,9 +23,9 @@ from conftest import kill_when, run, stage_processes, start_repro
 from test_pipeline import FAST, SMALL, add_dataset, overrides
 
 SEED = 13
-STAGES = ["prompts", "generate", "extract", "merge", "train", "evaluate"]  # foreach stages: their one shard
+STAGES = ["prompts", "generate", "extract", "merge", "train", "evaluate", "summary"]  # foreach stages: their one shard
 CLOCK = ("tokens_per_s", "speedup", "seconds")  # metric names that measure time, not content
-TIMED_OUTS = ("dvclive/train", "dvclive/evaluate")  # outputs holding clock values (summary is not run here)
+TIMED_OUTS = ("dvclive/train", "dvclive/evaluate", "metrics/summary.json")  # outputs holding clock values
 
 
 def stage_name(repo, stage: str) -> str:
@@ -43,7 +43,7 @@ def recorded(repo) -> dict[str, str]:
 def timed_content(repo) -> dict[str, object]:
     """The metrics that hold clock values, with those values left out."""
     content: dict[str, object] = {}
-    for name in ("dvclive/train/metrics.json", "dvclive/evaluate/metrics.json"):
+    for name in ("dvclive/train/metrics.json", "dvclive/evaluate/metrics.json", "metrics/summary.json"):
         content[name] = without_clock(json.loads((repo / name).read_text()))
     for tsv in sorted((repo / "dvclive/train/plots/metrics").rglob("*.tsv")):
         if not tsv.name.startswith(CLOCK):
