@@ -8,6 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle3.common import UserError
+from conftest import project_params
 from eagle3.verifier import import_verifier, load_tokenizer, load_verifier, read_meta, weights_dir
 
 
@@ -52,7 +53,8 @@ def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path):
 
 def test_missing_local_folder_fails_cleanly_from_the_command_line(tmp_path):
     params = tmp_path / "params.yaml"
-    model = OmegaConf.merge(hf_model(tmp_path / "nowhere", copy=True), {"chat_template": None})  # every key the stage declares
+    declared = project_params().model  # every key the stage declares, from the committed params
+    model = OmegaConf.merge(declared, {"source": None}, hf_model(tmp_path / "nowhere", copy=True))  # the hf source alone
     params.write_text(OmegaConf.to_yaml({"model": model}))
     result = subprocess.run([sys.executable, "-m", "eagle3.verifier", str(tmp_path / "out"), "--params", str(params)],
                             capture_output=True, text=True)
