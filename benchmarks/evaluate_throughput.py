@@ -26,11 +26,12 @@ import torch
 from transformers import AutoConfig
 
 from eagle3.common import read_jsonl
+from eagle3.drafter.export import load_drafter
+from eagle3.drafter.model import DraftConfig, Eagle3Drafter
+from eagle3.drafter.speculative import TreeShape
 from eagle3.evaluate import WARMUP_TOKENS, Settings, decode_all
-from eagle3.export import load_drafter
-from eagle3.model import DraftConfig, Eagle3Drafter
-from eagle3.speculative import TreeShape
-from eagle3.verifier import eos_token_ids, load_tokenizer, load_verifier, prompt_ids
+from eagle3.verifiers.chat import prompt_ids
+from eagle3.verifiers.loading import eos_token_ids, load_tokenizer, load_verifier
 
 
 def random_drafter(verifier_dir: Path, embed: torch.Tensor, taps: list[int]) -> Eagle3Drafter:

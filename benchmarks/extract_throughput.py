@@ -40,7 +40,8 @@ from omegaconf import OmegaConf
 
 from eagle3.common import write_json
 from eagle3.extract import ChatFormat, Job, Settings, batches, bytes_per_token, extract_samples, hidden_states, prepare, run_workers
-from eagle3.verifier import build_random, load_tokenizer, load_verifier
+from eagle3.verifier import build_random
+from eagle3.verifiers.loading import load_tokenizer, load_verifier
 
 TEXT = (
     "Speculative decoding lets a small draft model propose several tokens that the large verifier "

@@ -34,7 +34,7 @@ import types
 
 import torch
 
-from eagle3.model import DraftConfig
+from eagle3.drafter.model import DraftConfig
 from eagle3.train import collate_ttt
 from train_throughput import random_documents, random_draft_vocab, shape_arguments, step_flops, train_config
 

@@ -39,7 +39,8 @@ from omegaconf import OmegaConf
 
 from eagle3.common import write_json
 from eagle3.extract import ChatFormat, Settings, batches, extract_samples, hidden_states, prepare
-from eagle3.verifier import LanguageModel, Placement, build_random, load_tokenizer, load_verifier, text_config
+from eagle3.verifier import build_random
+from eagle3.verifiers.loading import LanguageModel, Placement, load_tokenizer, load_verifier, text_config
 
 from extract_throughput import LLAMA_8B, conversations
 

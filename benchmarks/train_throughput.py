@@ -10,7 +10,7 @@
 
 Runs the stage's own ``eagle3.train.train_step`` (verifier targets, K-step TTT forward, backward,
 clipping, AdamW, schedule) on micro-batches of ``--batch`` rows of ``--seq`` tokens packed by the
-stage's own ``eagle3.data.collate``, already on the device (the data loader is not measured), with
+stage's own ``eagle3.hidden_states.loader.collate``, already on the device (the data loader is not measured), with
 bf16 autocast on GPUs and fp32 on CPUs, and no host sync inside the timed loop (one
 ``synchronize`` after it). Documents are random (whole rows by default; ``--doc-tokens N``: lengths
 uniform in [N/2, 3N/2], the last ``--answer`` fraction of each under the loss mask) or, with
@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from eagle3.loss import TrainingTimeTest, VerifierHead
-from eagle3.model import DraftConfig, Eagle3Drafter
-from eagle3.parallel import close_world, init_world, wrap
+from eagle3.drafter.loss import TrainingTimeTest, VerifierHead
+from eagle3.drafter.model import DraftConfig, Eagle3Drafter
+from eagle3.drafter.parallel import close_world, init_world, wrap
 from eagle3.train import DataPlan, TrainConfig, collate_ttt, lr_factor, to_device, train_step
 
 
@@ -79,7 +79,7 @@ def random_documents(cfg: DraftConfig, rows: int, seq: int, doc_tokens: int, ans
 
 def real_micro_batches(merged: str, hidden_states: str, cfg: TrainConfig, count: int, world) -> list[list[dict]]:
     """The first ``count`` micro-batches (items) the ``train`` stage would take from the train split."""
-    from eagle3.data import HiddenStates
+    from eagle3.hidden_states.loader import HiddenStates
 
     dataset = HiddenStates(merged, hidden_states, "train")
     plan = DataPlan(dataset.lengths, cfg, 0, world)

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import run
 from eagle3.common import sha256_file
-from eagle3.s3 import ServerHome, load_credentials, s3_client, stop
+from eagle3.lifecycle.s3 import ServerHome, load_credentials, s3_client, stop
 
 
 def free_port() -> int:

@@ -1,9 +1,10 @@
 """dvc.yaml declares every input a stage reads: code deps derived from imports, params from reads.
 
 A stage's code is the closure of the eagle3 modules its ``-m eagle3.<module>`` imports (found
-with ``ast``, so imports inside functions count too). Each of them must be a dep of the stage
-(a folder dep covers its files), and no ``src/`` dep may be stale, or editing it reruns the
-stage for nothing. The package ``__init__`` is no dep: it holds only the docstring and version.
+with ``ast``, so imports inside functions count too; importing ``eagle3.a.b`` runs ``a``'s
+``__init__`` too). Each of them must be a dep of the stage (a folder dep covers its files), and no
+``src/`` dep may be stale, or editing it reruns the stage for nothing. A package ``__init__`` that
+holds only its docstring (and the version) runs nothing a stage uses: it is no dep.
 
 A stage reads params only through ``config.stage_params(PARAMS)``, which hands it the keys of its
 module's ``PARAMS`` and nothing else; ``PARAMS`` must equal the stage's ``params:`` in dvc.yaml.
@@ -48,8 +49,16 @@ def imported_files(path: Path) -> set[Path]:
             parts = list(package[: len(package) - node.level + 1]) if node.level else []
             module = ".".join(parts + ([node.module] if node.module else []))
             names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    names = {".".join(name.split(".")[:n]) for name in names for n in range(1, name.count(".") + 2)}  # and parents
     files = {module_file(name) for name in names if name.split(".")[0] == "eagle3"}
     return {file for file in files if file is not None}
+
+
+def only_docstring(file: Path) -> bool:
+    """A package ``__init__`` that holds only its docstring and, optionally, ``__version__``."""
+    docstring, *rest = ast.parse(file.read_text()).body
+    return (isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant)
+            and [ast.unparse(node).split(" =")[0] for node in rest] in ([], ["__version__"]))
 
 
 def code_closure(module: str) -> set[Path]:
@@ -59,7 +68,7 @@ def code_closure(module: str) -> set[Path]:
         if file not in seen:
             seen.add(file)
             todo += imported_files(file)
-    return seen - {SRC / "eagle3" / "__init__.py"}
+    return {file for file in seen if not (file.name == "__init__.py" and only_docstring(file))}
 
 
 def run_modules(body: dict) -> list[str]:
@@ -102,10 +111,14 @@ def test_no_code_dep_is_stale():
 
 def test_package_init_holds_only_docstring_and_version():
     """Why ``eagle3/__init__.py`` need not be a dep: importing it runs nothing a stage uses."""
-    body = ast.parse((SRC / "eagle3" / "__init__.py").read_text()).body
-    docstring, *rest = body
-    assert isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant)
-    assert [ast.unparse(node).split(" =")[0] for node in rest] == ["__version__"]
+    assert only_docstring(SRC / "eagle3" / "__init__.py")
+
+
+def test_library_subpackages_are_no_deps_themselves():
+    """The library's subpackages (all but the generation backends) are folders of modules whose
+    ``__init__`` only says what they hold, so a stage depends on the modules it imports, not on all."""
+    inits = sorted(path.parent.name for path in (SRC / "eagle3").glob("*/__init__.py") if not only_docstring(path))
+    assert inits == ["backends"]
 
 
 def test_every_stage_reads_exactly_its_declared_params():

@@ -11,10 +11,10 @@ from omegaconf import OmegaConf
 
 from conftest import project_params, run
 from eagle3.common import UserError
+from eagle3.drafter.export import verifier_facts, write_drafter
+from eagle3.drafter.speculative import EagleProposer, TreeShape, greedy_decode, speculative_decode
 from eagle3.evaluate import Settings, acceptance_stats, check_pair, main, most_frequent_token
-from eagle3.export import verifier_facts, write_drafter
-from eagle3.speculative import EagleProposer, TreeShape, greedy_decode, speculative_decode
-from eagle3.verifier import load_tokenizer, load_verifier, read_meta
+from eagle3.verifiers.loading import load_tokenizer, load_verifier, read_meta
 from test_speculative import QUESTIONS, K, TableDrafter, encode, greedy_tables, random_drafter
 
 TINY_TAPS = (1, 2, 3)

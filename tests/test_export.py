@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from eagle3.cli import main as cli
-from eagle3.export import (
+from eagle3.drafter.export import (
     ENGINE_TAPS,
     check_drafter,
     default_taps,
@@ -20,7 +20,7 @@ from eagle3.export import (
     vllm_taps,
     write_drafter,
 )
-from eagle3.model import DraftConfig, Eagle3Drafter, KVCache
+from eagle3.drafter.model import DraftConfig, Eagle3Drafter, KVCache
 from tiny_drafter import draft_d2t, make_drafter, one_thread  # noqa: F401 (autouse fixture)
 
 VERIFIER = {"name": "debug", "fingerprint": "0123456789abcdef", "num_layers": 4, "vocab_size": 512, "hidden_size": 64,

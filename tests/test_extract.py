@@ -10,9 +10,9 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle3.common import UserError, read_jsonl, write_json, write_jsonl
-from eagle3.storage import PartWriter, dequantize_fp8, magnitudes, quantize_fp8, read_rows
 from eagle3.extract import ChatFormat, Sample, Settings, check_sample, extract_samples, extract_shard, prepare, render
-from eagle3.verifier import load_tokenizer, load_verifier, read_meta
+from eagle3.hidden_states.storage import PartWriter, dequantize_fp8, magnitudes, quantize_fp8, read_rows
+from eagle3.verifiers.loading import load_tokenizer, load_verifier, read_meta
 
 from conftest import project_params
 

@@ -24,7 +24,7 @@ from conftest import ROOT, TINY_LLAMA
 from eagle3 import evaluate, extract, generate, merge, prompts, train
 from eagle3.common import write_jsonl
 from eagle3.config import compose_params
-from eagle3.export import check_drafter
+from eagle3.drafter.export import check_drafter
 from eagle3.verifier import import_verifier
 
 pytestmark = pytest.mark.families

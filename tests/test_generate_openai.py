@@ -19,7 +19,7 @@ from test_generate import generate, prompt, shard_file, stage_params
 from eagle3.backends.openai import OpenAIBackend
 from eagle3.backends.sglang import launch_command
 from eagle3.common import UserError, read_json
-from eagle3.verifier import load_tokenizer
+from eagle3.verifiers.loading import load_tokenizer
 
 STANDIN = Path(__file__).with_name("openai_standin.py")
 

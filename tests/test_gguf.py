@@ -8,8 +8,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import project_params
-from eagle3.common import UserError
-from eagle3.verifier import gguf_parts, import_verifier, package_file, read_meta, write_gguf
+from eagle3.common import UserError, package_file
+from eagle3.verifier import gguf_parts, import_verifier, write_gguf
+from eagle3.verifiers.loading import read_meta
 
 
 def make_packages(root: Path, monkeypatch, files: dict[str, list[str]]) -> None:

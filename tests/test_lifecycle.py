@@ -13,7 +13,7 @@ import yaml
 
 from conftest import run
 from eagle3.config import compose_params
-from eagle3.s3 import ServerHome, stop
+from eagle3.lifecycle.s3 import ServerHome, stop
 from local_s3 import add_remote, cache_objects, file_hashes, local_s3, lock_objects  # noqa: F401
 
 TARGET = "extract"  # the stages up to the hidden states, the artifact gc is about

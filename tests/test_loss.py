@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.data import collate
-from eagle3.loss import StepMetrics, TrainingTimeTest, VerifierHead, metric_sums, select_rows, shift_left, step_counts, ttt_loss
+from eagle3.drafter.loss import StepMetrics, TrainingTimeTest, VerifierHead, metric_sums, select_rows, shift_left, step_counts, ttt_loss
+from eagle3.hidden_states.loader import collate
 from reference import reference_ttt_loss
 from tiny_drafter import make_drafter, random_batch, verifier_head_weight, one_thread  # noqa: F401 (autouse fixture)
 
@@ -73,7 +73,7 @@ def test_ttt_loss_matches_reference(pre_norm):
 
 
 def samples(cfg, lengths: list[int], seed: int) -> list[dict[str, torch.Tensor]]:
-    """Items as ``eagle3.data.HiddenStates`` yields them, with loss masks that reach both ends."""
+    """Items as ``eagle3.hidden_states.loader.HiddenStates`` yields them, with loss masks that reach both ends."""
     items = []
     for i, n in enumerate(lengths):
         batch = random_batch(cfg, 1, n, seed=seed + i)

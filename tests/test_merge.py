@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 from safetensors.numpy import load_file
 
 from eagle3.common import UserError, read_json, read_jsonl, write_json
-from eagle3.data import HiddenStates, collate, pack
 from eagle3.extract import extract_shard
+from eagle3.hidden_states.loader import HiddenStates, collate, pack
 from eagle3.merge import draft_vocab, merge
 
 from conftest import project_params

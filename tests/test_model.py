@@ -12,7 +12,7 @@ from torch import Tensor
 from transformers import AutoConfig, DeepseekV3Config, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from eagle3.model import LLAMA3_ROPE, DraftConfig, KVCache, cached_attention, document_block_mask, masked_attention, rope_frequencies
+from eagle3.drafter.model import LLAMA3_ROPE, DraftConfig, KVCache, cached_attention, document_block_mask, masked_attention, rope_frequencies
 from reference import explicit_attention
 from tiny_drafter import make_drafter, one_thread  # noqa: F401 (autouse fixture)
 

@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 import tiny_kimi
 from eagle3.common import UserError, read_jsonl
 from eagle3.extract import Settings, extract_shard
-from eagle3.verifier import Placement, import_verifier, text_config
+from eagle3.verifier import import_verifier
+from eagle3.verifiers.loading import Placement, text_config
 from test_extract import conversation, stored_sample, tiny_params, write_generated
 
 
@@ -92,9 +93,9 @@ def test_sharded_evaluate_decodes_as_a_whole_copy(tmp_path, tiny_verifier_dir):
     """evaluate with tp 2: both processes decode every prompt in lockstep; the same τ as a whole copy."""
     import json
 
+    from eagle3.drafter.export import verifier_facts, write_drafter
     from eagle3.evaluate import main
-    from eagle3.export import verifier_facts, write_drafter
-    from eagle3.verifier import load_verifier, read_meta
+    from eagle3.verifiers.loading import load_verifier, read_meta
     from conftest import project_params
     from test_evaluate import QUESTIONS, TINY_TAPS, random_drafter
 

@@ -16,9 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from eagle3.evaluate import acceptance_stats
-from eagle3.model import DraftConfig, Eagle3Drafter
-from eagle3.speculative import (
+from eagle3.drafter.model import DraftConfig, Eagle3Drafter
+from eagle3.drafter.speculative import (
     Draft,
     EagleProposer,
     HistoryProposer,
@@ -32,7 +31,9 @@ from eagle3.speculative import (
     speculative_decode,
     truncate,
 )
-from eagle3.verifier import load_tokenizer, load_verifier, prompt_ids
+from eagle3.evaluate import acceptance_stats
+from eagle3.verifiers.chat import prompt_ids
+from eagle3.verifiers.loading import load_tokenizer, load_verifier
 from tiny_drafter import draft_d2t
 
 K = 4

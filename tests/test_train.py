@@ -23,12 +23,12 @@ from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
 from eagle3.common import UserError, read_json, read_jsonl, stage_main
-from eagle3.export import check_drafter
+from eagle3.drafter.export import check_drafter
+from eagle3.drafter.loss import TrainingTimeTest, VerifierHead
+from eagle3.drafter.parallel import World
 from eagle3.extract import extract_shard
-from eagle3.loss import TrainingTimeTest, VerifierHead
+from eagle3.hidden_states.loader import collate, pack
 from eagle3.merge import merge
-from eagle3.parallel import World
-from eagle3.data import collate, pack
 from eagle3.train import DataPlan, TrainConfig, fit, lock_run, lr_factor, main, tokens_trained, train, verifier_parts
 
 from conftest import ROOT, project_params
@@ -84,7 +84,7 @@ def test_lr_factor_worked_example():
 
 
 class Items(Dataset):
-    """In-memory samples shaped like ``eagle3.data.HiddenStates`` items; optionally crashes."""
+    """In-memory samples shaped like ``eagle3.hidden_states.loader.HiddenStates`` items; optionally crashes."""
 
     def __init__(self, cfg, count: int, seed: int, crash_after: int | None = None):
         self.items = [self.item(10 + (i * 3) % 7, cfg, seed + i) for i in range(count)]

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlavaConfig
 
 from eagle3.common import UserError
-from eagle3.verifier_spec import VerifierSpec, require_verifier, tap_problem, tapped_features, verifier_mismatch
+from eagle3.verifiers.spec import VerifierSpec, require_verifier, tap_problem, tapped_features, verifier_mismatch
 
 from conftest import project_params
 

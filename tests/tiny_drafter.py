@@ -1,11 +1,11 @@
-"""A tiny random drafter, verifier head and batch of the shapes `eagle3.data` yields (for fast tests)."""
+"""A tiny random drafter, verifier head and batch of the shapes `eagle3.hidden_states.loader` yields (for fast tests)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from eagle3.model import DraftConfig, Eagle3Drafter
+from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 
 
 def make_drafter(seed: int = 0, **overrides) -> Eagle3Drafter:

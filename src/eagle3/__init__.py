@@ -1,7 +1,11 @@
 """eagle3: EAGLE-3 draft-model training as a declarative, versioned DVC pipeline.
 
-Each dvc.yaml stage is one module of this package run as ``python -m eagle3.<stage>``;
-``common`` holds the few helpers every stage shares (errors, atomic outputs, JSONL, params).
+Each dvc.yaml stage is one top-level module of this package run as ``python -m eagle3.<stage>``;
+``common`` and ``config`` hold what every stage shares (errors, atomic outputs, JSONL; params).
+The library the stages share is grouped by concern: ``verifiers`` (loading the verifier, its
+family's spec, chat rendering), ``backends`` (generation), ``hidden_states`` (the on-disk format
+and the training loader), ``drafter`` (model, loss, export, speculative decoding, parallelism) and
+``lifecycle`` (DVC cache gc, the S3 remote).
 """
 
 __version__ = "0.1.0"

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 
-from eagle3 import gc, report, s3
+from eagle3 import report
 from eagle3.common import UserError, setup_logging
+from eagle3.lifecycle import gc, s3
 
 
 def _params(args: argparse.Namespace) -> None:
@@ -24,7 +25,7 @@ def _params(args: argparse.Namespace) -> None:
 
 
 def _check_drafter(args: argparse.Namespace) -> None:
-    from eagle3.export import check_drafter, rewrite_config
+    from eagle3.drafter.export import check_drafter, rewrite_config
 
     if args.rewrite_config:
         print(f"wrote {rewrite_config(args.folder)}")

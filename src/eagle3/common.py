@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import glob
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -239,6 +240,17 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def package_file(package: str, file: str, field: str = "model.source") -> Path:
+    """A data file or folder inside an installed package, found by path so the package is never imported."""
+    spec = importlib.util.find_spec(package.replace("-", "_"))
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"{field}: package {package!r} is not installed; run `pip install --no-deps {package}`")
+    path = Path(list(spec.submodule_search_locations)[0]) / file
+    if not path.exists():
+        raise UserError(f"{field}: {path} not found in package {package!r}")
+    return path
 
 
 def to_plain(cfg: Any) -> Any:

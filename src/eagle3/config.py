@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from eagle3.common import USER_ERROR, UserError
-from eagle3.verifier_spec import FINAL_STATES, tap_problem
+from eagle3.verifiers.spec import FINAL_STATES, tap_problem
 
 SHARD_NAME = re.compile(r"^(\d{6})-(\d{6})$")
 SOURCE_KINDS = ("evals", "jsonl", "parquet", "hf")

@@ -9,7 +9,7 @@ tree. The drafter is loaded from its export (``load_drafter``), never from train
 broken export shows up here as τ ≈ the baselines'.
 
 For each eval set (``data/prompts/eval/<set>.jsonl``, rendered with the chat template and the
-generation prompt), the prompts are decoded ``evaluate.batch_size`` at a time (``eagle3.speculative``)
+generation prompt), the prompts are decoded ``evaluate.batch_size`` at a time (``eagle3.drafter.speculative``)
 by plain greedy decoding, chain drafting and tree drafting, alternately per batch, each timed; the
 outputs must be identical. Speedup = tokens/s over plain greedy decoding at the same batch size.
 Two baselines are replayed on the plain greedy output (exact under greedy verification, and
@@ -44,11 +44,12 @@ from tqdm import tqdm
 
 from eagle3.common import UserError, atomic_dir, read_json, read_jsonl, stage_main
 from eagle3.config import stage_params
-from eagle3.export import check_drafter, load_drafter
-from eagle3.speculative import EagleProposer, TreeShape, most_frequent, ngram, prefill, replay, speculative_decode
-from eagle3.verifier import (Placement, close_sharded, eos_token_ids, input_embedding, load_tokenizer, load_verifier, prompt_ids,
-                             read_meta, shard_rank, text_config)
-from eagle3.verifier_spec import require_verifier
+from eagle3.drafter.export import check_drafter, load_drafter
+from eagle3.drafter.speculative import EagleProposer, TreeShape, most_frequent, ngram, prefill, replay, speculative_decode
+from eagle3.verifiers.chat import prompt_ids
+from eagle3.verifiers.loading import (Placement, close_sharded, eos_token_ids, input_embedding, load_tokenizer, load_verifier,
+                                      read_meta, shard_rank, text_config)
+from eagle3.verifiers.spec import require_verifier
 
 log = logging.getLogger(__name__)
 

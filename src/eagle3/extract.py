@@ -5,7 +5,7 @@
 
 Each generated conversation is rendered with the verifier's chat template into ``input_ids`` and
 a ``loss_mask`` over the answer (``render``), run through the verifier's decoder (no lm_head) in
-batches of similar lengths, checked, and stored in the ``eagle3.storage`` format:
+batches of similar lengths, checked, and stored in the ``eagle3.hidden_states.storage`` format:
 
 - ``part-<first record>.safetensors``: samples concatenated along the token axis (~``part_bytes``);
 - ``index.jsonl``: per stored sample, in record order: id, record, part, offset, length, masked, truncated,
@@ -40,9 +40,9 @@ from tqdm import tqdm
 
 from eagle3.common import UserError, atomic_dir, exit_with_launcher, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl
 from eagle3.config import stage_params
-from eagle3.storage import PartWriter, encode_sample, magnitudes
-from eagle3.verifier import Placement, close_sharded, load_tokenizer, load_verifier, read_meta, shard_rank, text_config
-from eagle3.verifier_spec import require_verifier, tap_problem, tapped_features
+from eagle3.hidden_states.storage import PartWriter, encode_sample, magnitudes
+from eagle3.verifiers.loading import Placement, close_sharded, load_tokenizer, load_verifier, read_meta, shard_rank, text_config
+from eagle3.verifiers.spec import require_verifier, tap_problem, tapped_features
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ def hidden_states(
 def check_sample(sample: Sample, stored: dict[str, torch.Tensor], largest: dict[str, float]) -> str | None:
     """Why the tensors about to be stored for ``sample`` must not be trained on, or None.
 
-    ``largest``: ``eagle3.storage.magnitudes(stored)`` (non-finite when a value is NaN/Inf).
+    ``largest``: ``eagle3.hidden_states.storage.magnitudes(stored)`` (non-finite when a value is NaN/Inf).
     """
     if stored["input_ids"].tolist() != sample.input_ids:
         return "stored input_ids differ from the rendered conversation"

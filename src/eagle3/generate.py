@@ -38,7 +38,8 @@ from tqdm import tqdm
 from eagle3.backends import Answer, Backend, Failure, Request, has_surrogates, make_backend
 from eagle3.common import UserError, atomic_dir, sha256_file, stable_hash, stage_main, to_plain, write_json, write_jsonl
 from eagle3.config import stage_params
-from eagle3.verifier import load_tokenizer, prompt_ids, read_meta
+from eagle3.verifiers.chat import prompt_ids
+from eagle3.verifiers.loading import load_tokenizer, read_meta
 
 log = logging.getLogger(__name__)
 

@@ -36,18 +36,11 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
-from eagle3.common import (
-    UserError,
-    atomic_dir,
-    numbered_jsonl,
-    stable_hash,
-    stage_main,
-    to_plain,
-    write_json,
-    write_jsonl,
-)
+from eagle3.common import (UserError, atomic_dir, numbered_jsonl, package_file, stable_hash, stage_main, to_plain, write_json,
+                           write_jsonl)
 from eagle3.config import shard_range, stage_params
-from eagle3.verifier import load_tokenizer, package_file, prompt_ids, read_meta
+from eagle3.verifiers.chat import prompt_ids
+from eagle3.verifiers.loading import load_tokenizer, read_meta
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ states and the metric history, which is replayed into dvclive so a resumed run's
 are those of an uninterrupted one. The run hash covers every input of training (params, code, the
 merged mixture and the bytes of every hidden-state file it references), and a lock on its folder
 keeps a second trainer out. A rerun over a finished run trains nothing and re-exports the same
-bytes. At the end the best weights are exported and checked (``eagle3.export``).
+bytes. At the end the best weights are exported and checked (``eagle3.drafter.export``).
 """
 
 from __future__ import annotations
@@ -44,20 +44,22 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
-from eagle3 import parallel
 from eagle3.common import UserError, atomic_dir, read_json, sha256_file, stable_hash, stage_main, to_plain, write_json
 from eagle3.config import stage_params
-from eagle3.export import check_drafter, verifier_facts, write_drafter
-from eagle3.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
-from eagle3.model import DraftConfig, Eagle3Drafter
-from eagle3.parallel import World
-from eagle3.verifier_spec import VERIFIER_TENSORS, require_verifier
+from eagle3.drafter import parallel
+from eagle3.drafter.export import check_drafter, verifier_facts, write_drafter
+from eagle3.drafter.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
+from eagle3.drafter.model import DraftConfig, Eagle3Drafter
+from eagle3.drafter.parallel import World
+from eagle3.verifiers.spec import VERIFIER_TENSORS, require_verifier
 
 log = logging.getLogger(__name__)
 
 PARAMS = ("seed", "train", "model.draft_head")  # = dvc.yaml
 
-TRAINING_CODE = ("train.py", "loss.py", "model.py", "parallel.py", "data.py", "storage.py", "verifier_spec.py")  # what changes the weights
+# What changes the weights, relative to the eagle3 package
+TRAINING_CODE = ("train.py", "drafter/loss.py", "drafter/model.py", "drafter/parallel.py", "hidden_states/loader.py",
+                 "hidden_states/storage.py", "verifiers/spec.py")
 CLOCK_METRICS = ("tokens_per_s",)  # logged to dvclive and the log, never written into models/drafter
 
 
@@ -104,7 +106,7 @@ class TrainConfig:
 class DataPlan:
     """Which samples each optimizer step trains on, packed into rows of ``pack_tokens`` tokens.
 
-    Epoch e packs its permutation (seeded by seed and e) into rows (``eagle3.data.pack``); its
+    Epoch e packs its permutation (seeded by seed and e) into rows (``eagle3.hidden_states.loader.pack``); its
     steps take G = batch_size x grad_accum x world rows each, in order, dropping the tail rows of
     fewer than G. A step's rows are cut into world x grad_accum micro-batches of batch_size rows;
     process r takes micro-batches r*grad_accum ... . A micro-batch is given as the sample indices
@@ -123,7 +125,7 @@ class DataPlan:
 
     def rows(self, epoch: int) -> list[list[int]]:
         """Epoch ``epoch``'s packed rows (sample indices)."""
-        from eagle3.data import pack
+        from eagle3.hidden_states.loader import pack
 
         if self.packed[0] != epoch:
             order = torch.randperm(len(self.lengths), generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch)).tolist()
@@ -194,9 +196,9 @@ class StepSampler(Sampler):
 
 
 def collate_ttt(items: list[dict[str, Tensor]], cfg: TrainConfig) -> dict[str, Any]:
-    """``eagle3.data.collate`` into ``batch_size`` packed rows, plus the rows each TTT step scores
+    """``eagle3.hidden_states.loader.collate`` into ``batch_size`` packed rows, plus the rows each TTT step scores
     and the count of real tokens (host side)."""
-    from eagle3.data import collate
+    from eagle3.hidden_states.loader import collate
 
     batch = collate(items, cfg.pack_tokens, cfg.batch_size)
     return {"input_ids": batch["input_ids"], "aux": batch["aux"], "final": batch["final"], "position_ids": batch["position_ids"],
@@ -264,7 +266,7 @@ def train_step(model, head: VerifierHead, micro: list[dict], optimizer, schedule
 @torch.no_grad()
 def validate(model, head: VerifierHead, dataset: Dataset, cfg: TrainConfig, world: World) -> dict[str, float]:
     """Metrics over the whole validation split (every process runs the same number of batches)."""
-    from eagle3.data import pack
+    from eagle3.hidden_states.loader import pack
 
     net = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     rows = pack(dataset.lengths, cfg.pack_tokens)  # in index order
@@ -439,7 +441,7 @@ def verifier_parts(folder: Path) -> tuple[SimpleNamespace, dict[str, Tensor]]:
     (``model.language_model``) has them under its prefix."""
     from safetensors import safe_open
 
-    from eagle3.verifier import language_model, text_config_dict, weights_dir
+    from eagle3.verifiers.loading import language_model, text_config_dict, weights_dir
 
     lm = language_model(folder)
     config = SimpleNamespace(**text_config_dict(folder, lm))
@@ -462,7 +464,7 @@ def verifier_parts(folder: Path) -> tuple[SimpleNamespace, dict[str, Tensor]]:
 def open_data(merged: Path, hidden_states: Path, fingerprint: str) -> tuple[Dataset, Dataset, dict, Tensor]:
     from safetensors.torch import load_file
 
-    from eagle3.data import HiddenStates
+    from eagle3.hidden_states.loader import HiddenStates
 
     train_set, val_set = HiddenStates(merged, hidden_states, "train"), HiddenStates(merged, hidden_states, "val")
     meta = train_set.meta
@@ -483,7 +485,7 @@ def run_id(cfg: TrainConfig, draft: DraftConfig, fingerprint: str, seed: int, wo
     of training is included; export code is not (a rerun after an export change resumes the
     finished run and only re-exports).
     """
-    code = [sha256_file(Path(__file__).with_name(name)) for name in TRAINING_CODE]
+    code = [sha256_file(Path(__file__).parent / name) for name in TRAINING_CODE]
     return stable_hash({"train": cfg.__dict__, "draft": draft.to_dict(), "inputs": inputs, "code": code, "verifier": fingerprint,
                         "seed": seed, "world": world.size})
 
@@ -587,7 +589,7 @@ def export(out: Path, verifier: Path, state: dict[str, Tensor], draft: DraftConf
 
 def train(args: argparse.Namespace, params, world: World) -> dict[str, Any]:
     """The whole stage on one process of the world."""
-    from eagle3.verifier import read_meta
+    from eagle3.verifiers.loading import read_meta
 
     cfg, seed = TrainConfig.from_params(params.train), int(params.seed)
     fingerprint = read_meta(args.verifier)["fingerprint"]["id"]

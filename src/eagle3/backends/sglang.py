@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from eagle3.backends import Done, Request
 from eagle3.backends.openai import OpenAIBackend
 from eagle3.common import UserError, die_with_parent
-from eagle3.verifier import weights_dir
+from eagle3.verifiers.loading import weights_dir
 
 log = logging.getLogger(__name__)
 

@@ -59,8 +59,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from eagle3.model import KVCache
-from eagle3.verifier_spec import tapped_features
+from eagle3.drafter.model import KVCache
+from eagle3.verifiers.spec import tapped_features
 
 
 @dataclass

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from eagle3.model import Eagle3Drafter, KVCache, RMSNorm
+from eagle3.drafter.model import Eagle3Drafter, KVCache, RMSNorm
 
 
 def shift_left(x: Tensor, n: int, fill=0) -> Tensor:

@@ -107,7 +107,7 @@ def read_rows(part, names: list[str], start: int, stop: int) -> dict[str, torch.
 
 
 def encode_sample(ids: torch.Tensor, mask: list[int], aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
-    """The tensors stored for one sample (``eagle3.storage`` format), hidden states still on their device."""
+    """The tensors stored for one sample (``eagle3.hidden_states.storage`` format), hidden states still on their device."""
     groups = aux.shape[1] // final.shape[1]
     return {
         "input_ids": ids.to(torch.int32),

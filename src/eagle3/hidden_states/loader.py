@@ -5,7 +5,7 @@ its samples into fixed-size rows.
     rows = pack(dataset.lengths, capacity=2048)                  # sample indices of each row
     batch = collate([dataset[i] for i in rows[0] + rows[1]], capacity=2048, rows=2)   # [2, 2048, ...]
 
-Samples are token ranges of safetensors parts (format: ``eagle3.storage``), referenced by
+Samples are token ranges of safetensors parts (format: ``eagle3.hidden_states.storage``), referenced by
 ``data/merged/manifest.jsonl``. Parts are memory-mapped with ``safetensors.safe_open`` and only
 the requested rows are read. Every sample read is checked against its shard's index (shapes,
 masked count, finite values within the magnitudes recorded at extraction): a corrupted part stops
@@ -20,8 +20,8 @@ import torch
 from torch.utils.data import Dataset
 
 from eagle3.common import UserError, read_json, read_jsonl
-from eagle3.storage import decode_states, load_problem, read_rows
-from eagle3.verifier_spec import require_verifier
+from eagle3.hidden_states.storage import decode_states, load_problem, read_rows
+from eagle3.verifiers.spec import require_verifier
 
 
 class HiddenStates(Dataset):

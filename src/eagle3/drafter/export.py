@@ -24,9 +24,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from eagle3.common import UserError, read_json, write_json
-from eagle3.model import DraftConfig, Eagle3Drafter
-from eagle3.verifier import language_model, text_config_dict
-from eagle3.verifier_spec import tap_problem, verifier_mismatch
+from eagle3.drafter.model import DraftConfig, Eagle3Drafter
+from eagle3.verifiers.loading import language_model, text_config_dict
+from eagle3.verifiers.spec import tap_problem, verifier_mismatch
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHT_DTYPE = torch.bfloat16

@@ -1,0 +1,4 @@
+"""The EAGLE-3 drafter: the model (``model``), its training-time-test loss (``loss``), the folder
+SGLang and vLLM load (``export``), speculative decoding with it (``speculative``) and data-parallel
+training (``parallel``). docs/design.md says what each computes.
+"""

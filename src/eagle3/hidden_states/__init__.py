@@ -1,0 +1,3 @@
+"""The verifier's hidden states on disk: the format extract writes (``storage``) and the dataset
+training reads from it (``loader``).
+"""

@@ -1,0 +1,293 @@
+"""The verifier as every stage loads it: the folder ``models/verifier`` that the verifier stage wrote.
+
+    meta = read_meta("models/verifier")                      # source, fingerprint, weights_path
+    model = load_verifier("models/verifier", "cuda", "bfloat16")
+    tokenizer = load_tokenizer("models/verifier")
+    config = text_config("models/verifier")                  # the language model's config, no weights
+
+Multimodal checkpoints (Kimi-K2.5: a vision wrapper around a DeepSeek-V3 text model) nest the
+language model: its config under ``text_config``, its weights under ``language_model.``. The
+params' ``model.language_model`` says where (``LanguageModel``); the verifier stage records it in
+``meta.json``, and every stage finds the text model's config, weights and embedding/norm/lm_head
+through it. Only the text model is ever loaded (the vision tower's weights are skipped).
+``Placement`` lays one copy over several processes (tensor/expert parallel) for extract and evaluate.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from eagle3.common import UserError, read_json, to_plain
+
+log = logging.getLogger(__name__)
+
+EMBEDDING = "model.embed_tokens.weight"  # the text model's embedding, relative to LanguageModel.prefix
+DTYPES = {"float32", "bfloat16", "float16"}
+
+
+
+@dataclass(frozen=True)
+class LanguageModel:
+    """Where the language model sits in the verifier's checkpoint (params ``model.language_model``).
+
+    A plain causal LM has the defaults: ``config.json`` is its config, its weights are ``model.*``
+    and ``lm_head.*``. Kimi-K2.5 nests it: ``config: text_config``, ``prefix: language_model.``,
+    and ``model_type: deepseek_v3`` because its text config names a remote-code type (``kimi_k2``)
+    that transformers' own DeepSeek-V3 class reads (and can shard: it has TP and EP plans).
+    """
+
+    config: str | None = None  # key of its sub-config in config.json; None: config.json itself
+    prefix: str = ""  # prefix of its weight names (its embedding is <prefix>model.embed_tokens.weight)
+    model_type: str | None = None  # transformers model type that builds it; None: its config's own
+
+    @classmethod
+    def from_params(cls, section: DictConfig | dict | None) -> LanguageModel:
+        section = to_plain(section) or {}
+        unknown = sorted(set(section) - {"config", "prefix", "model_type"})
+        if unknown:
+            raise UserError(f"params.yaml: model.language_model has unknown keys {unknown}; known: config, prefix, model_type")
+        return cls(section.get("config"), section.get("prefix") or "", section.get("model_type"))
+
+    @property
+    def nested(self) -> bool:
+        return self.config is not None or bool(self.prefix) or self.model_type is not None
+
+    def key_mapping(self) -> dict[str, str] | None:
+        """transformers' ``key_mapping`` that strips the prefix from checkpoint names (None: nothing to strip)."""
+        return {f"^{re.escape(self.prefix)}": ""} if self.prefix else None
+
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How one copy of the verifier is laid over devices for extract and evaluate (params ``layout.verifier``).
+
+    tp 1: a whole copy per process (data parallel, ``layout.extract_workers`` copies). tp > 1: one
+    copy sharded over tp processes that the stage runs under torchrun, with transformers' tensor
+    parallel plan (``DistributedConfig``); ep = tp also splits a MoE's experts over them.
+    """
+
+    tp: int = 1  # processes (GPUs) holding one copy together
+    ep: int = 1  # 1, or tp: experts split over the tp processes (MoE)
+
+    @classmethod
+    def from_params(cls, layout: DictConfig) -> Placement:
+        section = layout.get("verifier") or {}
+        placement = cls(int(section.get("tp", 1)), int(section.get("ep", 1)))
+        if placement.tp < 1 or placement.ep not in (1, placement.tp):
+            raise UserError(f"params.yaml: layout.verifier {{tp: {placement.tp}, ep: {placement.ep}}}: tp must be >= 1, and ep 1 or tp")
+        return placement
+
+    @property
+    def sharded(self) -> bool:
+        return self.tp > 1
+
+    def check(self, config, device: str) -> None:
+        """Refuse what cannot be sharded this way: more GPUs than the node has, a model without a
+        TP (or EP) plan in transformers, heads or experts that tp (ep) does not divide."""
+        if not self.sharded:
+            return
+        if device == "cuda":
+            import torch
+
+            if self.tp > torch.cuda.device_count():
+                raise UserError(f"params.yaml: layout.verifier.tp {self.tp} needs {self.tp} GPUs; this node has {torch.cuda.device_count()}")
+        if not getattr(config, "base_model_tp_plan", None):
+            raise UserError(f"params.yaml: layout.verifier.tp {self.tp}: transformers has no tensor-parallel plan for "
+                            f"{config.model_type!r} models; use tp 1 (a whole copy per GPU)")
+        if self.ep > 1 and not getattr(config, "base_model_ep_plan", None):
+            raise UserError(f"params.yaml: layout.verifier.ep {self.ep}: transformers has no expert-parallel plan for "
+                            f"{config.model_type!r} models; use ep 1")
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            value = getattr(config, key, None)
+            if value and value % self.tp:
+                raise UserError(f"params.yaml: layout.verifier.tp {self.tp} does not divide the verifier's {key} ({value})")
+        experts = getattr(config, "n_routed_experts", None) or getattr(config, "num_local_experts", None)
+        if self.ep > 1 and experts and experts % self.ep:
+            raise UserError(f"params.yaml: layout.verifier.ep {self.ep} does not divide the verifier's {experts} experts")
+
+    def distributed_config(self):
+        """transformers' ``DistributedConfig`` for this placement (5.17 and 5.24 spell EP differently)."""
+        from transformers.distributed import DistributedConfig
+
+        if self.ep == 1:
+            return DistributedConfig(tp_size=self.tp)
+        if "ep_size" in DistributedConfig.__dataclass_fields__:  # >= 5.21: the TP plan, with the EP plan over the experts
+            return DistributedConfig(tp_size=self.tp, ep_size=self.ep)
+        return DistributedConfig(tp_size=self.tp, enable_expert_parallel=True)  # older: the EP plan alone
+
+    def launch(self, module: str, argv: list[str]) -> bool:
+        """Run ``python -m module argv`` as tp torchrun processes on this node and wait; False when
+        not sharded or when this process already is one of them (then the caller goes on itself)."""
+        if not self.sharded or "WORLD_SIZE" in os.environ:
+            return False
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(self.tp),
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "-m", module, *argv]
+        log.info("sharded verifier: %s", " ".join(command[1:]))
+        returncode = subprocess.run(command).returncode
+        if returncode:
+            raise SystemExit(returncode)
+        return True
+
+
+
+def shard_rank() -> int:
+    """This process's rank among a sharded verifier's processes (0 when not sharded): rank 0 writes."""
+    return int(os.environ.get("RANK", "0"))
+
+
+
+def close_sharded() -> None:
+    """Leave the process group a sharded verifier was loaded into, once every process is done."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+
+def text_config_dict(folder: Path, lm: LanguageModel) -> dict[str, Any]:
+    """The language model's config as a dict: ``config.json`` or its ``lm.config`` section, typed as ``lm.model_type``.
+
+    A quantization config kept at the top level (beside the sub-config) applies to the text model too.
+    """
+    raw = read_json(folder / "config.json")
+    if lm.config is None:
+        config = dict(raw)
+    elif isinstance(raw.get(lm.config), dict):
+        config = dict(raw[lm.config])
+        if "quantization_config" in raw:
+            config.setdefault("quantization_config", raw["quantization_config"])
+    else:
+        raise UserError(f"{folder}/config.json: no {lm.config!r} section; model.language_model.config names the text model's sub-config")
+    if lm.model_type is not None:
+        config["model_type"] = lm.model_type
+    return config
+
+
+
+def checkpoint_names(folder: Path) -> set[str]:
+    """Every tensor name of the safetensors checkpoint in ``folder`` (from the index, else the file headers)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return set(read_json(index)["weight_map"])
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as part:
+            names.update(part.keys())
+    return names
+
+
+
+def torch_dtype(name: str):
+    import torch
+
+    if name not in DTYPES:
+        raise UserError(f"model.source.dtype: {name!r} is not one of {sorted(DTYPES)}")
+    return getattr(torch, name)
+
+
+
+def read_meta(folder: str | Path) -> dict[str, Any]:
+    return read_json(Path(folder) / "meta.json")
+
+
+
+def weights_dir(folder: str | Path) -> Path:
+    """Where the verifier's weights live: the folder itself, or the referenced location."""
+    folder = Path(folder)
+    location = read_meta(folder)["weights_path"]
+    return folder if location == "." else Path(location)
+
+
+
+def language_model(folder: str | Path) -> LanguageModel:
+    """Where the verifier folder's language model sits, as its ``meta.json`` recorded (default: a plain LM)."""
+    meta = Path(folder) / "meta.json"
+    return LanguageModel(**(read_json(meta).get("language_model") or {})) if meta.is_file() else LanguageModel()
+
+
+
+def text_config(folder: str | Path, trust_remote_code: bool = False):
+    """The language model's transformers config (no weights loaded)."""
+    from transformers import AutoConfig
+
+    folder, lm = Path(folder), language_model(folder)
+    if not lm.nested:
+        return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code).get_text_config()
+    config = text_config_dict(folder, lm)
+    try:
+        return AutoConfig.for_model(**config)
+    except ValueError:
+        raise UserError(
+            f"{folder}/config.json: transformers has no model type {config.get('model_type')!r}; set "
+            "model.language_model.model_type to the architecture the text model follows (e.g. deepseek_v3)"
+        ) from None
+
+
+
+def require_quantizer(config) -> None:
+    """Refuse, before loading, quantized weights whose transformers quantizer package is missing."""
+    method = (getattr(config, "quantization_config", None) or {})
+    method = method.get("quant_method") if isinstance(method, dict) else getattr(method, "quant_method", None)
+    packages = {"compressed-tensors": "compressed_tensors"}  # Kimi-K2.5 ships INT4 compressed-tensors
+    if str(method) in packages and importlib.util.find_spec(packages[str(method)]) is None:
+        raise UserError(f"the verifier's weights are {method}-quantized; run `pip install {method}` (transformers loads them through it)")
+
+
+
+def load_tokenizer(folder: str | Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """Every token that ends an answer: the generation config's EOS ids, else the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
+
+
+
+def load_verifier(folder: str | Path, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False,
+                  placement: Placement = Placement()):
+    """The verifier's language model as an eval-mode ``AutoModelForCausalLM`` on ``device`` in ``dtype``.
+
+    A nested language model is built from its own config and its weights are read with the prefix
+    stripped (the vision tower's are left unread). A sharded ``placement`` loads this process's
+    shard under torchrun (transformers places it on the process's own device).
+    """
+    from transformers import AutoModelForCausalLM
+
+    lm = language_model(folder)
+    config = text_config(folder, trust_remote_code)
+    require_quantizer(config)
+    extra = {"config": config, "key_mapping": lm.key_mapping()} if lm.nested else {}
+    if placement.sharded:
+        extra["distributed_config"] = placement.distributed_config()
+    model = AutoModelForCausalLM.from_pretrained(
+        weights_dir(folder), dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code, **extra
+    )
+    return model.eval() if placement.sharded else model.to(device).eval()
+
+
+
+def input_embedding(model):
+    """The verifier's token embedding as a plain tensor: whole even when the verifier is sharded (a tied
+    embedding is split with the lm_head), for a drafter that keeps its own frozen copy."""
+    weight = model.get_input_embeddings().weight.detach()
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
