@@ -40,7 +40,8 @@ from omegaconf import OmegaConf
 from eagle3.drafter.loss import TrainingTimeTest, VerifierHead
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.parallel import close_world, init_world, wrap
-from eagle3.train import DataPlan, TrainConfig, collate_ttt, lr_factor, to_device, train_step
+from eagle3.hidden_states.loader import DataPlan, HiddenStates
+from eagle3.train import TrainConfig, collate_ttt, lr_factor, to_device, train_step
 
 
 def train_config(**keys) -> TrainConfig:
@@ -79,11 +80,9 @@ def random_documents(cfg: DraftConfig, rows: int, seq: int, doc_tokens: int, ans
 
 def real_micro_batches(merged: str, hidden_states: str, cfg: TrainConfig, count: int, world) -> list[list[dict]]:
     """The first ``count`` micro-batches (items) the ``train`` stage would take from the train split."""
-    from eagle3.hidden_states.loader import HiddenStates
-
     dataset = HiddenStates(merged, hidden_states, "train")
-    plan = DataPlan(dataset.lengths, cfg, 0, world)
-    batches = [b for step in range(count) for b in plan.micro_batches(step % plan.total_steps())][:count]
+    plan = DataPlan(dataset.lengths, cfg.batching, 0, world.rank, world.size)
+    batches = [b for step in range(count) for b in plan.micro_batches(step % (cfg.max_steps or plan.steps(cfg.epochs)))][:count]
     return [[dataset[i] for i in indices] for indices in batches]
 
 

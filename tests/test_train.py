@@ -13,12 +13,11 @@ import signal
 import subprocess
 import sys
 import time
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
@@ -27,9 +26,9 @@ from eagle3.drafter.export import check_drafter
 from eagle3.drafter.loss import TrainingTimeTest, VerifierHead
 from eagle3.drafter.parallel import World
 from eagle3.extract import extract_shard
-from eagle3.hidden_states.loader import collate, pack
+from eagle3.hidden_states.loader import DataPlan, collate, pack
 from eagle3.merge import merge
-from eagle3.train import DataPlan, TrainConfig, fit, lock_run, lr_factor, main, tokens_trained, train, verifier_parts
+from eagle3.train import TrainConfig, TrainPaths, fit, lock_run, lr_factor, main, train, verifier_parts
 
 from conftest import ROOT, project_params
 from test_extract import conversation, tiny_params, write_generated
@@ -50,13 +49,13 @@ def test_data_plan_worked_example():
     cfg = train_config(batch_size=1, grad_accum=1, pack_tokens=6, epochs=2)
     perms = [torch.randperm(8, generator=torch.Generator().manual_seed(7 * 100_003 + e)).tolist() for e in (0, 1)]
     rows = [[[perm[i] for i in row] for row in pack([lengths[i] for i in perm], 6)] for perm in perms]
-    two = [DataPlan(lengths, cfg, 7, World(r, 2, CPU.device)) for r in (0, 1)]
-    assert two[0].total_steps() == len(rows[0]) // 2 + len(rows[1]) // 2
+    two = [DataPlan(lengths, cfg.batching, 7, rank=r, processes=2) for r in (0, 1)]
+    assert two[0].steps(cfg.epochs) == len(rows[0]) // 2 + len(rows[1]) // 2
     step = len(rows[0]) // 2  # the first step of epoch 1
     assert two[0].micro_batches(step) == [rows[1][0]] and two[1].micro_batches(step) == [rows[1][1]]
-    one = DataPlan(lengths, train_config(batch_size=1, grad_accum=2, pack_tokens=6), 7, CPU)
+    one = DataPlan(lengths, train_config(batch_size=1, grad_accum=2, pack_tokens=6).batching, 7)
     assert one.micro_batches(step) == [rows[1][0], rows[1][1]]  # one process accumulating = two processes
-    wide = DataPlan(lengths, train_config(batch_size=2, grad_accum=1, pack_tokens=6), 7, CPU)
+    wide = DataPlan(lengths, train_config(batch_size=2, grad_accum=1, pack_tokens=6).batching, 7)
     assert wide.micro_batches(0) == [rows[0][0] + rows[0][1]]  # a micro-batch of two rows
     assert [len(r) for r in collate([Items.item(n) for n in (3, 3, 2)], 6, 2)["position_ids"]] == [6, 6]
 
@@ -72,11 +71,11 @@ def test_a_frozen_random_head_is_refused():
 def test_tokens_trained_counts_every_process_and_epoch():
     lengths = [3, 3, 2, 6, 1, 4, 5, 2]
     cfg = train_config(batch_size=1, grad_accum=1, pack_tokens=6, epochs=3)
-    plans = [DataPlan(lengths, cfg, 7, World(r, 2, CPU.device)) for r in (0, 1)]
-    steps = plans[0].total_steps()
+    plans = [DataPlan(lengths, cfg.batching, 7, rank=r, processes=2) for r in (0, 1)]
+    steps = plans[0].steps(cfg.epochs)
     brute = sum(lengths[i] for step in range(steps) for plan in plans for micro in plan.micro_batches(step) for i in micro)
-    assert tokens_trained(lengths, steps, cfg, 7, world_size=2) == brute
-    assert tokens_trained(lengths, 1, cfg, 7, world_size=2) < brute  # a resumed count is a prefix of the same order
+    assert plans[0].tokens(steps) == plans[1].tokens(steps) == brute
+    assert plans[0].tokens(1) < brute  # a resumed count is a prefix of the same order
 
 
 def test_lr_factor_worked_example():
@@ -186,12 +185,17 @@ def tiny_data(tmp_path_factory, tiny_verifier_dir, tiny_model_params):
     return make_data(tmp_path_factory.mktemp("train"), tiny_verifier_dir, tiny_model_params, records=12, draft_vocab_size=256)
 
 
-def namespace(args: list[str]) -> Namespace:
-    """The parsed command line of ``stage_args`` (paths as ``eagle3.train.main`` parses them)."""
+def train_paths(args: list[str]) -> TrainPaths:
+    """The paths of ``stage_args``, as ``eagle3.train.main`` hands them to ``train``."""
     verifier, merged, hidden, out = map(Path, args[:4])
     options = dict(zip(args[4::2], args[5::2]))
-    return Namespace(verifier=verifier, merged=merged, hidden_states=hidden, out=out,
-                     checkpoints=Path(options["--checkpoints"]), live=Path(options["--live"]))
+    return TrainPaths(verifier, merged, hidden, out, Path(options["--checkpoints"]), Path(options["--live"]))
+
+
+def train_with(paths: TrainPaths, params: Path | DictConfig) -> dict:
+    """``train`` with the typed arguments ``eagle3.train.main`` reads from ``params`` (a file, or loaded)."""
+    params = OmegaConf.load(params) if isinstance(params, Path) else params
+    return train(paths, TrainConfig.from_params(params.train), int(params.seed), OmegaConf.to_container(params.model.draft_head), CPU)
 
 
 def final_weights(root: Path, name: str) -> dict[str, torch.Tensor]:
@@ -208,20 +212,20 @@ def test_rerun_is_idempotent_and_training_deterministic(tiny_data, tiny_verifier
     and the metrics) trains nothing and writes the same export, metrics and plots; a second run from
     scratch exports the same bytes; nothing clock-dependent is inside the export."""
     params = stage_params(tiny_data / "idem.yaml", max_steps=4)
-    args = namespace(stage_args(tiny_data, tiny_verifier_dir, "idem", params))
-    train(args, OmegaConf.load(params), CPU)
+    args = train_paths(stage_args(tiny_data, tiny_verifier_dir, "idem", params))
+    train_with(args, params)
     first, first_live = folder_bytes(args.out), folder_bytes(args.live)
     assert b"tokens_per_s" not in first["meta.json"]
     shutil.rmtree(args.out)
     shutil.rmtree(args.live)
     caplog.clear()
     with caplog.at_level("INFO", logger="eagle3.train"):
-        train(args, OmegaConf.load(params), CPU)
+        train_with(args, params)
     assert "at step 4" in caplog.text and "step 1 loss" not in caplog.text  # resumed finished, trained nothing
     assert folder_bytes(args.out) == first
     assert folder_bytes(args.live) == first_live
-    again = namespace(stage_args(tiny_data, tiny_verifier_dir, "again", params))
-    train(again, OmegaConf.load(params), CPU)
+    again = train_paths(stage_args(tiny_data, tiny_verifier_dir, "again", params))
+    train_with(again, params)
     assert folder_bytes(again.out) == first
 
 
@@ -248,8 +252,8 @@ def test_run_id_follows_hidden_state_bytes(tiny_data, tiny_verifier_dir, tmp_pat
     never resume another run's checkpoint; restoring the original bytes resumes the original run."""
     root = copy_data(tiny_data, tmp_path)
     params = stage_params(tmp_path / "p.yaml", max_steps=2)
-    args = namespace(stage_args(root, tiny_verifier_dir, "run", params))
-    train(args, OmegaConf.load(params), CPU)
+    args = train_paths(stage_args(root, tiny_verifier_dir, "run", params))
+    train_with(args, params)
     (original,) = run_dirs(args.checkpoints)
     part = next((root / "hidden").rglob("part-*.safetensors"))
     pristine = part.read_bytes()
@@ -259,13 +263,13 @@ def test_run_id_follows_hidden_state_bytes(tiny_data, tiny_verifier_dir, tmp_pat
         handle.write(bytes([pristine[at] ^ 1]))
     caplog.clear()
     with caplog.at_level("INFO", logger="eagle3.train"):
-        train(args, OmegaConf.load(params), CPU)
+        train_with(args, params)
     assert "resumed" not in caplog.text
     assert len(run_dirs(args.checkpoints)) == 2
     part.write_bytes(pristine)
     caplog.clear()
     with caplog.at_level("INFO", logger="eagle3.train"):
-        train(args, OmegaConf.load(params), CPU)
+        train_with(args, params)
     assert f"{original} at step 2" in caplog.text and len(run_dirs(args.checkpoints)) == 2
 
 
@@ -292,8 +296,8 @@ def test_corrupted_hidden_state_is_refused_in_one_line(tiny_data, tiny_verifier_
 
 def test_second_trainer_on_one_run_is_refused(tiny_data, tiny_verifier_dir, tmp_path):
     params = stage_params(tmp_path / "p.yaml", max_steps=2)
-    args = namespace(stage_args(copy_data(tiny_data, tmp_path), tiny_verifier_dir, "run", params))
-    train(args, OmegaConf.load(params), CPU)
+    args = train_paths(stage_args(copy_data(tiny_data, tmp_path), tiny_verifier_dir, "run", params))
+    train_with(args, params)
     (run_dir,) = [p for p in args.checkpoints.iterdir() if p.is_dir()]
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from eagle3.train import lock_run; "
                                "lock_run(__import__('pathlib').Path(sys.argv[1])); print('locked', flush=True); time.sleep(60)",
@@ -301,7 +305,7 @@ def test_second_trainer_on_one_run_is_refused(tiny_data, tiny_verifier_dir, tmp_
     try:
         assert holder.stdout.readline() == "locked\n"
         with pytest.raises(UserError, match=f"another trainer \\(pid {holder.pid}\\) is writing this run"):
-            train(args, OmegaConf.load(params), CPU)
+            train_with(args, params)
     finally:
         holder.kill()
         holder.wait()
@@ -372,7 +376,7 @@ def test_two_processes_equal_one(tiny_data, tiny_verifier_dir):
                             *stage_args(tiny_data, tiny_verifier_dir, "two", two), "--threads", "1"],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        train(namespace(stage_args(tiny_data, tiny_verifier_dir, "one", one)), OmegaConf.load(one), CPU)  # meanwhile, one process in this one
+        train_with(train_paths(stage_args(tiny_data, tiny_verifier_dir, "one", one)), one)  # meanwhile, one process in this one
     finally:
         output = run.communicate()[0]
     assert run.returncode == 0, output[-3000:]
@@ -408,8 +412,8 @@ def test_learns_on_smollm2_hidden_states(tmp_path, smollm2_dir):
     params.model.draft_head = {"intermediate_size": 256}
     params.train = OmegaConf.merge(DEBUG, {"max_steps": 16, "batch_size": 1, "pack_tokens": 128, "lr": 2e-3, "warmup_steps": 3, "val_every": 8,
                                            "checkpoint_every": 100, "log_every": 4})
-    args = namespace(stage_args(root, smollm2_dir, "run", tmp_path / "unused.yaml"))
-    summary = train(args, params, CPU)
+    args = train_paths(stage_args(root, smollm2_dir, "run", tmp_path / "unused.yaml"))
+    summary = train_with(args, params)
     losses, accs = (logged(args.live / "plots" / "metrics" / "train", name) for name in ("loss", "acc_0"))
     assert len(losses) == 4 and losses[-1] < 0.7 * losses[0], losses
     assert accs[-1] > accs[0] + 0.1, accs

@@ -31,7 +31,7 @@ import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,16 +41,17 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from eagle3.common import UserError, atomic_dir, read_json, sha256_file, stable_hash, stage_main, to_plain, write_json
+from eagle3.common import UserError, atomic_dir, sha256_file, stable_hash, stage_main, to_plain, write_json
 from eagle3.config import stage_params
 from eagle3.drafter import parallel
 from eagle3.drafter.export import check_drafter, verifier_facts, write_drafter
 from eagle3.drafter.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.parallel import World
+from eagle3.hidden_states.loader import Batching, DataPlan, HiddenStates, check_lengths, collate, pack, step_batches
 from eagle3.verifiers.spec import VERIFIER_TENSORS, require_verifier
 
 log = logging.getLogger(__name__)
@@ -98,108 +99,18 @@ class TrainConfig:
             raise UserError(f"params.yaml: train: missing key(s) {sorted(known - set(values))}; see conf/train/default.yaml")
         return cls(**values)  # values validated by config.validate
 
+    @property
+    def batching(self) -> Batching:
+        return Batching(self.pack_tokens, self.batch_size, self.grad_accum)
+
 
 # ---------------------------------------------------------------------------------------------
-# Data order: a pure function of (seed, step), so resuming needs only the step.
-
-
-class DataPlan:
-    """Which samples each optimizer step trains on, packed into rows of ``pack_tokens`` tokens.
-
-    Epoch e packs its permutation (seeded by seed and e) into rows (``eagle3.hidden_states.loader.pack``); its
-    steps take G = batch_size x grad_accum x world rows each, in order, dropping the tail rows of
-    fewer than G. A step's rows are cut into world x grad_accum micro-batches of batch_size rows;
-    process r takes micro-batches r*grad_accum ... . A micro-batch is given as the sample indices
-    of its rows in order: collating packs them into the same rows again.
-
-    Worked example: lengths [3, 3, 2, 6, 1], pack_tokens 6, batch_size 1, grad_accum 1, world 2:
-    a permutation [4, 0, 3, 1, 2] packs into rows [[4, 0], [3], [1, 2]]; G = 2, so the epoch has
-    one step: process 0 trains on [4, 0], process 1 on [3]; row [1, 2] waits for the next epoch.
-    """
-
-    def __init__(self, lengths: list[int], cfg: TrainConfig, seed: int, world: World):
-        self.lengths, self.cfg, self.seed, self.world = lengths, cfg, seed, world
-        self.global_rows = cfg.batch_size * cfg.grad_accum * world.size
-        self.counts: list[int] = []  # steps of epochs 0, 1, ...
-        self.packed: tuple[int, list[list[int]]] = (-1, [])  # the last epoch packed, and its rows
-
-    def rows(self, epoch: int) -> list[list[int]]:
-        """Epoch ``epoch``'s packed rows (sample indices)."""
-        from eagle3.hidden_states.loader import pack
-
-        if self.packed[0] != epoch:
-            order = torch.randperm(len(self.lengths), generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch)).tolist()
-            self.packed = (epoch, [[order[i] for i in row] for row in pack([self.lengths[i] for i in order], self.cfg.pack_tokens)])
-        return self.packed[1]
-
-    def steps_in(self, epoch: int) -> int:
-        while len(self.counts) <= epoch:
-            rows = len(self.rows(len(self.counts)))
-            if rows < self.global_rows:
-                raise UserError(f"train split: {rows} rows of train.pack_tokens {self.cfg.pack_tokens} tokens, fewer than one "
-                                f"global batch of {self.global_rows} rows (train.batch_size x train.grad_accum x processes); "
-                                "lower train.batch_size, grad_accum or pack_tokens")
-            self.counts.append(rows // self.global_rows)
-        return self.counts[epoch]
-
-    def total_steps(self) -> int:
-        return self.cfg.max_steps or sum(self.steps_in(e) for e in range(self.cfg.epochs))
-
-    def micro_batches(self, step: int) -> list[list[int]]:
-        """This process's ``grad_accum`` micro-batches of optimizer step ``step`` (sample indices)."""
-        epoch = 0
-        while step >= self.steps_in(epoch):
-            step -= self.steps_in(epoch)
-            epoch += 1
-        cfg, world = self.cfg, self.world
-        rows = self.rows(epoch)[step * self.global_rows : (step + 1) * self.global_rows]
-        mine = rows[world.rank * cfg.grad_accum * cfg.batch_size :][: cfg.grad_accum * cfg.batch_size]
-        return [sum(mine[i : i + cfg.batch_size], []) for i in range(0, len(mine), cfg.batch_size)]
-
-
-def check_lengths(splits: dict[str, Dataset], cfg: TrainConfig) -> None:
-    """Every sample must fit in one packed row."""
-    for name, dataset in splits.items():
-        longest = max(dataset.lengths)
-        if longest > cfg.pack_tokens:
-            raise UserError(f"{name} split: a sample of {longest} tokens is longer than train.pack_tokens {cfg.pack_tokens}; "
-                            "raise train.pack_tokens (or lower merge.max_tokens)")
-
-
-def tokens_trained(lengths: list[int], steps: int, cfg: TrainConfig, seed: int, world_size: int) -> int:
-    """Tokens (padding excluded) of all samples of optimizer steps 0 .. steps-1, over all processes.
-
-    A function of the data order (``DataPlan``), not a running count, so a resumed run reports
-    the same number. Each step trains on G = batch_size x grad_accum x world rows of its epoch.
-    """
-    plan = DataPlan(lengths, cfg, seed, World(0, world_size, torch.device("cpu")))  # rows do not depend on the rank
-    total, step, epoch = 0, 0, 0
-    while step < steps:
-        taken = min(plan.steps_in(epoch), steps - step)
-        total += sum(lengths[i] for row in plan.rows(epoch)[: taken * plan.global_rows] for i in row)
-        step, epoch = step + taken, epoch + 1
-    return total
-
-
-class StepSampler(Sampler):
-    """Batch sampler: this process's micro-batches of steps ``start`` .. ``stop - 1``, in order."""
-
-    def __init__(self, plan: DataPlan, start: int, stop: int):
-        self.plan, self.start, self.stop = plan, start, stop
-
-    def __iter__(self):
-        for step in range(self.start, self.stop):
-            yield from self.plan.micro_batches(step)
-
-    def __len__(self) -> int:
-        return (self.stop - self.start) * self.plan.cfg.grad_accum
+# Batches: the data order is hidden_states.loader's DataPlan; here the TTT selection is added
 
 
 def collate_ttt(items: list[dict[str, Tensor]], cfg: TrainConfig) -> dict[str, Any]:
     """``eagle3.hidden_states.loader.collate`` into ``batch_size`` packed rows, plus the rows each TTT step scores
     and the count of real tokens (host side)."""
-    from eagle3.hidden_states.loader import collate
-
     batch = collate(items, cfg.pack_tokens, cfg.batch_size)
     return {"input_ids": batch["input_ids"], "aux": batch["aux"], "final": batch["final"], "position_ids": batch["position_ids"],
             "selection": select_rows(batch["loss_mask"], batch["position_ids"], cfg.ttt_steps), "tokens": batch["tokens"]}
@@ -208,11 +119,6 @@ def collate_ttt(items: list[dict[str, Tensor]], cfg: TrainConfig) -> dict[str, A
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     moved = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, Tensor)}
     return {**batch, **moved, "selection": batch["selection"].to(device, non_blocking=True)}
-
-
-def loader(dataset: Dataset, sampler: Sampler, cfg: TrainConfig, world: World) -> DataLoader:
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=partial(collate_ttt, cfg=cfg),
-                      num_workers=cfg.num_workers, pin_memory=world.device.type == "cuda")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,8 +172,6 @@ def train_step(model, head: VerifierHead, micro: list[dict], optimizer, schedule
 @torch.no_grad()
 def validate(model, head: VerifierHead, dataset: Dataset, cfg: TrainConfig, world: World) -> dict[str, float]:
     """Metrics over the whole validation split (every process runs the same number of batches)."""
-    from eagle3.hidden_states.loader import pack
-
     net = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     rows = pack(dataset.lengths, cfg.pack_tokens)  # in index order
     per_round = cfg.batch_size * world.size
@@ -353,9 +257,9 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: 
     ``ttt`` and ``head`` are on ``world.device``; ``live`` (main process only) is a dvclive Live.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    check_lengths({"train": train_set, "val": val_set}, cfg)
-    plan = DataPlan(train_set.lengths, cfg, seed, world)
-    total = plan.total_steps()
+    check_lengths({"train": train_set, "val": val_set}, cfg.pack_tokens)
+    plan = DataPlan(train_set.lengths, cfg.batching, seed, world.rank, world.size)
+    total = cfg.max_steps or plan.steps(cfg.epochs)
     model = parallel.wrap(ttt, world, cfg.fsdp)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
                                   weight_decay=cfg.weight_decay, fused=world.device.type == "cuda")
@@ -363,7 +267,8 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: 
     state = resume(run_dir, model, optimizer, scheduler, world)
     for step, prefix, metrics in state.history:
         log_metrics(live, step, prefix, metrics)
-    batches = iter(loader(train_set, StepSampler(plan, state.step, total), cfg, world))
+    batches = iter(step_batches(train_set, plan, state.step, total, partial(collate_ttt, cfg=cfg), cfg.num_workers,
+                                world.device.type == "cuda"))
     window, clock = torch.zeros(5, cfg.ttt_steps, device=world.device), Window()
     while state.step < total:
         micro = [to_device(next(batches), world.device) for _ in range(cfg.grad_accum)]
@@ -464,8 +369,6 @@ def verifier_parts(folder: Path) -> tuple[SimpleNamespace, dict[str, Tensor]]:
 def open_data(merged: Path, hidden_states: Path, fingerprint: str) -> tuple[Dataset, Dataset, dict, Tensor]:
     from safetensors.torch import load_file
 
-    from eagle3.hidden_states.loader import HiddenStates
-
     train_set, val_set = HiddenStates(merged, hidden_states, "train"), HiddenStates(merged, hidden_states, "val")
     meta = train_set.meta
     require_verifier(f"{merged}/meta.json", "built for", meta["verifier"]["fingerprint"], fingerprint)
@@ -556,15 +459,15 @@ def lock_run(run_dir: Path) -> int:
 
 
 @contextlib.contextmanager
-def run_folder(args: argparse.Namespace, shards: list[str], make_id, world: World) -> Iterator[Path]:
+def run_folder(paths: TrainPaths, shards: list[str], make_id, world: World) -> Iterator[Path]:
     """This run's checkpoint folder, locked by the main process until the block ends.
 
     The main process hashes the inputs and takes the lock; the others get the folder from it.
     """
     run_dir, lock = None, None
     if world.main:
-        inputs = training_inputs(args.merged, args.hidden_states, shards, args.checkpoints / "digests.json")
-        run_dir = args.checkpoints / make_id(inputs=inputs)
+        inputs = training_inputs(paths.merged, paths.hidden_states, shards, paths.checkpoints / "digests.json")
+        run_dir = paths.checkpoints / make_id(inputs=inputs)
         lock = lock_run(run_dir)
     try:
         yield parallel.broadcast_object(run_dir, world)
@@ -587,16 +490,27 @@ def export(out: Path, verifier: Path, state: dict[str, Tensor], draft: DraftConf
     log.info("drafter exported to %s", out)
 
 
-def train(args: argparse.Namespace, params, world: World) -> dict[str, Any]:
-    """The whole stage on one process of the world."""
+@dataclass(frozen=True)
+class TrainPaths:
+    """The stage's files: its inputs and outputs in dvc.yaml, and the checkpoints kept outside them."""
+
+    verifier: Path  # models/verifier
+    merged: Path  # data/merged: the manifest of (shard, sample) references and the draft vocabulary
+    hidden_states: Path  # data/hidden_states: the shards the manifest references
+    out: Path  # models/drafter: the export
+    checkpoints: Path  # resumable runs, one folder per run id (not a DVC output)
+    live: Path  # the dvclive folder of metrics and plots
+
+
+def train(paths: TrainPaths, cfg: TrainConfig, seed: int, draft_head: dict[str, Any], world: World) -> dict[str, Any]:
+    """The whole stage on one process of the world; ``draft_head``: params ``model.draft_head``."""
     from eagle3.verifiers.loading import read_meta
 
-    cfg, seed = TrainConfig.from_params(params.train), int(params.seed)
-    fingerprint = read_meta(args.verifier)["fingerprint"]["id"]
-    train_set, val_set, meta, d2t = open_data(args.merged, args.hidden_states, fingerprint)
-    config, tensors = verifier_parts(args.verifier)
+    fingerprint = read_meta(paths.verifier)["fingerprint"]["id"]
+    train_set, val_set, meta, d2t = open_data(paths.merged, paths.hidden_states, fingerprint)
+    config, tensors = verifier_parts(paths.verifier)
     try:
-        draft = DraftConfig.from_verifier(config, len(d2t), meta["aux_layers"], to_plain(params.model.draft_head) or {})
+        draft = DraftConfig.from_verifier(config, len(d2t), meta["aux_layers"], draft_head)
     except ValueError as err:
         raise UserError(f"params.yaml: model.draft_head: {err}") from None
     dtype = torch.bfloat16 if world.device.type == "cuda" else torch.float32
@@ -610,20 +524,21 @@ def train(args: argparse.Namespace, params, world: World) -> dict[str, Any]:
     head = VerifierHead(tensors["head"].to(world.device, dtype), d2t.to(world.device), norm, draft.rms_norm_eps).to(world.device)
     shards = sorted({row["shard"] for row in train_set.rows + val_set.rows})
     make_id = partial(run_id, cfg, draft, fingerprint=fingerprint, seed=seed, world=world)
-    with run_folder(args, shards, make_id, world) as run_dir:
+    with run_folder(paths, shards, make_id, world) as run_dir:
         live = None
         if world.main:
             from dvclive import Live
 
-            live = Live(str(args.live), dvcyaml=False, save_dvc_exp=False)  # a fresh record; fit replays a resumed history
+            live = Live(str(paths.live), dvcyaml=False, save_dvc_exp=False)  # a fresh record; fit replays a resumed history
         summary = fit(TrainingTimeTest(drafter, cfg.ttt_steps), head, train_set, val_set, cfg, seed, run_dir, world, live)
         if world.main:
             best = torch.load(run_dir / "best.pt", map_location="cpu", weights_only=False)
             training = {**summary, "train": {k: v for k, v in summary["train"].items() if k not in CLOCK_METRICS},
-                        "run": run_dir.name, "processes": world.size, "params": to_plain(params.train),
-                        "data": {"merged": str(args.merged), "train_samples": len(train_set), "val_samples": len(val_set)}}
-            export(args.out, args.verifier, best["model"], draft, tensors["embed"], d2t, training)
-            log_summary(live, summary, tokens_trained(train_set.lengths, summary["steps"], cfg, seed, world.size))
+                        "run": run_dir.name, "processes": world.size, "params": asdict(cfg),
+                        "data": {"merged": str(paths.merged), "train_samples": len(train_set), "val_samples": len(val_set)}}
+            export(paths.out, paths.verifier, best["model"], draft, tensors["embed"], d2t, training)
+            tokens = DataPlan(train_set.lengths, cfg.batching, seed, processes=world.size).tokens(summary["steps"])
+            log_summary(live, summary, tokens)
     parallel.barrier(world)
     return summary
 
@@ -654,11 +569,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     params = stage_params(PARAMS, args.params)  # before anything starts
+    cfg, seed, draft_head = TrainConfig.from_params(params.train), int(params.seed), to_plain(params.model.draft_head) or {}
+    paths = TrainPaths(args.verifier, args.merged, args.hidden_states, args.out, args.checkpoints, args.live)
     if args.threads:
         torch.set_num_threads(args.threads)
     world = parallel.init_world(args.device)
     try:
-        train(args, params, world)
+        train(paths, cfg, seed, draft_head, world)
     finally:
         parallel.close_world(world)
 
