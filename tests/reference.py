@@ -39,14 +39,14 @@ def reference_ttt_loss(drafter, head_weight, d2t, input_ids, loss_mask, aux, fin
     Step k, row t: token x[t+k+1], hidden = fc(aux[t]) (k=0) or row t's h2 of step k-1, position
     t+k; keys: step 0 at rows <= t, steps 1..k at row t. Target: the verifier distribution at
     s = t+k+1 (of x[s+1]), used where x[s+1] is under the loss mask and the argmax is a draft token.
-    Returns (loss, acc per step).
+    Returns (loss, acc per step over all targets, valid targets per step).
     """
     cfg, layer = drafter.config, drafter.midlayer
     attn, eps = layer.self_attn, cfg.rms_norm_eps
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     draft_ids = [i + int(d2t[i]) for i in range(len(d2t))]
     B, T = input_ids.shape
-    sums, counts, hits = [0.0] * steps, [0] * steps, [0] * steps
+    sums, counts, targets, hits = [0.0] * steps, [0] * steps, [0] * steps, [0] * steps
     for b in range(B):
         hidden = {t: drafter.fc(aux[b, t]) for t in range(T)}
         keys, values = {}, {}
@@ -70,6 +70,7 @@ def reference_ttt_loss(drafter, head_weight, d2t, input_ids, loss_mask, aux, fin
                 state = final[b, s] if norm_weight is None else rms(final[b, s], norm_weight, eps)
                 z = head_weight @ state
                 best = int(z.argmax())
+                targets[k] += 1  # a target outside the draft vocabulary: no loss, an accuracy miss
                 if best not in draft_ids:
                     continue
                 p = z[draft_ids].softmax(-1)
@@ -78,4 +79,4 @@ def reference_ttt_loss(drafter, head_weight, d2t, input_ids, loss_mask, aux, fin
                 hits[k] += int(int(logits.argmax()) == draft_ids.index(best))
             hidden = new_hidden
     loss = sum(decay**k * sums[k] / max(counts[k], 1) for k in range(steps))
-    return loss, [hits[k] / max(counts[k], 1) for k in range(steps)], counts
+    return loss, [hits[k] / max(targets[k], 1) for k in range(steps)], counts

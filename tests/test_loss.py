@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.drafter.loss import StepMetrics, TrainingTimeTest, VerifierHead, metric_sums, select_rows, shift_left, step_counts, ttt_loss
+from eagle3.drafter.loss import (StepMetrics, Targets, TrainingTimeTest, VerifierHead, metric_sums, select_rows, shift_left,
+                                  step_counts, ttt_loss)
+from eagle3.drafter.model import KVCache
 from eagle3.hidden_states.loader import collate
 from reference import reference_ttt_loss
 from tiny_drafter import make_drafter, random_batch, verifier_head_weight, one_thread  # noqa: F401 (autouse fixture)
@@ -115,12 +117,36 @@ def test_packed_rows_equal_padded_samples():
 
 
 def test_metrics_by_hand():
-    """Three rows, three steps: acc, conditional acc and simulated acceptance length."""
+    """Three rows, three steps: acc, conditional acc and simulated acceptance length; a target
+    outside the draft vocabulary (not valid) is a miss, a row without a target is not counted."""
     right = torch.tensor([[1, 1, 0], [1, 0, 1], [1, 1, 1]], dtype=torch.bool)  # [K, rows]
-    valid = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
-    summary = StepMetrics(metric_sums(torch.zeros(3), right, valid)).summary(0.8)
-    assert [summary[f"acc_{k}"] for k in range(3)] == pytest.approx([2 / 3, 2 / 3, 1.0])
+    valid = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    scored = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)  # row 2 has no target at step 2
+    summary = StepMetrics(metric_sums(torch.zeros(3), right, valid, scored)).summary(0.8)
+    # step 2: row 0 is right, row 1's target is no draft token (a miss, as in decoding), row 2 has none.
+    assert [summary[f"acc_{k}"] for k in range(3)] == pytest.approx([2 / 3, 2 / 3, 1 / 2])
     # step 1: rows right at step 0 are {0, 1}; of those, row 0 is right at step 1.
-    # step 2: rows right at steps 0, 1 are {0}; it is valid at step 2 and right.
+    # step 2: rows right at steps 0, 1 are {0}; it is right at step 2.
     assert [summary[f"cond_acc_{k}"] for k in range(3)] == pytest.approx([2 / 3, 1 / 2, 1.0])
-    assert summary["sim_accept_len"] == pytest.approx(2 / 3 + 4 / 9 + 4 / 9)
+    assert summary["sim_accept_len"] == pytest.approx(2 / 3 + 4 / 9 + 2 / 9)
+
+
+def test_accuracy_counts_targets_outside_the_draft_vocab_as_misses():
+    """A drafter that agrees with the verifier on every target its vocabulary holds scores that
+    coverage, not 1: decoding can never accept the other targets."""
+    drafter = make_drafter(seed=3)
+    batch = random_batch(drafter.config, 1, 12, seed=2)
+    position_ids = torch.arange(12)[None]
+    selection = select_rows(batch["loss_mask"], position_ids, 1)
+    with torch.no_grad():  # the drafter's own step-0 argmax at every target
+        cache = KVCache(starts=torch.zeros_like(position_ids))
+        h2 = drafter.step(shift_left(batch["input_ids"], 1), drafter.fc(batch["aux"]), position_ids, cache)
+        agree = drafter.logits(h2.flatten(0, 1)[selection.rows[0]]).argmax(-1)
+    n, vd = len(selection.positions), drafter.config.draft_vocab_size
+    index = torch.zeros(n, dtype=torch.long).index_put_((selection.picks[0],), agree)
+    valid = torch.arange(n) % 3 > 0  # a third of the targets are no draft token
+    targets = Targets(torch.full((n, vd), 1 / vd), index, valid)
+    _, sums = TrainingTimeTest(drafter, 1)(batch["input_ids"], batch["aux"], position_ids, targets, selection)
+    summary = StepMetrics(sums).summary(0.8)
+    assert n >= 6 and summary["acc_0"] == pytest.approx(float(valid.float().mean()))
+    assert summary["sim_accept_len"] == pytest.approx(summary["acc_0"])

@@ -147,7 +147,7 @@ class TrainState:
 
 
 def train_step(model, head: VerifierHead, micro: list[dict], optimizer, scheduler, cfg: TrainConfig, world: World) -> tuple[Tensor, Tensor]:
-    """One optimizer step over this process's micro-batches; returns (metric sums [5, K], grad norm).
+    """One optimizer step over this process's micro-batches; returns (metric sums [6, K], grad norm).
 
     The loss is normalised by the valid-position counts of the *global* batch (all-reduced before
     any backward), and multiplied by the world size because DDP/FSDP average gradients: the
@@ -175,7 +175,7 @@ def validate(model, head: VerifierHead, dataset: Dataset, cfg: TrainConfig, worl
     net = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     rows = pack(dataset.lengths, cfg.pack_tokens)  # in index order
     per_round = cfg.batch_size * world.size
-    total = torch.zeros(5, cfg.ttt_steps, device=world.device)
+    total = torch.zeros(6, cfg.ttt_steps, device=world.device)
     for j in range(math.ceil(len(rows) / per_round)):
         start = j * per_round + world.rank * cfg.batch_size
         indices = sum(rows[start : start + cfg.batch_size], [])
@@ -269,7 +269,7 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: 
         log_metrics(live, step, prefix, metrics)
     batches = iter(step_batches(train_set, plan, state.step, total, partial(collate_ttt, cfg=cfg), cfg.num_workers,
                                 world.device.type == "cuda"))
-    window, clock = torch.zeros(5, cfg.ttt_steps, device=world.device), Window()
+    window, clock = torch.zeros(6, cfg.ttt_steps, device=world.device), Window()
     while state.step < total:
         micro = [to_device(next(batches), world.device) for _ in range(cfg.grad_accum)]
         sums, norm = train_step(model, head, micro, optimizer, scheduler, cfg, world)

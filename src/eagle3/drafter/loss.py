@@ -137,7 +137,7 @@ class VerifierHead(nn.Module):
 
 
 class TrainingTimeTest(nn.Module):
-    """The drafter unrolled over K steps; forward returns (soft CE sums [K], metric sums [5, K])."""
+    """The drafter unrolled over K steps; forward returns (soft CE sums [K], metric sums [6, K])."""
 
     def __init__(self, drafter: Eagle3Drafter, steps: int):
         super().__init__()
@@ -152,7 +152,7 @@ class TrainingTimeTest(nn.Module):
         every_row = torch.arange(T, device=input_ids.device)
         cache = KVCache(starts=every_row - position_ids)  # [B, T]: row t's document begins at t - p_t
         hidden = self.drafter.fc(aux)  # [B, T, H]
-        ce, right, valid = [], [], []
+        ce, right, valid, scored = [], [], [], []
         for k in range(self.steps):
             tokens = shift_left(input_ids, k + 1)  # row t: x_{t+k+1}
             hidden = self.drafter.step(tokens, hidden, position_ids + k, cache, None if k == 0 else every_row)
@@ -162,8 +162,9 @@ class TrainingTimeTest(nn.Module):
             ce.append(torch.where(ok, soft_cross_entropy(logits, targets.probs[pick]), 0.0).sum())
             right.append(on_rows(logits.detach().argmax(-1) == targets.index[pick], rows, B * T))
             valid.append(on_rows(ok, rows, B * T))
+            scored.append(on_rows(torch.ones_like(ok), rows, B * T))
         ce = torch.stack(ce)  # [K]
-        return ce, metric_sums(ce.detach(), torch.stack(right), torch.stack(valid))
+        return ce, metric_sums(ce.detach(), torch.stack(right), torch.stack(valid), torch.stack(scored))
 
 
 def on_rows(values: Tensor, rows: Tensor, size: int) -> Tensor:
@@ -186,17 +187,19 @@ def ttt_loss(ce: Tensor, counts: Tensor, decay: float) -> Tensor:
     return (weights * ce / counts.clamp(min=1)).sum()
 
 
-def metric_sums(ce: Tensor, right: Tensor, valid: Tensor) -> Tensor:
-    """Rows of ``StepMetrics`` [5, K] from ce [K] and right/valid [K, R] (flat row r of step k)."""
+def metric_sums(ce: Tensor, right: Tensor, valid: Tensor, scored: Tensor) -> Tensor:
+    """Rows of ``StepMetrics`` [6, K] from ce [K] and right/valid/scored [K, R] (flat row r of step k;
+    scored: the row has a target at step k, valid: that target's argmax is a draft token)."""
     hit = right & valid
     chain = torch.cumprod(hit.int(), 0).bool()  # [K, R]: right and valid at every step <= k
     before = torch.cat([torch.ones_like(chain[:1]), chain[:-1]])  # right and valid at every step < k
-    return torch.stack([ce, valid.sum(1).float(), hit.sum(1).float(), chain.sum(1).float(), (before & valid).sum(1).float()])
+    return torch.stack([ce, valid.sum(1).float(), scored.sum(1).float(), hit.sum(1).float(), chain.sum(1).float(),
+                        (before & scored).sum(1).float()])
 
 
 @dataclass
 class StepMetrics:
-    """Per-step sums [5, K]: soft CE, valid positions, hits, chain hits, chain candidates.
+    """Per-step sums [6, K]: soft CE, valid targets, all targets, hits, chain hits, chain candidates.
 
     Sums add across micro-batches and ranks (all-reduce ``sums``); ratios are taken only here.
     """
@@ -204,10 +207,17 @@ class StepMetrics:
     sums: Tensor
 
     def summary(self, decay: float) -> dict[str, float]:
-        """loss, loss_k, acc_k (draft argmax == verifier argmax), cond_acc_k (given steps < k right),
-        sim_accept_len = Σ_k Π_{j<=k} acc_j (draft tokens accepted per verify step, bonus token excluded)."""
-        ce, count, hit, chain, candidates = self.sums.double().cpu()  # host sync: log time only
-        acc = hit / count.clamp(min=1)
+        """loss, loss_k (over valid targets: only those have a draft-vocabulary distribution), acc_k
+        (draft argmax == verifier argmax), cond_acc_k (given steps < k right), sim_accept_len =
+        Σ_k Π_{j<=k} acc_j (draft tokens accepted per verify step, bonus token excluded).
+
+        Accuracies are over *all* targets of a step: one whose verifier argmax lies outside the
+        draft vocabulary is a miss, as it is when decoding (the drafter cannot propose it). Over
+        the valid ones only, a small vocabulary inflates them by 1 / its coverage (the demo's 256
+        tokens cover about half of its validation targets: acc_0 read twice what decoding accepts).
+        """
+        ce, count, targets, hit, chain, candidates = self.sums.double().cpu()  # host sync: log time only
+        acc = hit / targets.clamp(min=1)
         out = {"loss": float(ttt_loss(ce.float(), count.float(), decay)), "sim_accept_len": float(torch.cumprod(acc, 0).sum())}
         for k in range(len(ce)):
             out[f"loss_{k}"] = float(ce[k] / count[k].clamp(min=1))
