@@ -39,9 +39,10 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle3.common import write_json
-from eagle3.extract import ChatFormat, Job, Settings, batches, bytes_per_token, extract_samples, hidden_states, prepare, run_workers
+from eagle3.extract import Job, Settings, batches, bytes_per_token, extract_samples, hidden_states, prepare, run_workers
 from eagle3.verifier import build_random
 from eagle3.verifiers.loading import load_tokenizer, load_verifier
+from eagle3.verifiers.spec import VerifierSpec
 
 TEXT = (
     "Speculative decoding lets a small draft model propose several tokens that the large verifier "
@@ -157,7 +158,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     params = OmegaConf.load("params.yaml")
     tokenizer = load_tokenizer(args.verifier)
-    samples, _ = prepare(conversations(args.samples, args.tokens), tokenizer, ChatFormat.from_params(params.model, tokenizer), 8192)
+    samples, _ = prepare(conversations(args.samples, args.tokens), tokenizer, VerifierSpec.from_params(params.model).chat.for_tokenizer(tokenizer), 8192)
     tokens = sum(len(s.input_ids) for s in samples)
     with tempfile.TemporaryDirectory() as scratch:
         verifier = random_verifier(args.verifier, Path(scratch), args.device) if args.random_shape else args.verifier

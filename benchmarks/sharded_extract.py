@@ -38,9 +38,10 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from eagle3.common import write_json
-from eagle3.extract import ChatFormat, Settings, batches, extract_samples, hidden_states, prepare
+from eagle3.extract import Settings, batches, extract_samples, hidden_states, prepare
 from eagle3.verifier import build_random
-from eagle3.verifiers.loading import LanguageModel, Placement, load_tokenizer, load_verifier, text_config
+from eagle3.verifiers.loading import Placement, load_tokenizer, load_verifier, text_config
+from eagle3.verifiers.spec import LanguageModel, VerifierSpec
 
 from extract_throughput import LLAMA_8B, conversations
 
@@ -157,7 +158,7 @@ def main() -> None:
     compute = args.compute_dtype or ("bfloat16" if args.device == "cuda" else "float32")
     params = OmegaConf.load("params.yaml")
     tokenizer = load_tokenizer(args.verifier, args.trust_remote_code)
-    samples, _ = prepare(conversations(args.samples, args.tokens), tokenizer, ChatFormat.from_params(params.model, tokenizer), 8192)
+    samples, _ = prepare(conversations(args.samples, args.tokens), tokenizer, VerifierSpec.from_params(params.model).chat.for_tokenizer(tokenizer), 8192)
     tokens, pad_id = sum(len(s.input_ids) for s in samples), tokenizer.pad_token_id or 0
     scratch = Path(tempfile.gettempdir()) / f"sharded-extract-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
     verifier = args.verifier

@@ -49,6 +49,17 @@ def project_params():
     return OmegaConf.load(ROOT / "params.yaml")
 
 
+def verifier_model(**keys):
+    """The ``model`` keys the verifier stage declares, at their committed values, ``keys`` replacing whole values."""
+    from eagle3.verifier import PARAMS
+
+    committed = project_params()
+    model = OmegaConf.create({key.removeprefix("model."): OmegaConf.select(committed, key) for key in PARAMS})
+    for key, value in keys.items():
+        model[key] = value
+    return model
+
+
 def _cached_import(name: str, model_cfg) -> Path:
     target = CACHE / name
     if (target / "meta.json").is_file():
@@ -70,13 +81,9 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_verifier_dir(smollm2_dir: Path) -> Path:
     """A 4-layer, H=64 random Llama with SmolLM2's tokenizer and chat template."""
-    model = OmegaConf.create(
-        {
-            "name": "tiny-random",
-            "source": {"kind": "random", "tokenizer": str(smollm2_dir), "config": TINY_LLAMA, "seed": 0, "dtype": "float32"},
-            "copy_weights": True,
-            "trust_remote_code": False,
-        }
+    model = verifier_model(
+        name="tiny-random", copy_weights=True,
+        source={"kind": "random", "tokenizer": str(smollm2_dir), "config": TINY_LLAMA, "seed": 0, "dtype": "float32"},
     )
     return _cached_import("tiny-random", model)
 

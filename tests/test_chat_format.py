@@ -9,13 +9,13 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from conftest import BASE_END_OF_TURN, BASE_TEMPLATE, TINY_LLAMA, run
+from conftest import BASE_END_OF_TURN, BASE_TEMPLATE, TINY_LLAMA, run, verifier_model
 from eagle3.backends import Request, cut_at_stop
 from eagle3.backends.local import LocalBackend
 from eagle3.backends.openai import parse_answer
 from eagle3.backends.sglang import launch_command
 from eagle3.common import UserError, read_jsonl
-from eagle3.extract import ChatFormat, render
+from eagle3.verifiers.chat import ChatFormat, render
 from eagle3.verifier import import_verifier
 from eagle3.verifiers.chat import prompt_ids
 from eagle3.verifiers.loading import load_tokenizer, read_meta
@@ -24,11 +24,9 @@ from test_pipeline import FAST, SMALL, add_dataset, overrides
 
 
 def random_model(tokenizer: Path, chat_template: str | None = None, seed: int = 0, **config):
-    return OmegaConf.create({
-        "name": "tiny-base", "copy_weights": True, "trust_remote_code": False, "chat_template": chat_template,
-        "source": {"kind": "random", "tokenizer": str(tokenizer), "config": {**TINY_LLAMA, **config}, "seed": seed,
-                   "dtype": "float32"},
-    })
+    return verifier_model(name="tiny-base", copy_weights=True, chat_template=chat_template,
+                          source={"kind": "random", "tokenizer": str(tokenizer), "config": {**TINY_LLAMA, **config}, "seed": seed,
+                                  "dtype": "float32"})
 
 
 @pytest.fixture(scope="module")

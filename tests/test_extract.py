@@ -10,9 +10,11 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle3.common import UserError, read_jsonl, write_json, write_jsonl
-from eagle3.extract import ChatFormat, Sample, Settings, check_sample, extract_samples, extract_shard, prepare, render
+from eagle3.extract import Sample, Settings, check_sample, extract_samples, extract_shard, prepare
 from eagle3.hidden_states.storage import PartWriter, dequantize_fp8, magnitudes, quantize_fp8, read_rows
+from eagle3.verifiers.chat import ChatFormat, render
 from eagle3.verifiers.loading import load_tokenizer, load_verifier, read_meta
+from eagle3.verifiers.spec import VerifierSpec
 
 from conftest import project_params
 
@@ -57,7 +59,7 @@ def tiny_params(tiny_model_params, **extract):
 
 
 def smollm2_format(tokenizer) -> ChatFormat:
-    return ChatFormat.from_params(project_params().model, tokenizer)
+    return VerifierSpec.from_params(project_params().model).chat.for_tokenizer(tokenizer)
 
 
 def masked_text(tokenizer, ids: list[int], mask: list[int]) -> str:

@@ -8,20 +8,18 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle3.common import UserError
-from conftest import project_params
+from conftest import verifier_model
 from eagle3.verifier import import_verifier
 from eagle3.verifiers.loading import load_tokenizer, load_verifier, read_meta, weights_dir
 
 
 def hf_model(path, copy):
-    return OmegaConf.create({"name": "local", "copy_weights": copy, "trust_remote_code": False,
-                             "source": {"kind": "hf", "id": str(path), "dtype": "float32"}})
+    return verifier_model(name="local", copy_weights=copy, source={"kind": "hf", "id": str(path), "dtype": "float32"})
 
 
 def test_random_source_is_reproducible(tiny_verifier_dir, tmp_path):
     meta = read_meta(tiny_verifier_dir)
-    again = import_verifier(OmegaConf.create({"name": "again", "copy_weights": True, "trust_remote_code": False,
-                                              "source": meta["source"]}), tmp_path / "again")
+    again = import_verifier(verifier_model(name="again", copy_weights=True, source=meta["source"]), tmp_path / "again")
     assert again["fingerprint"] == meta["fingerprint"]
 
 
@@ -54,9 +52,7 @@ def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path):
 
 def test_missing_local_folder_fails_cleanly_from_the_command_line(tmp_path):
     params = tmp_path / "params.yaml"
-    declared = project_params().model  # every key the stage declares, from the committed params
-    model = OmegaConf.merge(declared, {"source": None}, hf_model(tmp_path / "nowhere", copy=True))  # the hf source alone
-    params.write_text(OmegaConf.to_yaml({"model": model}))
+    params.write_text(OmegaConf.to_yaml({"model": hf_model(tmp_path / "nowhere", copy=True)}))  # every key the stage declares
     result = subprocess.run([sys.executable, "-m", "eagle3.verifier", str(tmp_path / "out"), "--params", str(params)],
                             capture_output=True, text=True)
     assert result.returncode == 2

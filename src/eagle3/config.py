@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from eagle3.common import USER_ERROR, UserError
-from eagle3.verifiers.spec import FINAL_STATES, tap_problem
+from eagle3.verifiers.spec import VerifierSpec
 
 SHARD_NAME = re.compile(r"^(\d{6})-(\d{6})$")
 SOURCE_KINDS = ("evals", "jsonl", "parquet", "hf")
@@ -119,7 +119,7 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "dataset.max_prompt_tokens": POSITIVE,
     "model.copy_weights": BOOL,
     "model.trust_remote_code": BOOL,
-    "model.final_state": _one_of(*FINAL_STATES),
+    "model.num_layers": POSITIVE,
     "layout.device": _one_of("cpu", "cuda"),
     "layout.dtype": _one_of("float32", "bfloat16", "float16"),
     "layout.extract_workers": POSITIVE,
@@ -194,7 +194,7 @@ def validate(params: DictConfig) -> None:
         value = _get(params, key)
         if value is not _ABSENT and not ok(value):
             raise _refuse(key, value, allowed)
-    for check in (_check_shards, _check_sources, _check_eval_sets, _check_aux_layers, _check_relations):
+    for check in (_check_shards, _check_sources, _check_eval_sets, _check_model, _check_relations):
         check(params)
 
 
@@ -240,16 +240,14 @@ def _check_eval_sets(params: DictConfig) -> None:
         raise _refuse("evaluate.sets", chosen, f"sets that dataset.eval_sets builds ({sorted(sets)})")
 
 
-def _check_aux_layers(params: DictConfig) -> None:
-    """The taps, within model.num_layers when the view has it (extract checks the verifier's own count)."""
-    layers, num_layers = _get(params, "model.aux_layers"), _get(params, "model.num_layers")
-    if layers is _ABSENT:
-        return
-    if not isinstance(layers, list) or not all(_int(0)(k) for k in layers):
+def _check_model(params: DictConfig) -> None:
+    """The model keys' types here; the verifier spec applies its rules (the taps within model.num_layers
+    when the view has it, the final state; extract checks the taps against the verifier's own layers)."""
+    layers = _get(params, "model.aux_layers")
+    if layers is not _ABSENT and (not isinstance(layers, list) or not all(_int(0)(k) for k in layers)):
         raise _refuse("model.aux_layers", layers, "a list of layer ids")
-    problem = tap_problem(layers, num_layers if _int(1)(num_layers) else 0)
-    if problem:
-        raise UserError(f"params.yaml: model.{problem}")
+    if "model" in params:
+        VerifierSpec.from_params(params.model).check_taps()
 
 
 def _check_relations(params: DictConfig) -> None:

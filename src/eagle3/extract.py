@@ -4,7 +4,7 @@
     # params.yaml: extract, model (aux_layers, final_state, chat format), layout (device, dtype, workers)
 
 Each generated conversation is rendered with the verifier's chat template into ``input_ids`` and
-a ``loss_mask`` over the answer (``render``), run through the verifier's decoder (no lm_head) in
+a ``loss_mask`` over the answer (``eagle3.verifiers.chat.render``), run through the verifier's decoder (no lm_head) in
 batches of similar lengths, checked, and stored in the ``eagle3.hidden_states.storage`` format:
 
 - ``part-<first record>.safetensors``: samples concatenated along the token axis (~``part_bytes``);
@@ -41,8 +41,9 @@ from tqdm import tqdm
 from eagle3.common import UserError, atomic_dir, exit_with_launcher, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl
 from eagle3.config import stage_params
 from eagle3.hidden_states.storage import PartWriter, encode_sample, magnitudes
+from eagle3.verifiers.chat import ChatFormat, RenderError, render
 from eagle3.verifiers.loading import Placement, close_sharded, load_tokenizer, load_verifier, read_meta, shard_rank, text_config
-from eagle3.verifiers.spec import require_verifier, tap_problem, tapped_features
+from eagle3.verifiers.spec import VerifierSpec, require_verifier, tapped_features
 
 log = logging.getLogger(__name__)
 
@@ -56,24 +57,6 @@ DISK_FREE_ENV = "EAGLE3_DISK_FREE_BYTES"  # overrides the measured free space (t
 INDEX_BYTES_PER_SAMPLE = 256  # index.jsonl line + share of a part header
 FIXED_OVERHEAD_BYTES = 1 << 20  # meta.json, rejected.jsonl, slack
 LAYER_CONVENTION = "aux layer k = residual stream entering decoder layer k = HF output_hidden_states[k] (0 = embeddings)"
-
-
-class RenderError(ValueError):
-    """A conversation the chat template cannot turn into an answer span; the record is rejected."""
-
-
-@dataclass(frozen=True)
-class ChatFormat:
-    """How a conversation becomes tokens and which tokens are the answer (from params ``model``)."""
-
-    chat_template: str | None  # Jinja template; None: the tokenizer's own
-    reasoning_format: str  # "template": the template renders reasoning_content; else a prefix with {reasoning}
-    end_of_turn: str  # the marker closing the answer (masked: the drafter must predict it)
-
-    @classmethod
-    def from_params(cls, model: DictConfig, tokenizer) -> ChatFormat:
-        """Reads only the three keys extract declares (not the whole spec: a draft_head change must not re-extract)."""
-        return cls(model.chat_template, model.reasoning_format, model.end_of_turn or tokenizer.eos_token)
 
 
 @dataclass(frozen=True)
@@ -100,7 +83,7 @@ class Settings:
                             f"processes (GPUs), layout.extract_workers is {layout.extract_workers}: use a layout with "
                             f"{placement.tp} GPUs (gpu8), or set extract_workers to tp")
         return cls(
-            tuple(params.model.aux_layers), extract.dtype, int(extract.max_length), int(extract.batch_tokens),
+            VerifierSpec.from_params(params.model).aux_layers, extract.dtype, int(extract.max_length), int(extract.batch_tokens),
             int(extract.part_bytes), layout.device, layout.dtype, int(layout.extract_workers), int(layout.threads), placement,
         )
 
@@ -116,78 +99,7 @@ class Sample:
     truncated: bool
 
 
-# --- rendering and the loss mask ------------------------------------------------------------------
-
-
-def with_reasoning(answer: dict, fmt: ChatFormat) -> dict:
-    """The answer message as the template must see it: reasoning prefixed unless the template renders it."""
-    reasoning = answer.get("reasoning_content")
-    if not reasoning or fmt.reasoning_format == "template":
-        return answer
-    return {"role": answer["role"], "content": fmt.reasoning_format.replace("{reasoning}", reasoning) + answer["content"]}
-
-
-def apply_template(tokenizer, messages: list[dict], fmt: ChatFormat, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(
-        messages, chat_template=fmt.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
-
-
-def render(tokenizer, messages: list[dict], fmt: ChatFormat, finished: bool = True,
-           stop: str | None = None) -> tuple[list[int], list[int]]:
-    """``input_ids`` and ``loss_mask`` of a conversation whose last message is the generated answer.
-
-    The answer span is found by rendering twice: the prompt with the generation prompt (the span
-    starts where that text ends) and the whole conversation (the span ends with the first
-    end-of-turn marker after the answer's content: ``stop``, the generate.stop string that ended
-    the answer, else ``fmt.end_of_turn``). Tokens overlapping the span, by character
-    offsets, are masked. Only the last (generated) turn is masked; earlier assistant turns of a
-    prompt were not written by the verifier. An answer cut by the token limit (``finished``
-    False) never produced the end-of-turn token: the span then ends with the content. ChatML:
-
-        ...<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello!<|im_end|>\\n
-        mask:  0         0  0    0       0      0          0     0  1      1       0
-    """
-    *prompt, answer = messages
-    answer = with_reasoning(answer, fmt)
-    head = apply_template(tokenizer, prompt, fmt, add_generation_prompt=True)
-    text = apply_template(tokenizer, [*prompt, answer], fmt, add_generation_prompt=False)
-    if not text.startswith(head):
-        raise RenderError("the chat template renders the prompt differently once the answer is added")
-    reasoning = answer.get("reasoning_content")
-    if reasoning and reasoning.strip() not in text[len(head):]:
-        raise UserError(
-            "model.reasoning_format is 'template' but the chat template drops reasoning_content; "
-            "set a prefix such as '<think>\\n{reasoning}\\n</think>\\n' in conf/model"
-        )
-    content = answer["content"].strip()  # templates may trim the content
-    content_at = text.find(content, len(head))
-    if content_at < 0:
-        raise RenderError("the answer's content does not appear in the rendered conversation")
-    marker = stop or fmt.end_of_turn
-    marker_at = text.find(marker, content_at + len(content))
-    if marker_at < 0:
-        raise RenderError(f"no end-of-turn marker {marker!r} after the answer")
-    start, end = len(head), marker_at + len(marker) if finished else content_at + len(content)
-    if not tokenizer.is_fast:
-        return encode_pieces(tokenizer, text, start, end)
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [int(stop > start and first < end) for first, stop in encoding["offset_mapping"]]
-    return list(encoding["input_ids"]), mask
-
-
-def encode_pieces(tokenizer, text: str, start: int, end: int) -> tuple[list[int], list[int]]:
-    """``render``'s ids and mask for a tokenizer without offsets (Kimi-K2.5's tiktoken one is pure Python).
-
-    The text before, inside and after the span ``[start, end)`` is tokenized separately; this is
-    exact when both edges are special tokens (``<think>``/``<|im_middle|>`` ends the generation
-    prompt, ``<|im_end|>`` closes the answer), which is checked against the whole text's ids.
-    """
-    pieces = [tokenizer(part, add_special_tokens=False)["input_ids"] for part in (text[:start], text[start:end], text[end:])]
-    ids = [token for piece in pieces for token in piece]
-    if ids != list(tokenizer(text, add_special_tokens=False)["input_ids"]):
-        raise RenderError("the answer's edges are not token boundaries, and this tokenizer has no offsets to find them")
-    return ids, [0] * len(pieces[0]) + [1] * len(pieces[1]) + [0] * len(pieces[2])
+# --- records to samples ------------------------------------------------------------------------
 
 
 def record_problem(record: dict) -> str | None:
@@ -422,32 +334,30 @@ def check_generated(generated: Path, fingerprint: str) -> None:
         require_verifier(str(meta_path), "generated by", recorded, fingerprint)
 
 
-def verifier_shape(verifier: Path, settings: Settings, trust_remote_code: bool) -> dict[str, int]:
+def verifier_shape(verifier: Path, settings: Settings, spec: VerifierSpec) -> dict[str, int]:
     """Hidden size, vocabulary and layer count from the verifier's config (no weights loaded); refuses
-    a ``layout.verifier`` placement this verifier cannot be sharded with."""
-    config = text_config(verifier, trust_remote_code)
+    taps outside its layers and a ``layout.verifier`` placement it cannot be sharded with."""
+    config = text_config(verifier, spec.trust_remote_code)
     settings.placement.check(config, settings.device)
-    problem = tap_problem(settings.aux_layers, config.num_hidden_layers)
-    if problem:
-        raise UserError(f"params.yaml: model.{problem} (the layers of {verifier})")
+    spec.against(config, str(verifier))
     return {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size, "num_layers": config.num_hidden_layers}
 
 
 def extract_shard(verifier: Path, generated: Path, out: Path, params: DictConfig) -> dict[str, Any]:
     """The whole stage for one shard; returns the written meta.json."""
-    settings = Settings.from_params(params)
-    trust = bool(params.model.trust_remote_code)
+    settings, spec = Settings.from_params(params), VerifierSpec.from_params(params.model)
+    trust = spec.trust_remote_code
     verifier_meta = read_meta(verifier)
     fingerprint = verifier_meta["fingerprint"]["id"]
     check_generated(generated, fingerprint)
     tokenizer = load_tokenizer(verifier, trust)
-    fmt = ChatFormat.from_params(params.model, tokenizer)
+    fmt = spec.chat.for_tokenizer(tokenizer)
     records = list(read_jsonl(generated / "records.jsonl"))
     samples, rejected = prepare(records, tokenizer, fmt, settings.max_length)
     if not samples:
         reasons = Counter(r["reason"] for r in rejected)
         raise UserError(f"{generated}/records.jsonl: none of {len(records)} records is usable ({dict(reasons)})")
-    shape = verifier_shape(verifier, settings, trust)
+    shape = verifier_shape(verifier, settings, spec)
     estimate = preflight(samples, shape["hidden_size"], settings, out)
     if shard_rank() != 0:  # another process of a sharded verifier: the same inputs, checks and forwards; rank 0 writes
         run_workers(Job(verifier, settings, None, trust, tokenizer.pad_token_id or 0), samples)
@@ -465,7 +375,7 @@ def extract_shard(verifier: Path, generated: Path, out: Path, params: DictConfig
             **shape,
             "aux_layers": list(settings.aux_layers),
             "layer_convention": LAYER_CONVENTION,
-            "final_state": "post-norm",  # HF's last hidden state: the final norm is applied; train applies lm_head only
+            "final_state": spec.final_state,  # HF's last hidden state: the final norm is applied; train applies lm_head only
             "dtype": settings.dtype,
             "fp8_scale": "per token and tapped layer: aux_scale [N, 3], final_scale [N, 1]" if settings.dtype != "bfloat16" else None,
             "max_length": settings.max_length,
@@ -500,7 +410,7 @@ def main(argv: list[str]) -> None:
     params = stage_params(PARAMS, args.params)
     settings = Settings.from_params(params)
     if settings.placement.sharded:  # refuse a placement the verifier cannot take before tp processes start
-        verifier_shape(args.verifier, settings, bool(params.model.trust_remote_code))
+        verifier_shape(args.verifier, settings, VerifierSpec.from_params(params.model))
     if settings.placement.launch("eagle3.extract", argv):
         return
     extract_shard(args.verifier, args.generated, args.out, params)

@@ -41,6 +41,7 @@ from eagle3.common import (UserError, atomic_dir, numbered_jsonl, package_file, 
 from eagle3.config import shard_range, stage_params
 from eagle3.verifiers.chat import prompt_ids
 from eagle3.verifiers.loading import load_tokenizer, read_meta
+from eagle3.verifiers.spec import VerifierSpec
 
 log = logging.getLogger(__name__)
 
@@ -472,7 +473,7 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     params = stage_params(PARAMS, args.params)
     check_local_sources(params.dataset.sources, args.sources)
-    count_tokens = PromptCounter(load_tokenizer(args.verifier, bool(params.model.trust_remote_code)))
+    count_tokens = PromptCounter(load_tokenizer(args.verifier, VerifierSpec.from_params(params.model).trust_remote_code))
     shards, evals, stats = build_prompts(params.dataset, int(params.seed), count_tokens)
     meta: dict[str, Any] = {
         "verifier": read_meta(args.verifier)["fingerprint"]["id"],

