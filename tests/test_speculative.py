@@ -23,13 +23,17 @@ from eagle3.drafter.speculative import (
     HistoryProposer,
     TreeShape,
     accept,
+    commit,
+    drop_rejected,
     greedy_decode,
     most_frequent,
     ngram,
     prefill,
+    read_round,
     replay,
     speculative_decode,
     truncate,
+    verify,
 )
 from eagle3.evaluate import acceptance_stats
 from eagle3.verifiers.chat import prompt_ids
@@ -110,11 +114,26 @@ def test_accept_rule_walks_the_tree_within_budget_and_eos():
     # root -> 1 (token 5) -> 2 (token 6); root -> 3 (token 7) -> 4 (token 8)
     draft = Draft(torch.tensor([[5, 6, 7, 8]]), torch.tensor([[0, 1, 0, 3]]), torch.ones(1, 4, dtype=torch.bool))
     greedy = torch.tensor([[7, 0, 0, 8, 9]])  # root wants 7, node 3 wants 8, node 4's bonus 9
-    assert accept(draft, greedy, [10], set()) == [[0, 3, 4]]
-    assert accept(draft, greedy, [2], set()) == [[0, 3]]  # only 2 tokens still wanted
-    assert accept(draft, greedy, [10], {8}) == [[0, 3]]  # EOS is the bonus, never accepted past
+
+    def path(budget, eos=()):
+        mask = accept(draft, greedy, torch.tensor([budget]), torch.tensor(eos, dtype=torch.long))
+        return mask[0].nonzero().flatten().tolist()
+
+    assert path(10) == [0, 3, 4]
+    assert path(2) == [0, 3]  # only 2 tokens still wanted
+    assert path(10, [8]) == [0, 3]  # EOS is the bonus, never accepted past
     draft.valid[0, 2] = False
-    assert accept(draft, greedy, [10], set()) == [[0]]  # an invalid node is never accepted
+    assert path(10) == [0]  # an invalid node is never accepted
+
+
+def test_rows_accepting_differently_in_one_batch():
+    """Row 0 takes the chain 1 -> 2, row 1 only node 1, row 2 nothing: one path mask each, and the round reads back."""
+    draft = Draft(torch.tensor([[5, 6], [5, 6], [5, 6]]), torch.tensor([[0, 1]] * 3), torch.ones(3, 2, dtype=torch.bool))
+    greedy = torch.tensor([[5, 6, 9], [5, 4, 9], [3, 6, 9]])
+    mask = accept(draft, greedy, torch.tensor([10, 10, 10]), torch.tensor([], dtype=torch.long))
+    assert mask.tolist() == [[True, True, True], [True, True, False], [True, False, False]]
+    inputs = torch.cat([torch.tensor([[1]] * 3), draft.tokens], 1)
+    assert read_round(inputs, mask, torch.tensor([9, 4, 3])) == ([[0, 1, 2], [0, 1], [0]], [[5, 6, 9], [5, 4], [3]])
 
 
 def test_truncate_stops_after_first_eos_and_at_max():
@@ -155,6 +174,27 @@ def test_decoding_from_a_shared_prefill_leaves_it_unchanged(tiny):
     for proposer in (None, EagleProposer(drafter, TREE), None):
         out = speculative_decode(verifier, proposer, prompts, TINY_TAPS, MAX_NEW, {2}, prefilled)
         assert [d.tokens for d in out] == plain
+
+
+def test_columns_no_row_accepted_leave_the_cache(tiny):
+    """One round by hand: row 0 accepts its first draft, row 1 none; only block columns 0, 1 stay, and decoding goes on exactly."""
+    verifier, prompts, plain = tiny
+    batch, features = prefill(verifier, prompts[:2], TINY_TAPS)
+    width = batch.valid.shape[1]
+    wrong = [(t + 1) % verifier.config.vocab_size for t in (plain[0][2], plain[1][1])]
+    draft = Draft(torch.tensor([[plain[0][1], wrong[0], 7], [wrong[1], 7, 7]]), torch.tensor([[0, 1, 2]] * 2),
+                  torch.ones(2, 3, dtype=torch.bool))
+    inputs = torch.cat([batch.root[:, None], draft.tokens], 1)
+    greedy, _ = verify(verifier, batch, draft, TINY_TAPS)
+    path = accept(draft, greedy, torch.tensor([MAX_NEW, MAX_NEW]), torch.tensor([2]))
+    commit(batch, path, greedy)
+    paths, emitted = read_round(inputs, path, batch.root)
+    assert paths == [[0, 1], [0]] and emitted == [plain[0][1:3], plain[1][1:2]]
+    drop_rejected(batch, 4, torch.tensor([0, 1]))
+    assert batch.valid.shape[1] == batch.positions.shape[1] == batch.cache.get_seq_length() == width + 2
+    assert batch.valid[:, width:].tolist() == [[True, True], [True, False]]
+    out = speculative_decode(verifier, None, prompts[:2], TINY_TAPS, 8, set(), (batch, features))
+    assert [d.tokens for d in out] == [plain[0][2:10], plain[1][1:9]]
 
 
 def test_oracle_accepts_everything_every_round(tiny):

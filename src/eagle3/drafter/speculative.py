@@ -50,6 +50,7 @@ History-only proposers (the baselines: ``most_frequent``, ``ngram``) propose fro
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -96,11 +97,19 @@ class TreeShape:
 
 @dataclass
 class Draft:
-    """Draft nodes per row; block index 0 is the root (last verified token), node i is block index i + 1."""
+    """Draft nodes per row; block index 0 is the root (last verified token), node i is block index i + 1.
+
+    Siblings carry distinct tokens (a node's children are its top-k), so at most one path matches.
+    """
 
     tokens: Tensor  # [B, N] target ids
     parents: Tensor  # [B, N] block index of each node's parent, < its own (0: the root)
     valid: Tensor  # [B, N] bool: a node that may be accepted (history proposers propose fewer than N)
+
+    @functools.cached_property
+    def structure(self) -> tuple[Tensor, Tensor]:
+        """(depth [B, 1 + N], ancestor-or-self [B, 1 + N, 1 + N] bool) of the block, for verify and accept."""
+        return tree_structure(self.parents)
 
 
 @dataclass
@@ -229,44 +238,66 @@ def tree_structure(parents: Tensor) -> tuple[Tensor, Tensor]:
 @torch.no_grad()
 def verify(verifier, batch: Batch, draft: Draft, layer_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
     """One verifier forward over [root, nodes...] of every row: (greedy [B, 1 + N], features [B, 1 + N, 3H])."""
-    depth, ancestors = tree_structure(draft.parents)
+    depth, ancestors = draft.structure
     input_ids = torch.cat([batch.root[:, None], draft.tokens], 1)  # [B, 1 + N]
     see_cache = batch.valid[:, None, :].expand(-1, input_ids.shape[1], -1)  # [B, 1 + N, S]
     return forward_verifier(verifier, batch, input_ids, batch.length[:, None] + depth, ancestors, see_cache, layer_ids)
 
 
-def accept(draft: Draft, greedy: Tensor, budgets: Sequence[int], eos_ids: set[int]) -> list[list[int]]:
-    """Per row, the accepted path of block indices, the root first.
+def accept(draft: Draft, greedy: Tensor, budgets: Tensor, eos_ids: Tensor) -> Tensor:
+    """Per row, the accepted path as a mask over block indices [B, 1 + N] (the root always on it).
 
     Acceptance rule (greedy verification): from the root, a node is accepted iff it is a valid
     child of the last accepted node and its token equals that node's greedy token; then its own
     greedy token is the next one to match. The last accepted node's greedy token is the bonus, so a
-    forward yields len(path) tokens, all exactly greedy ones. A row stops accepting once it has
-    ``budgets[b]`` tokens or has produced an EOS, as a server would.
+    forward yields as many tokens as the path has nodes, all exactly greedy ones. A row stops
+    accepting once it has ``budgets[b]`` [B] tokens or has produced an EOS (``eos_ids`` [E]), as a
+    server would: a node at depth d needs d < budget and its parent's greedy token not an EOS.
+
+    In tensor ops over the whole batch (no per-row loop, no host sync): a node matches on its own
+    terms, it is on the path iff it and all its drafted ancestors match, and the path is the
+    ancestors of the deepest such node (siblings differ, so there is one).
     """
-    tokens, parents, valid, greedy = draft.tokens.tolist(), draft.parents.tolist(), draft.valid.tolist(), greedy.tolist()
-    paths = []
-    for b, budget in enumerate(budgets):
-        path = [0]
-        while len(path) < budget and greedy[b][path[-1]] not in eos_ids:
-            want = greedy[b][path[-1]]
-            children = [i + 1 for i, (t, p, ok) in enumerate(zip(tokens[b], parents[b], valid[b])) if ok and p == path[-1] and t == want]
-            if not children:
-                break
-            path.append(children[0])
-        paths.append(path)
-    return paths
+    depth, ancestors = draft.structure
+    wanted = greedy.gather(1, draft.parents)  # [B, N] the parent's greedy token
+    match = draft.valid & (draft.tokens == wanted) & ~torch.isin(wanted, eos_ids) & (depth[:, 1:] < budgets[:, None])
+    on_path = ~(ancestors[:, 1:, 1:] & ~match[:, None, :]).any(-1)  # [B, N]: every drafted ancestor-or-self matches
+    reach = depth * F.pad(on_path, (1, 0))  # [B, 1 + N]; the root (depth 0) when no node is on the path
+    last = reach.argmax(1)  # [B] the deepest, the first on ties
+    return ancestors[torch.arange(len(last), device=last.device), last]
 
 
-def commit(batch: Batch, paths: list[list[int]], greedy: Tensor) -> None:
-    """Make the accepted columns valid; the bonus token becomes each row's root."""
-    Q = greedy.shape[1]
-    start = batch.valid.shape[1] - Q
-    for b, path in enumerate(paths):
-        batch.valid[b, [start + i for i in path]] = True
-    last = torch.tensor([path[-1] for path in paths], device=greedy.device)
-    batch.root = greedy[torch.arange(len(paths), device=greedy.device), last]
-    batch.length = batch.length + torch.tensor([len(p) for p in paths], device=greedy.device)
+def commit(batch: Batch, path: Tensor, greedy: Tensor) -> None:
+    """Make the accepted columns valid (path [B, 1 + N]); the bonus token becomes each row's root."""
+    Q = path.shape[1]
+    batch.valid[:, -Q:] = path
+    last = (path * torch.arange(Q, device=path.device)).argmax(1)  # [B] the path's last node (block order = depth order)
+    batch.root = greedy[torch.arange(len(last), device=last.device), last]
+    batch.length = batch.length + path.sum(1)
+
+
+def drop_rejected(batch: Batch, block: int, kept: Tensor) -> None:
+    """Remove the last ``block`` columns that no row accepted; ``kept`` [n]: the others' block indices, ascending.
+
+    Why: such a column is masked out of every later forward, yet attention, its mask and the
+    cache's growth pay for it in each one; with 16-token trees at τ ≈ 1 the cache would be mostly
+    such columns by the 64th token. The kept columns move down in place (no copy of the whole
+    cache) and every layer's cache is cut to length, as ``DynamicCache.crop`` does.
+    """
+    start, n = batch.valid.shape[1] - block, len(kept)
+    if n == block:
+        return
+    index = start + kept
+
+    def keep(x: Tensor) -> Tensor:  # [..., S, d] or [B, S]
+        dim = -2 if x.dim() > 2 else -1
+        x.narrow(dim, start, n).copy_(x.index_select(dim, index))
+        return x.narrow(dim, 0, start + n)
+
+    for layer in batch.cache.layers:
+        if layer.keys is not None and layer.keys.numel():
+            layer.keys, layer.values = keep(layer.keys), keep(layer.values)
+    batch.valid, batch.positions = keep(batch.valid), keep(batch.positions)
 
 
 # --- proposers --------------------------------------------------------------------------------------
@@ -444,25 +475,37 @@ def speculative_decode(verifier, proposer, prompts: Sequence[Tensor], layer_ids:
     """
     batch, features = copy.deepcopy(prefilled) if prefilled else prefill(verifier, prompts, layer_ids)
     outputs = [Decoded([int(t)]) for t in batch.root]
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=batch.root.device)
     if proposer is not None:
         proposer.start(prompts, batch, features)
     while not all(finished(o.tokens, max_new_tokens, eos_ids) for o in outputs):
         draft = proposer.propose() if proposer is not None else no_draft(batch)
-        root_positions = batch.length
+        root_positions, inputs = batch.length, torch.cat([batch.root[:, None], draft.tokens], 1)  # [B], [B, Q]
         greedy, features = verify(verifier, batch, draft, layer_ids)
-        budgets = [max_new_tokens - len(o.tokens) for o in outputs]
-        paths = accept(draft, greedy, budgets, eos_ids)
-        tokens = draft.tokens.tolist()
-        bonus = greedy.tolist()
-        emitted = [[tokens[b][i - 1] for i in path[1:]] + [bonus[b][path[-1]]] for b, path in enumerate(paths)]
-        commit(batch, paths, greedy)
-        for output, path, new in zip(outputs, paths, emitted):
+        budgets = torch.tensor([max_new_tokens - len(o.tokens) for o in outputs], device=greedy.device)
+        path = accept(draft, greedy, budgets, eos)  # [B, Q]
+        commit(batch, path, greedy)
+        paths, emitted = read_round(inputs, path, batch.root)
+        drop_rejected(batch, inputs.shape[1], torch.tensor(sorted(set().union(*paths)), device=greedy.device))
+        for output, row_path, new in zip(outputs, paths, emitted):
             if not finished(output.tokens, max_new_tokens, eos_ids):
                 output.tokens += new
-                output.accepted.append(len(path) - 1)
+                output.accepted.append(len(row_path) - 1)
         if proposer is not None:
             proposer.advance(Round(paths, emitted, features, root_positions))
     return [Decoded(truncate(o.tokens, max_new_tokens, eos_ids), o.accepted) for o in outputs]
+
+
+def read_round(inputs: Tensor, path: Tensor, bonus: Tensor) -> tuple[list[list[int]], list[list[int]]]:
+    """(paths as block indices, emitted tokens) per row, from the block [B, Q], its path mask and the bonus [B].
+
+    The round's one host transfer: everything the outputs and the proposers' bookkeeping need.
+    Example: inputs [[9, 5, 6]], path [[1, 1, 0]], bonus [7] -> ([[0, 1]], [[5, 7]]).
+    """
+    Q = inputs.shape[1]
+    rows = torch.cat([inputs, path.long(), bonus[:, None]], 1).tolist()  # [B, 2Q + 1]
+    paths = [[i for i in range(Q) if row[Q + i]] for row in rows]
+    return paths, [[row[i] for i in p[1:]] + [row[-1]] for row, p in zip(rows, paths)]
 
 
 def no_draft(batch: Batch) -> Draft:
