@@ -216,8 +216,6 @@ def tiny_model_spec():
     spec = project_params().model.copy()
     spec.name = "tiny-random"
     spec.num_layers = TINY_LLAMA["num_hidden_layers"]
-    spec.hidden_size = TINY_LLAMA["hidden_size"]
-    spec.vocab_size = TINY_LLAMA["vocab_size"]
     spec.aux_layers = [1, 2, 3]
     spec.max_position_embeddings = TINY_LLAMA["max_position_embeddings"]
     return spec

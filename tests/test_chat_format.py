@@ -110,8 +110,8 @@ def test_sglang_is_given_the_configured_template(tmp_path):
 
 
 BASE_MODEL = {  # conf/model/tiny-base.yaml: all a base model needs (its tokenizer has no chat template)
-    "name": "tiny-base", "copy_weights": True, "trust_remote_code": False, "num_layers": 4, "hidden_size": 64,
-    "vocab_size": 49152, "max_position_embeddings": 2048, "aux_layers": [1, 2, 3], "final_state": "post-norm",
+    "name": "tiny-base", "copy_weights": True, "trust_remote_code": False, "num_layers": 4,
+    "max_position_embeddings": 2048, "aux_layers": [1, 2, 3], "final_state": "post-norm",
     "chat_template": BASE_TEMPLATE, "reasoning_parser": None, "reasoning_format": "<think>\n{reasoning}\n</think>\n",
     "end_of_turn": BASE_END_OF_TURN, "stop": [BASE_END_OF_TURN], "draft_head": {},
 }

@@ -78,13 +78,13 @@ def family_params(tmp: Path, family: str) -> Path:
     params = OmegaConf.load(path)
     config = {**FAMILIES[family], "initializer_range": 0.2}  # larger random weights: varied answers, not one repeated token
     params.model.update(
-        name=family, copy_weights=True, num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
-        vocab_size=config["vocab_size"], max_position_embeddings=config["max_position_embeddings"], aux_layers=[1, 2, 3],
+        name=family, copy_weights=True, num_layers=config["num_hidden_layers"],
+        max_position_embeddings=config["max_position_embeddings"], aux_layers=[1, 2, 3],
         source={"kind": "random", "tokenizer": str(tmp / "tokenizer"), "config": config, "seed": 0, "dtype": "float32"},
     )
     (tmp / "data" / "sources").mkdir(parents=True)
     write_jsonl(tmp / "data" / "sources" / "questions.jsonl", [{"prompt": q + tail} for q in QUESTIONS for tail in ("", " Be brief.")])
-    params.dataset.update(name="families", num_prompts=12, shards=["000000-000012"], eval_sets={"heldout": 3},
+    params.dataset.update(name="families", shards=["000000-000012"], eval_sets={"heldout": 3},
                           sources=[{"kind": "jsonl", "path": str(tmp / "data" / "sources" / "questions.jsonl")}], heldout_fraction=0.25)
     OmegaConf.save(params, path)
     return path

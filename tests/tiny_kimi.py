@@ -127,8 +127,6 @@ def model_params(source: dict, name: str = "tiny-kimi"):
     spec.source = source
     spec.copy_weights = source["kind"] == "random"
     spec.num_layers = TEXT["num_hidden_layers"]
-    spec.hidden_size = TEXT["hidden_size"]
-    spec.vocab_size = TEXT["vocab_size"]
     spec.max_position_embeddings = TEXT["max_position_embeddings"]
     spec.aux_layers = [1, 2, 3]
     spec.language_model = LANGUAGE_MODEL
