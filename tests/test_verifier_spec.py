@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlavaConfig
 
 from eagle3.common import UserError
+from eagle3.config import stage_params
 from eagle3.verifiers.spec import VerifierSpec, require_verifier, tap_problem, tapped_features, verifier_mismatch
 
-from conftest import project_params
+from conftest import ROOT, project_params
 
 
 def test_tap_rule_matches_docstring():
@@ -42,3 +45,23 @@ def test_spec_reads_the_language_model_of_a_nested_config():
     assert VerifierSpec.from_params(OmegaConf.merge(model, {"aux_layers": [1, 8, 13]}), nested).num_layers == 16
     with pytest.raises(UserError, match="model.final_state"):
         VerifierSpec.from_params(OmegaConf.merge(model, {"final_state": "pre-norm"}))
+
+
+IMPORT_KEYS = {"model.source", "model.copy_weights"}  # where the verifier stage gets the weights, not what they are
+
+
+@pytest.mark.parametrize("stage", ["verifier", "prompts", "generate", "extract", "merge", "train", "evaluate", "summary"])
+def test_every_model_key_a_stage_declares_is_read_by_the_spec(stage):
+    """What varies by verifier reaches a stage only through the spec: a family is a conf/model file (plus a spec change
+    for a rule it breaks), never a stage edit."""
+    declared = {key for key in importlib.import_module(f"eagle3.{stage}").PARAMS if key.startswith("model.")}
+    assert declared - IMPORT_KEYS <= {f"model.{key}" for key in VerifierSpec.keys()}
+
+
+def test_a_spec_holds_only_what_its_stage_declares():
+    spec = VerifierSpec.from_params(stage_params(["model.draft_head"], ROOT / "params.yaml").model)  # train's view
+    assert spec.draft_head == {}
+    with pytest.raises(KeyError, match="model.aux_layers: not among this stage's declared params"):
+        spec.aux_layers  # noqa: B018 (the read itself must fail)
+    whole = VerifierSpec.from_params(project_params().model)
+    assert whole.chat.end_of_turn == "<|im_end|>" and whole.language_model.nested is False

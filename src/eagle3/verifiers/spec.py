@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from omegaconf import DictConfig
 
@@ -35,6 +35,7 @@ FINAL_STATES = ("post-norm",)  # train applies only the lm_head to `final`: it m
 # The verifier tensors training reads (its frozen embedding, lm_head and final norm), by their HF
 # names in the checkpoint's safetensors; a tied lm_head is absent and falls back to the embedding.
 VERIFIER_TENSORS = {"embed": "model.embed_tokens.weight", "head": "lm_head.weight", "norm": "model.norm.weight"}
+T = TypeVar("T")
 
 
 def tap_problem(ids: Sequence[int], num_layers: int) -> str | None:
@@ -109,32 +110,55 @@ class LanguageModel:
         return {f"^{re.escape(self.prefix)}": ""} if self.prefix else None
 
 
-# How each model key a spec may hold is read: one interpretation per key, shared by every stage.
-READERS: dict[str, Callable[[Any], Any]] = {
-    "name": str,  # the conf/model file
-    "num_layers": int,  # decoder layers (the verifier's own count once checked against its config)
-    "aux_layers": lambda v: tuple(int(i) for i in v),  # taps: residual stream entering layer k, 3 ascending ids
-    "final_state": str,  # which hidden state `final` is: post-norm
-    "chat_template": lambda v: None if v is None else str(v),  # Jinja written into models/verifier; None: the tokenizer's own
-    "reasoning_format": str,  # "template", or a prefix with {reasoning} put before the answer
-    "end_of_turn": lambda v: None if v is None else str(v),  # the marker closing an answer (in the loss mask); None: eos
-    "stop": lambda v: tuple(str(s) for s in v),  # strings ending an answer besides EOS
-    "draft_head": lambda v: dict(to_plain(v) or {}),  # overrides of the drafter's shape (default: the verifier's)
-    "language_model": LanguageModel.from_params,  # where the text model sits in the checkpoint
-    "trust_remote_code": bool,  # the verifier's tokenizer/model need their own code
-}
+def optional_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+class ModelKey(Generic[T]):
+    """A spec attribute: the ``model`` key of its name, read once by ``read`` for every stage. Reading
+    it from a spec whose stage does not declare the key raises, as the params view itself does."""
+
+    def __init__(self, read: Callable[[Any], T]):
+        self.read = read
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = name
+
+    def __get__(self, spec: VerifierSpec | None, owner: type | None = None) -> T:
+        if spec is None:
+            return self  # type: ignore[return-value]  (the class attribute: the key itself)
+        if self.key not in spec.values:
+            raise KeyError(f"model.{self.key}: not among this stage's declared params (its PARAMS and dvc.yaml params:)")
+        return spec.values[self.key]
 
 
 @dataclass(frozen=True)
 class VerifierSpec:
-    """The ``model`` keys one stage declares, read once (conf/model/*.yaml documents every key)."""
+    """The ``model`` keys one stage declares, each read once (conf/model/*.yaml documents every key)."""
 
-    values: dict[str, Any]  # READERS' keys the stage declared, read
+    values: dict[str, Any]  # the declared keys below, read
+
+    name = ModelKey(str)  # the conf/model file
+    num_layers = ModelKey(int)  # decoder layers (the verifier's own count once checked against its config)
+    aux_layers = ModelKey(lambda v: tuple(int(i) for i in v))  # taps: residual stream entering layer k, 3 ascending ids
+    final_state = ModelKey(str)  # which hidden state `final` is: post-norm
+    chat_template = ModelKey(optional_str)  # Jinja written into models/verifier; None: the tokenizer's own
+    reasoning_format = ModelKey(str)  # "template", or a prefix with {reasoning} put before the answer
+    end_of_turn = ModelKey(optional_str)  # the marker closing an answer (in the loss mask); None: the eos token
+    stop = ModelKey(lambda v: tuple(str(s) for s in v))  # strings ending an answer besides EOS
+    draft_head = ModelKey(lambda v: dict(to_plain(v) or {}))  # overrides of the drafter's shape (default: the verifier's)
+    language_model = ModelKey(LanguageModel.from_params)  # where the text model sits in the checkpoint
+    trust_remote_code = ModelKey(bool)  # the verifier's tokenizer/model need their own code
+
+    @classmethod
+    def keys(cls) -> dict[str, ModelKey]:
+        """Every model key a spec may hold, by name."""
+        return {name: attr for name, attr in vars(cls).items() if isinstance(attr, ModelKey)}
 
     @classmethod
     def from_params(cls, model: DictConfig, hf_config=None) -> VerifierSpec:
         """The spec of a stage's ``params.model`` view; with the verifier's HF config, checked against it."""
-        values = {key: read(model[key]) for key, read in READERS.items() if key in model}
+        values = {key: attr.read(model[key]) for key, attr in cls.keys().items() if key in model}
         if "final_state" in values and values["final_state"] not in FINAL_STATES:
             raise UserError(f"params.yaml: model.final_state must be one of {list(FINAL_STATES)} (train applies only the lm_head to `final`)")
         spec = cls(values)
@@ -153,55 +177,6 @@ class VerifierSpec:
             problem = tap_problem(self.aux_layers, self.values.get("num_layers", 0))
             if problem:
                 raise UserError(f"params.yaml: model.{problem}{where}")
-
-    def _value(self, key: str) -> Any:
-        if key not in self.values:
-            raise KeyError(f"model.{key}: not among this stage's declared params (its PARAMS and dvc.yaml params:)")
-        return self.values[key]
-
-    @property
-    def name(self) -> str:
-        return self._value("name")
-
-    @property
-    def num_layers(self) -> int:
-        return self._value("num_layers")
-
-    @property
-    def aux_layers(self) -> tuple[int, ...]:
-        return self._value("aux_layers")
-
-    @property
-    def final_state(self) -> str:
-        return self._value("final_state")
-
-    @property
-    def chat_template(self) -> str | None:
-        return self._value("chat_template")
-
-    @property
-    def reasoning_format(self) -> str:
-        return self._value("reasoning_format")
-
-    @property
-    def end_of_turn(self) -> str | None:
-        return self._value("end_of_turn")
-
-    @property
-    def stop(self) -> tuple[str, ...]:
-        return self._value("stop")
-
-    @property
-    def draft_head(self) -> dict[str, Any]:
-        return self._value("draft_head")
-
-    @property
-    def language_model(self) -> LanguageModel:
-        return self._value("language_model")
-
-    @property
-    def trust_remote_code(self) -> bool:
-        return self._value("trust_remote_code")
 
     @property
     def chat(self) -> ChatFormat:
