@@ -36,6 +36,7 @@ import torch
 
 from eagle3.drafter.model import DraftConfig
 from eagle3.train import collate_ttt
+from shapes import DRAFTER_SHAPES
 from train_throughput import random_documents, random_draft_vocab, shape_arguments, step_flops, train_config
 
 
@@ -134,7 +135,7 @@ def main() -> None:
     device, dtype = torch.device(args.device), torch.bfloat16 if gpu else torch.float32
     speculators, resolve_loss_config = import_peer()
 
-    cfg = DraftConfig.preset(preset)
+    cfg = DraftConfig.create(DRAFTER_SHAPES[preset], {})
     generator = torch.Generator().manual_seed(0)  # the weights train_throughput.py draws, in its order
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=generator) * 0.02
     verifier_head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=generator) * 0.02

@@ -42,11 +42,13 @@ from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.parallel import close_world, init_world, wrap
 from eagle3.hidden_states.loader import DataPlan, HiddenStates
 from eagle3.train import TrainConfig, collate_ttt, lr_factor, to_device, train_step
+from shapes import DRAFTER_SHAPES
 
 
 def train_config(**keys) -> TrainConfig:
-    """conf/train/default.yaml with ``keys`` replaced (TrainConfig has no defaults of its own)."""
-    default = OmegaConf.load(Path(__file__).parents[1] / "conf" / "train" / "default.yaml")
+    """The committed params' train section with ``keys`` replaced (TrainConfig has no defaults of its own;
+    conf/train/default.yaml alone does not resolve: its batch size comes from the layout)."""
+    default = OmegaConf.load(Path(__file__).parents[1] / "params.yaml").train
     return TrainConfig.from_params(OmegaConf.merge(default, keys))
 
 
@@ -151,7 +153,7 @@ def measure(args, cfg: DraftConfig, micro: list[dict], flops: list[float], froze
 def shape_arguments(parser: argparse.ArgumentParser) -> None:
     """The options that fix the work of a step (shared with ``peer_speculators.py``)."""
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--preset", help="drafter shape (default: smollm2-135m on cpu, llama3-8b on cuda)")
+    parser.add_argument("--preset", choices=sorted(DRAFTER_SHAPES), help="drafter shape (default: smollm2-135m on cpu, llama3-8b on cuda)")
     parser.add_argument("--batch", type=int, help="packed rows per step (default: 1 on cpu, 4 on cuda)")
     parser.add_argument("--seq", type=int, help="tokens per row (default: 512 on cpu, 2048 on cuda)")
     parser.add_argument("--ttt-steps", type=int, default=7, help="K")
@@ -180,7 +182,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     world = init_world(args.device)
     dtype = torch.bfloat16 if gpu else torch.float32
-    cfg = DraftConfig.preset(preset)
+    cfg = DraftConfig.create(DRAFTER_SHAPES[preset], {})
     packing = train_config(ttt_steps=args.ttt_steps, batch_size=rows, pack_tokens=seq)
     if args.merged:
         items = real_micro_batches(args.merged, args.hidden_states, packing, args.batches, world)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import runpy
 import warnings
 from pathlib import Path
 
@@ -12,11 +13,13 @@ from torch import Tensor
 from transformers import AutoConfig, DeepseekV3Config, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from eagle3.drafter.model import LLAMA3_ROPE, DraftConfig, KVCache, cached_attention, document_block_mask, masked_attention, rope_frequencies
+from eagle3.drafter.model import DraftConfig, KVCache, cached_attention, document_block_mask, masked_attention, rope_frequencies
+from conftest import ROOT
 from reference import explicit_attention
-from tiny_drafter import make_drafter, one_thread  # noqa: F401 (autouse fixture)
+from tiny_drafter import DEBUG, make_drafter, one_thread  # noqa: F401 (autouse fixture)
 
 CONF = Path(__file__).parent.parent / "conf"
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 STATE_KEYS = {
     "fc.weight",
@@ -73,11 +76,12 @@ def test_from_verifier_and_overrides(tiny_verifier_dir, smollm2_dir):
     assert (tiny.hidden_size, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.head_dim) == (64, 4, 2, 16)
     assert (tiny.vocab_size, tiny.draft_vocab_size, tiny.rope_theta, tiny.rope_scaling) == (49152, 4096, 100000.0, None)
     smol = DraftConfig.from_verifier(AutoConfig.from_pretrained(smollm2_dir), 32000, [2, 15, 27], {"intermediate_size": 768})
-    assert smol == DraftConfig.preset("smollm2-135m", intermediate_size=768, rms_norm_eps=smol.rms_norm_eps)
+    shapes = runpy.run_path(str(ROOT / "benchmarks" / "shapes.py"))  # the benchmarks are scripts, not a package
+    assert smol == DraftConfig.create(shapes["DRAFTER_SHAPES"]["smollm2-135m"], {"intermediate_size": 768, "rms_norm_eps": smol.rms_norm_eps})
     with pytest.raises(ValueError, match="unknown drafter setting"):
-        DraftConfig.preset("debug", hidden=3)
+        DraftConfig.create(DEBUG, {"hidden": 3})
     with pytest.raises(ValueError, match="rope type 'dynamic'"):
-        DraftConfig.preset("debug", rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+        DraftConfig.create(DEBUG, {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
 
 
 def test_kimi_description_gives_a_servable_drafter():

@@ -8,10 +8,16 @@ import torch
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 
 
+# Tiny shapes for unit tests and CPU smoke runs.
+DEBUG = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+             draft_vocab_size=128, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=2048,
+             aux_layers=(1, 2, 3))
+
+
 def make_drafter(seed: int = 0, **overrides) -> Eagle3Drafter:
-    """The ``debug`` preset with random weights, non-trivial norms and a spread-out draft vocab."""
+    """The ``DEBUG`` shape with random weights, non-trivial norms and a spread-out draft vocab."""
     torch.manual_seed(seed)
-    cfg = DraftConfig.preset("debug", **overrides)
+    cfg = DraftConfig.create(DEBUG, overrides)
     drafter = Eagle3Drafter(cfg, torch.randn(cfg.vocab_size, cfg.hidden_size))
     drafter.set_draft_vocab(draft_d2t(cfg.vocab_size, cfg.draft_vocab_size))
     with torch.no_grad():  # non-trivial norms, so a swapped norm would show

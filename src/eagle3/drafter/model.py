@@ -340,7 +340,7 @@ class DraftLayer(nn.Module):
 @dataclass(frozen=True)
 class DraftConfig:
     """The drafter's shape. No field has a default: every value comes from the verifier
-    (``from_verifier``), an export (``export.config_from_export``) or a named preset."""
+    (``from_verifier``), an export (``export.config_from_export``) or a given shape (``create``)."""
 
     hidden_size: int  # H: the verifier's hidden size; aux features are 3H wide
     intermediate_size: int  # SwiGLU width of the draft layer
@@ -384,12 +384,6 @@ class DraftConfig:
         return cls.create(values, overrides or {})
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> DraftConfig:
-        if name not in PRESETS:
-            raise ValueError(f"unknown drafter preset {name!r}; one of {sorted(PRESETS)}")
-        return cls.create(PRESETS[name], overrides)
-
-    @classmethod
     def create(cls, values: dict, overrides: dict) -> DraftConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(overrides) - known)
@@ -431,22 +425,6 @@ def rope_settings(hf_config) -> tuple[float, dict | None]:
         return theta, None
     return theta, {"rope_type": kind, **{key: params[key] for key in ROPE_KEYS.get(kind, ()) if key in params}}
 
-
-LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-
-PRESETS = {
-    # Tiny shapes for unit tests and CPU smoke runs.
-    "debug": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  vocab_size=512, draft_vocab_size=128, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
-                  max_position_embeddings=2048, aux_layers=(1, 2, 3)),
-    # The shapes of real verifiers, for benchmarks (test_model checks the SmolLM2 one against its config).
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                         vocab_size=49152, draft_vocab_size=32000, rms_norm_eps=1e-5, rope_theta=100000.0, rope_scaling=None,
-                         max_position_embeddings=8192, aux_layers=(2, 15, 27)),
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                      vocab_size=128256, draft_vocab_size=32000, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
-                      max_position_embeddings=131072, aux_layers=(2, 16, 29)),
-}
 
 
 # ---------------------------------------------------------------------------------------------
