@@ -13,7 +13,7 @@ from conftest import project_params, run
 from eagle3.common import UserError
 from eagle3.drafter.export import verifier_facts, write_drafter
 from eagle3.drafter.speculative import EagleProposer, TreeShape, greedy_decode, speculative_decode
-from eagle3.evaluate import Settings, acceptance_stats, check_pair, main, most_frequent_token
+from eagle3.evaluate import Settings, acceptance_stats, check_pair, evaluate, main, most_frequent_token
 from eagle3.verifiers.loading import load_tokenizer, load_verifier, read_meta
 from test_speculative import QUESTIONS, K, TableDrafter, encode, greedy_tables, random_drafter
 
@@ -34,6 +34,27 @@ def test_impossible_tree_is_one_clear_error():
     params.evaluate.tree = {"num_steps": 2, "topk": 2, "num_draft_tokens": 9}
     with pytest.raises(UserError, match="evaluate.tree: num_draft_tokens must be in 2..7"):
         Settings.from_params(params)
+
+
+def test_evaluate_reports_every_method_per_set_lossless(tiny_verifier_dir):
+    """The typed core on loaded models, no files: chain, tree and both baselines per set, outputs as plain greedy."""
+    torch.set_num_threads(1)
+    verifier = load_verifier(tiny_verifier_dir)
+    tokenizer = load_tokenizer(tiny_verifier_dir)
+    drafter = random_drafter(verifier, 512, TINY_TAPS)
+    params = project_params()
+    params.evaluate = {"name": "test", "draft_tokens": 3, "max_new_tokens": 8, "sets": ["a", "b"], "max_prompts": None,
+                       "baseline": True, "batch_size": 2, "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
+    settings = Settings.from_params(params)
+    sets = {"a": [encode(tokenizer, q) for q in QUESTIONS], "b": [encode(tokenizer, QUESTIONS[0])]}
+    reports = evaluate(verifier, drafter, sets, settings, {2})
+    assert list(reports) == ["a", "b"]
+    for name, report in reports.items():
+        assert report["plain"]["prompts"] == len(sets[name]) and report["plain"]["tokens"] > 0
+        for method in ("chain", "tree"):
+            assert report[method]["lossless"] == 1 and 1 <= report[method]["tau"] <= 4 and report[method]["speedup"] > 0
+        assert report["baseline"]["tau"] >= 1 and report["ngram"]["tau"] >= 1
+    assert reports["b"]["chain"]["forwards"] < reports["a"]["chain"]["forwards"]
 
 
 def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, monkeypatch):

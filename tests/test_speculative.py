@@ -18,6 +18,7 @@ from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2Fo
 
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.speculative import (
+    SKINNY_ROWS,
     Draft,
     EagleProposer,
     HistoryProposer,
@@ -31,6 +32,7 @@ from eagle3.drafter.speculative import (
     prefill,
     read_round,
     replay,
+    skinny_matmuls,
     speculative_decode,
     truncate,
     verify,
@@ -134,6 +136,17 @@ def test_rows_accepting_differently_in_one_batch():
     assert mask.tolist() == [[True, True, True], [True, True, False], [True, False, False]]
     inputs = torch.cat([torch.tensor([[1]] * 3), draft.tokens], 1)
     assert read_round(inputs, mask, torch.tensor([9, 4, 3])) == ([[0, 1, 2], [0, 1], [0]], [[5, 6, 9], [5, 4], [3]])
+
+
+@pytest.mark.parametrize("rows", [1, 3, SKINNY_ROWS + 4])
+def test_skinny_matmuls_compute_the_same_linear_layers(rows):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 8, bias=False))
+    x = torch.randn(rows, 1, 24)  # [B, T, K]
+    expected = model(x)
+    assert skinny_matmuls(model) is model
+    torch.testing.assert_close(model(x), expected)
+    assert model(x).is_contiguous() and model(x).shape == (rows, 1, 8)
 
 
 def test_truncate_stops_after_first_eos_and_at_max():

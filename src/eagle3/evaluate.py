@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,7 +44,8 @@ from tqdm import tqdm
 from eagle3.common import UserError, atomic_dir, read_json, read_jsonl, stage_main
 from eagle3.config import stage_params
 from eagle3.drafter.export import check_drafter, load_drafter
-from eagle3.drafter.speculative import EagleProposer, TreeShape, most_frequent, ngram, prefill, replay, speculative_decode
+from eagle3.drafter.speculative import (EagleProposer, TreeShape, most_frequent, ngram, prefill, replay, skinny_matmuls,
+                                        speculative_decode)
 from eagle3.verifiers.chat import prompt_ids
 from eagle3.verifiers.loading import (Placement, close_sharded, eos_token_ids, input_embedding, load_tokenizer, load_verifier,
                                       read_meta, shard_rank, text_config)
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 PARAMS = ("evaluate", "layout.device", "layout.dtype", "layout.threads", "layout.verifier", "model.trust_remote_code")  # = dvc.yaml
 
-WARMUP_TOKENS = 4  # a short untimed decode of each kind first, so one-off setup costs are not timed
+WARMUP_TOKENS = 4  # the untimed decode of every method before the first set (see ``evaluate``)
 
 
 @dataclass(frozen=True)
@@ -261,8 +261,49 @@ def log_report(live, name: str, report: dict) -> None:
     live.log_plot(f"tau/{name}", rows, x="tau", y="drafter")
 
 
-def warm_up(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int]) -> None:
-    decode_all(verifier, drafter, prompts[: settings.batch_size], settings, eos_ids, WARMUP_TOKENS)
+def evaluate(verifier, drafter, eval_sets: Mapping[str, Sequence[torch.Tensor]], settings: Settings,
+             eos_ids: set[int]) -> dict[str, dict]:
+    """The stage's work on loaded models: each set's report (``evaluate_set``), from prompts [n] each.
+
+    One short untimed decode of every method on the first batch comes first, so one-off setup costs
+    (allocator, kernels, first calls) are timed in no method; the sets need no warm-up of their own.
+    """
+    first = next(iter(eval_sets.values()))
+    decode_all(verifier, drafter, first[: settings.batch_size], settings, eos_ids, WARMUP_TOKENS)
+    reports = {}
+    for name, prompts in eval_sets.items():
+        reports[name] = report = evaluate_set(verifier, drafter, prompts, settings, eos_ids)
+        log.info("%s: chain tau %.3f, speedup %.2fx; tree tau %s; baselines tau %s (most frequent), %s (ngram); "
+                 "%d prompts in %.1f s", name, report["chain"]["tau"], report["chain"]["speedup"],
+                 report.get("tree", {}).get("tau", "-"), report.get("baseline", {}).get("tau", "-"),
+                 report.get("ngram", {}).get("tau", "-"), len(prompts), report["plain"]["seconds"])
+    return reports
+
+
+def load_models(verifier_dir: Path, drafter_dir: Path, settings: Settings):
+    """(verifier, drafter, tokenizer) on the settings' device, set up for decoding."""
+    torch.set_num_threads(settings.threads)
+    if settings.device.startswith("cuda"):
+        # cuDNN's SDPA pays a setup per new shape (measured ~10 s per 256 prompts on an H200), and every
+        # verify forward here has a new key length; the other SDPA kernels have none.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    verifier = load_verifier(verifier_dir, settings.device, settings.dtype, settings.trust_remote_code, settings.placement)
+    embed = input_embedding(verifier)
+    drafter = load_drafter(drafter_dir, embed).to(settings.device, embed.dtype).eval()
+    if settings.device == "cpu" and not settings.placement.sharded:
+        skinny_matmuls(verifier), skinny_matmuls(drafter)
+    return verifier, drafter, load_tokenizer(verifier_dir, settings.trust_remote_code)
+
+
+def write_reports(out: Path, reports: dict[str, dict], wall_seconds: float) -> None:
+    from dvclive import Live
+
+    with atomic_dir(out) as tmp:
+        live = Live(str(tmp), dvcyaml=False, save_dvc_exp=False)
+        for name, report in reports.items():
+            log_report(live, name, report)
+        live.log_metric("wall_seconds", round(wall_seconds, 1), plot=False)
+        live.end()
 
 
 def main(argv: list[str]) -> None:
@@ -276,42 +317,19 @@ def main(argv: list[str]) -> None:
     started = time.perf_counter()
     settings = Settings.from_params(stage_params(PARAMS, args.params))
     check_pair(args.verifier, args.drafter, args.prompts)
-    eval_sets = load_eval_sets(args.prompts, settings.sets, settings.max_prompts)
+    records = load_eval_sets(args.prompts, settings.sets, settings.max_prompts)
     settings.placement.check(text_config(args.verifier, settings.trust_remote_code), settings.device)
     if settings.placement.launch("eagle3.evaluate", argv):
         return
     # Sharded: every process decodes every prompt in lockstep (each verifier forward is collective;
     # the replicated logits and drafter give every process the same decisions); rank 0 writes.
-    evaluate_all(args, settings, eval_sets, started)
+    verifier, drafter, tokenizer = load_models(args.verifier, args.drafter, settings)
+    eval_sets = {name: [torch.tensor(prompt_ids(tokenizer, r["messages"]), device=settings.device) for r in rows]  # [n] each
+                 for name, rows in records.items()}
+    reports = evaluate(verifier, drafter, eval_sets, settings, eos_token_ids(verifier, tokenizer))
+    if shard_rank() == 0:
+        write_reports(args.out, reports, time.perf_counter() - started)
     close_sharded()
-
-
-def evaluate_all(args: argparse.Namespace, settings: Settings, eval_sets: dict[str, list[dict]], started: float) -> None:
-    from dvclive import Live
-
-    torch.set_num_threads(settings.threads)
-    if settings.device.startswith("cuda"):
-        # cuDNN's SDPA pays a setup per new shape (measured ~10 s per 256 prompts on an H200), and every
-        # verify forward here has a new key length; the other SDPA kernels have none.
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    verifier = load_verifier(args.verifier, settings.device, settings.dtype, settings.trust_remote_code, settings.placement)
-    tokenizer = load_tokenizer(args.verifier, settings.trust_remote_code)
-    embed = input_embedding(verifier)
-    drafter = load_drafter(args.drafter, embed).to(settings.device, embed.dtype).eval()
-    eos_ids = eos_token_ids(verifier, tokenizer)
-    with atomic_dir(args.out) if shard_rank() == 0 else tempfile.TemporaryDirectory() as tmp:
-        live = Live(str(tmp), dvcyaml=False, save_dvc_exp=False)
-        for name, records in eval_sets.items():
-            prompts = [torch.tensor(prompt_ids(tokenizer, r["messages"]), device=settings.device) for r in records]  # [n] each
-            warm_up(verifier, drafter, prompts, settings, eos_ids)
-            report = evaluate_set(verifier, drafter, prompts, settings, eos_ids)
-            log.info("%s: chain tau %.3f, speedup %.2fx; tree tau %s; baselines tau %s (most frequent), %s (ngram); "
-                     "%d prompts in %.1f s", name, report["chain"]["tau"], report["chain"]["speedup"],
-                     report.get("tree", {}).get("tau", "-"), report.get("baseline", {}).get("tau", "-"),
-                     report.get("ngram", {}).get("tau", "-"), len(prompts), report["plain"]["seconds"])
-            log_report(live, name, report)
-        live.log_metric("wall_seconds", round(time.perf_counter() - started, 1), plot=False)
-        live.end()
 
 
 if __name__ == "__main__":
