@@ -49,7 +49,7 @@ from eagle3.drafter.speculative import (EagleProposer, TreeShape, most_frequent,
 from eagle3.verifiers.chat import prompt_ids
 from eagle3.verifiers.loading import (Placement, close_sharded, eos_token_ids, input_embedding, load_tokenizer, load_verifier,
                                       read_meta, shard_rank, text_config)
-from eagle3.verifiers.spec import require_verifier
+from eagle3.verifiers.spec import VerifierSpec, require_verifier
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class Settings:
             int(cfg.draft_tokens), None if tree is None else TreeShape(int(tree.num_steps), int(tree.topk), int(tree.num_draft_tokens)),
             int(cfg.batch_size), int(cfg.max_new_tokens), tuple(cfg.sets),
             None if cfg.max_prompts is None else int(cfg.max_prompts), bool(cfg.baseline),
-            str(layout.device), str(layout.dtype), int(layout.threads), bool(params.model.trust_remote_code),
+            str(layout.device), str(layout.dtype), int(layout.threads), VerifierSpec.from_params(params.model).trust_remote_code,
             Placement.from_params(layout),
         )
         for problem in settings.tree.problems() if settings.tree else ():
