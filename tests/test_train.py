@@ -36,12 +36,12 @@ from tiny_drafter import make_drafter, random_batch, verifier_head_weight, one_t
 
 CPU = World(0, 1, torch.device("cpu"))
 DEBUG = OmegaConf.load(ROOT / "conf" / "train" / "debug.yaml")
-DEFAULT = OmegaConf.load(ROOT / "conf" / "train" / "default.yaml")
 
 
 def train_config(**keys) -> TrainConfig:
-    """conf/train/default.yaml with ``keys`` replaced (TrainConfig has no defaults of its own)."""
-    return TrainConfig.from_params(OmegaConf.merge(DEFAULT, keys))
+    """The committed params' train section with ``keys`` replaced (TrainConfig has no defaults of its own;
+    conf/train/default.yaml alone does not resolve: its batch size comes from the layout)."""
+    return TrainConfig.from_params(OmegaConf.merge(project_params().train, keys))
 
 
 def test_data_plan_worked_example():
