@@ -1,64 +1,122 @@
-"""Benchmark of the ``evaluate`` stage: wall time and tokens/s of plain, chain and tree decoding.
+"""Benchmark of ``evaluate``'s decoding: wall time and tokens/s of plain, chain and tree decoding per batch size.
 
-    python benchmarks/evaluate_throughput.py models/verifier --drafter models/drafter \\
-        --prompts data/prompts/eval/heldout.jsonl --run 6:6 --run 1:6             # CPU, the demo's shapes
-    python benchmarks/evaluate_throughput.py models/verifier --device cuda --dtype bfloat16 \\
-        --prompts data/prompts/eval/heldout.jsonl --run 96:96 --run 1:8            # one H200, the 1k run's 96
+    # one H200, a random SmolLM2-shaped verifier and drafter: does batching alone meet the 60 s target?
+    python benchmarks/evaluate_throughput.py --shape smollm2 --device cuda --dtype bfloat16 \\
+        --run 1:8 --run 32:96 --run 96:96
+    python benchmarks/evaluate_throughput.py --device cpu --tiny       # a tiny shape in seconds (tested)
+    python benchmarks/evaluate_throughput.py --verifier models/verifier --drafter models/drafter \\
+        --prompts data/prompts/eval/heldout.jsonl --run 2:2             # a real verifier, drafter and eval set
 
 Each ``--run B:N`` decodes the first N prompts B at a time with ``eagle3.evaluate.decode_all`` (the
-stage's own loop: plain greedy, chain of ``--draft-tokens``, SGLang's tree) after an untimed
-warm-up of every method on the first batch, and prints one JSON line per method: prompts, batch
-size, generated tokens, decoding seconds (each batch's prefill is shared and not counted), tokens/s,
-τ, and the wall seconds of the whole run, prefills included. ``--run 1:N`` is prompt-by-prompt decoding (what
-the stage did before batching). Without ``--drafter`` a random drafter of the verifier's shape
-(τ ≈ 1: the most verifier forwards, the slowest case); without ``--prompts``, random token prompts
-of ``--prompt-tokens`` tokens.
+stage's own loop: per batch one untimed prefill, then plain greedy, a chain of ``--draft-tokens``
+and SGLang's tree, each timed) after an untimed warm-up of every method on the first batch, and
+prints one row per method: decoding seconds and tokens/s (prefills not counted), τ, and the wall
+seconds of the whole run (all methods and prefills: what ``evaluate`` spends on one eval set of N
+prompts at ``evaluate.batch_size`` B). The rows end as a markdown table.
+
+``--shape smollm2`` is SmolLM2-135M's shape (30 layers, hidden 576, 9/3 heads, vocabulary 49152,
+tied embedding) with random weights; its random drafter accepts almost nothing (τ ≈ 1: the most
+verifier forwards, the slowest case), and random weights never emit EOS, so every prompt decodes
+``--max-new-tokens`` tokens. Random prompts of ``--prompt-tokens`` tokens at most (half to all of
+it, so batches are padded as real ones are).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3.common import read_jsonl
 from eagle3.drafter.export import load_drafter
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.speculative import TreeShape
-from eagle3.evaluate import WARMUP_TOKENS, Settings, decode_all
+from eagle3.evaluate import WARMUP_TOKENS, Settings, configure_torch, decode_all, for_decoding
 from eagle3.verifiers.chat import prompt_ids
-from eagle3.verifiers.loading import eos_token_ids, load_tokenizer, load_verifier
+from eagle3.verifiers.loading import Placement, eos_token_ids, input_embedding, load_tokenizer, load_verifier
+
+# Random verifiers (Llama architecture): SmolLM2-135M's shape, and a tiny one for the CPU test.
+SHAPES = {
+    "smollm2": dict(num_hidden_layers=30, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64, vocab_size=49152, rope_theta=100000.0,
+                    max_position_embeddings=8192, tie_word_embeddings=True),
+    "tiny": dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, vocab_size=512, rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=True),
+}
 
 
-def random_drafter(verifier_dir: Path, embed: torch.Tensor, taps: list[int]) -> Eagle3Drafter:
+def random_verifier(shape: str, device: str, dtype: str):
     torch.manual_seed(0)
-    cfg = DraftConfig.from_verifier(AutoConfig.from_pretrained(verifier_dir), min(32000, embed.shape[0]), taps)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape], attn_implementation="sdpa"))
+    return model.to(getattr(torch, dtype)).eval()
+
+
+def random_drafter(config, embed: torch.Tensor, taps: list[int]) -> Eagle3Drafter:
+    torch.manual_seed(0)
+    cfg = DraftConfig.from_verifier(config, min(32000, embed.shape[0]), taps)
     drafter = Eagle3Drafter(cfg, embed)
     drafter.set_draft_vocab(torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # the first Vd tokens
     return drafter
 
 
-def load_prompts(args, tokenizer, vocab_size: int) -> list[torch.Tensor]:
-    count = max(int(run.split(":")[1]) for run in args.run)
+def load_prompts(args, tokenizer, vocab_size: int, count: int) -> list[torch.Tensor]:
     if args.prompts:
         records = list(read_jsonl(args.prompts))[:count]
         return [torch.tensor(prompt_ids(tokenizer, r["messages"]), device=args.device) for r in records]
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, vocab_size, (args.prompt_tokens,), generator=g).to(args.device) for _ in range(count)]
+    lengths = torch.randint(args.prompt_tokens // 2, args.prompt_tokens + 1, (count,), generator=g)
+    return [torch.randint(0, vocab_size, (int(n),), generator=g).to(args.device) for n in lengths]
+
+
+def models(args):
+    """(verifier, drafter, eos ids, tokenizer or None)."""
+    if args.verifier:
+        verifier = load_verifier(args.verifier, args.device, args.dtype)
+        tokenizer = load_tokenizer(args.verifier)
+        eos = eos_token_ids(verifier, tokenizer)
+    else:
+        verifier, tokenizer, eos = random_verifier(args.shape, args.device, args.dtype), None, set()
+    embed = input_embedding(verifier)
+    layers = verifier.config.get_text_config().num_hidden_layers
+    if args.drafter:
+        drafter = load_drafter(args.drafter, embed)
+    else:
+        drafter = random_drafter(verifier.config.get_text_config(), embed, args.taps or [1, layers // 2, layers - 1])
+    return verifier, drafter.to(args.device, embed.dtype).eval(), eos, tokenizer
+
+
+def measure(verifier, drafter, prompts, settings: Settings, eos: set[int]) -> list[dict]:
+    """One row per method for these prompts decoded settings.batch_size at a time."""
+    decode_all(verifier, drafter, prompts[: settings.batch_size], settings, eos, WARMUP_TOKENS)
+    start = time.perf_counter()
+    runs = decode_all(verifier, drafter, prompts, settings, eos)
+    wall = time.perf_counter() - start
+    rows = []
+    for name, run in runs.items():
+        tokens = sum(map(len, run.outputs))
+        rows.append({"batch_size": settings.batch_size, "prompts": len(prompts), "method": name, "tokens": tokens,
+                     "seconds": round(run.seconds, 2), "tokens_per_s": round(tokens / run.seconds, 1),
+                     "tau": round(1 + sum(run.accepted) / max(1, len(run.accepted)), 3),
+                     "wall_seconds_all_methods": round(wall, 2)})
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("verifier", type=Path)
+    parser.add_argument("--verifier", type=Path, help="a verifier folder (default: a random one of --shape)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    parser.add_argument("--tiny", action="store_true", help="--shape tiny, --run 1:2 --run 4:4, 8 new tokens")
     parser.add_argument("--drafter", type=Path, help="exported drafter folder (default: random, verifier-shaped)")
-    parser.add_argument("--taps", type=int, nargs=3, help="random drafter's taps (default: 2, L//2, L-3)")
+    parser.add_argument("--taps", type=int, nargs=3, help="random drafter's taps (default: 1, L//2, L-1)")
     parser.add_argument("--prompts", type=Path, help="eval set jsonl (default: random token prompts)")
     parser.add_argument("--prompt-tokens", type=int, default=256)
-    parser.add_argument("--run", action="append", default=None, help="B:N, N prompts B at a time (repeatable; default 6:6)")
+    parser.add_argument("--run", action="append", default=None, help="B:N, N prompts B at a time (repeatable)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--draft-tokens", type=int, default=7)
     parser.add_argument("--tree", type=int, nargs=3, default=[5, 4, 16], metavar=("STEPS", "TOPK", "TOKENS"))
@@ -66,36 +124,27 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    args.run = args.run or ["6:6"]
-    torch.set_num_threads(args.threads)
-    if args.device.startswith("cuda"):
-        torch.backends.cuda.enable_cudnn_sdp(False)  # as the stage does: a setup per new key length
+    if args.tiny:
+        args.shape, args.run, args.max_new_tokens, args.prompt_tokens = "tiny", args.run or ["1:2", "4:4"], 8, 24
+    args.run = [tuple(map(int, run.split(":"))) for run in args.run or ["1:8", "32:96", "96:96"]]
 
-    verifier = load_verifier(args.verifier, args.device, args.dtype)
-    tokenizer = load_tokenizer(args.verifier)
-    embed = verifier.get_input_embeddings().weight
-    layers = verifier.config.get_text_config().num_hidden_layers
-    if args.drafter:
-        drafter = load_drafter(args.drafter, embed)
-    else:
-        drafter = random_drafter(args.verifier, embed, args.taps or [2, layers // 2, layers - 3])
-    drafter = drafter.to(args.device, embed.dtype).eval()
-    eos = eos_token_ids(verifier, tokenizer)
-    prompts = load_prompts(args, tokenizer, embed.shape[0])
-    for run in args.run:
-        batch_size, count = map(int, run.split(":"))
-        settings = Settings(args.draft_tokens, TreeShape(*args.tree), batch_size, args.max_new_tokens, ("bench",), count,
-                            False, args.device, args.dtype, args.threads, False)
-        decode_all(verifier, drafter, prompts[:batch_size], settings, eos, WARMUP_TOKENS)
-        start = time.perf_counter()
-        runs = decode_all(verifier, drafter, prompts[:count], settings, eos)
-        wall = time.perf_counter() - start
-        for name, result in runs.items():
-            tokens = sum(map(len, result.outputs))
-            tau = 1 + sum(result.accepted) / max(1, len(result.accepted)) if name != "plain" else 1.0
-            print(json.dumps({"method": name, "batch_size": batch_size, "prompts": count, "tokens": tokens,
-                              "seconds": round(result.seconds, 2), "tokens_per_s": round(tokens / result.seconds, 1),
-                              "tau": round(tau, 3), "wall_seconds_all_methods": round(wall, 2)}), flush=True)
+    settings = Settings(args.draft_tokens, TreeShape(*args.tree), 1, args.max_new_tokens, ("bench",), None, False,
+                        args.device, args.dtype, args.threads, False, Placement())
+    configure_torch(settings)
+    verifier, drafter, eos, tokenizer = models(args)
+    for_decoding(verifier, drafter, settings)
+    prompts = load_prompts(args, tokenizer, input_embedding(verifier).shape[0], max(count for _, count in args.run))
+    print(f"# {args.verifier or args.shape} on {args.device} {args.dtype}, {torch.__version__}, "
+          f"{args.max_new_tokens} new tokens, chain {args.draft_tokens}, tree {args.tree}", flush=True)
+    rows = []
+    for batch_size, count in args.run:
+        for row in measure(verifier, drafter, prompts[:count], dataclasses.replace(settings, batch_size=batch_size), eos):
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    columns = list(rows[0])
+    print("\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(str(row[c]) for c in columns) + " |")
 
 
 if __name__ == "__main__":

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import project_params, run
+from conftest import ROOT, project_params, run
 from eagle3.common import UserError
 from eagle3.drafter.export import verifier_facts, write_drafter
 from eagle3.drafter.speculative import EagleProposer, TreeShape, greedy_decode, speculative_decode
@@ -136,3 +137,10 @@ def test_dvc_repro_evaluate_lists_tau_and_speedup_and_renders_plots(make_project
     for path in ("dvclive/evaluate/plots/custom/acceptance/heldout.json", "dvclive/evaluate/plots/custom/tau/heldout.json"):
         fields = {row["field"] for row in plots[path][0]["content"]["data"]["values"]}
         assert plots[path][0]["type"] == "vega" and fields == {"drafter", "tree", "baseline", "ngram"}  # in one chart
+
+
+def test_throughput_benchmark_runs_on_the_cpu_with_a_tiny_shape():
+    """benchmarks/evaluate_throughput.py, whose CUDA run is the H200 measurement: its table has every method per run."""
+    out = run([sys.executable, str(ROOT / "benchmarks" / "evaluate_throughput.py"), "--device", "cpu", "--tiny"], ROOT).stdout
+    table = [line for line in out.splitlines() if line.startswith("| ") and "batch_size" not in line]
+    assert [row.split(" | ")[2] for row in table] == ["plain", "chain", "tree"] * 2

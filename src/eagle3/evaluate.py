@@ -282,17 +282,26 @@ def evaluate(verifier, drafter, eval_sets: Mapping[str, Sequence[torch.Tensor]],
 
 def load_models(verifier_dir: Path, drafter_dir: Path, settings: Settings):
     """(verifier, drafter, tokenizer) on the settings' device, set up for decoding."""
+    configure_torch(settings)
+    verifier = load_verifier(verifier_dir, settings.device, settings.dtype, settings.trust_remote_code, settings.placement)
+    embed = input_embedding(verifier)
+    drafter = load_drafter(drafter_dir, embed).to(settings.device, embed.dtype).eval()
+    for_decoding(verifier, drafter, settings)
+    return verifier, drafter, load_tokenizer(verifier_dir, settings.trust_remote_code)
+
+
+def configure_torch(settings: Settings) -> None:
     torch.set_num_threads(settings.threads)
     if settings.device.startswith("cuda"):
         # cuDNN's SDPA pays a setup per new shape (measured ~10 s per 256 prompts on an H200), and every
         # verify forward here has a new key length; the other SDPA kernels have none.
         torch.backends.cuda.enable_cudnn_sdp(False)
-    verifier = load_verifier(verifier_dir, settings.device, settings.dtype, settings.trust_remote_code, settings.placement)
-    embed = input_embedding(verifier)
-    drafter = load_drafter(drafter_dir, embed).to(settings.device, embed.dtype).eval()
+
+
+def for_decoding(verifier, drafter, settings: Settings) -> None:
+    """The few-row matmuls of decoding, the fast way round on the CPU (``skinny_matmuls``)."""
     if settings.device == "cpu" and not settings.placement.sharded:
         skinny_matmuls(verifier), skinny_matmuls(drafter)
-    return verifier, drafter, load_tokenizer(verifier_dir, settings.trust_remote_code)
 
 
 def write_reports(out: Path, reports: dict[str, dict], wall_seconds: float) -> None:
