@@ -32,7 +32,7 @@ residual streams entering the drafter's aux layers, HF ``hidden_states[k]``, con
   into its top-k children; the best ``num_draft_tokens - 1`` nodes of all form the tree (SGLang's
   EAGLE algorithm; topk = 1 is the chain of K = num_steps drafts).
 - ``verify``: one verifier forward over [root, nodes...], each node at position n + depth and seeing
-  the row's valid columns and its own ancestors (a 4D mask): greedy y for every node.
+  the row's valid columns and its own ancestors (a 4D mask): greedy y for every node acceptance reads.
 - ``accept``: from the root, move to the child whose token equals the current node's greedy token,
   while there is one; the path's drafts are accepted and the last node's greedy token is the bonus.
   Only the path's columns become valid; the drafter's next context step covers the path's rows.
@@ -216,18 +216,47 @@ def attention_masks(config, see_cache: Tensor, cache_positions: Tensor, block: T
 
 
 def forward_verifier(verifier, batch: Batch, input_ids: Tensor, positions: Tensor, block: Tensor, see_cache: Tensor,
-                     layer_ids: Sequence[int], logits_to_keep: int = 0) -> tuple[Tensor, Tensor]:
-    """Verifier over input_ids [B, Q] appended to the batch's cache: (greedy ids [B, Q'], features [B, Q, 3H]).
+                     layer_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """The verifier's decoder over input_ids [B, Q] appended to the batch's cache: (last hidden states [B, Q, H],
+    the lm_head's input; features [B, Q, 3H]).
 
-    The new columns are recorded as not (yet) valid; Q' = Q, or the last ``logits_to_keep`` columns.
+    The lm_head is left to the caller, which needs it for a few columns only (``greedy_tokens``).
+    The new columns are recorded as not (yet) valid.
     """
+    decoder = verifier.base_model
     dtype = verifier.get_input_embeddings().weight.dtype
     masks = attention_masks(verifier.config, see_cache, batch.positions, block, positions, dtype)
-    out = verifier(input_ids=input_ids, position_ids=positions, attention_mask=masks, output_hidden_states=True,
-                   logits_to_keep=logits_to_keep, **cache_kwargs(verifier, batch.cache))
+    out = decoder(input_ids=input_ids, position_ids=positions, attention_mask=masks, output_hidden_states=True,
+                  **cache_kwargs(decoder, batch.cache))
     batch.valid = torch.cat([batch.valid, torch.zeros_like(input_ids, dtype=torch.bool)], 1)
     batch.positions = torch.cat([batch.positions, positions], 1)
-    return out.logits.argmax(-1), tapped_features(out.hidden_states, layer_ids)
+    return out.last_hidden_state, tapped_features(out.hidden_states, layer_ids)
+
+
+def greedy_tokens(verifier, hidden: Tensor, draft: Draft) -> Tensor:
+    """The verifier's greedy token [B, 1 + N] at every block column acceptance can reach; -1 at the others.
+
+    Why: the lm_head (the whole vocabulary) is a small verifier's largest matrix, and greedy
+    verification reads the greedy tokens of the root and of nodes that carry their parent's greedy
+    token only. On the CPU, where a few-row matmul costs about one reading of the matrix, those are
+    computed depth by depth (the root, then at τ ≈ 1 hardly any node): 16-token trees of two
+    prompts spend a quarter of their verify time in the lm_head otherwise. On a GPU every column
+    in one matmul, with no host sync. Example, chain [root, 5, 6]: root's greedy 5, node 1's 7 ->
+    [5, 7, -1] (node 2 carries 6, not 7: never reached).
+    """
+    head = verifier.get_output_embeddings()
+    if hidden.device.type != "cpu":
+        return head(hidden).argmax(-1)
+    depth = draft.structure[0]  # [B, 1 + N]
+    greedy = torch.full(depth.shape, -1, dtype=torch.long)
+    reached = depth == 0  # the root
+    for level in range(int(depth.max()) + 1):
+        rows, columns = (reached & (depth == level)).nonzero(as_tuple=True)
+        if not len(rows):
+            break
+        greedy[rows, columns] = head(hidden[rows, columns]).argmax(-1)
+        reached = F.pad(draft.valid & (draft.tokens == greedy.gather(1, draft.parents)), (1, 0), value=True)
+    return greedy
 
 
 @torch.no_grad()
@@ -246,8 +275,8 @@ def prefill(verifier, prompts: Sequence[Tensor], layer_ids: Sequence[int]) -> tu
     positions = (columns - pad[:, None]).clamp(min=0)
     batch = Batch(new_cache(), valid[:, :0], positions[:, :0], ids[:, -1], pad.new_zeros(len(prompts)))
     causal = (columns[None, :] <= columns[:, None]) & valid[:, None, :]  # [B, n, n]
-    greedy, features = forward_verifier(verifier, batch, ids, positions, causal, causal[:, :, :0], layer_ids, 1)
-    batch.valid, batch.root, batch.length = valid, greedy[:, -1], positions[:, -1] + 1
+    hidden, features = forward_verifier(verifier, batch, ids, positions, causal, causal[:, :, :0], layer_ids)
+    batch.valid, batch.root, batch.length = valid, verifier.get_output_embeddings()(hidden[:, -1]).argmax(-1), positions[:, -1] + 1
     return batch, features
 
 
@@ -266,11 +295,13 @@ def tree_structure(parents: Tensor) -> tuple[Tensor, Tensor]:
 
 @torch.no_grad()
 def verify(verifier, batch: Batch, draft: Draft, layer_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
-    """One verifier forward over [root, nodes...] of every row: (greedy [B, 1 + N], features [B, 1 + N, 3H])."""
+    """One verifier forward over [root, nodes...] of every row: (greedy [B, 1 + N] where acceptance reads it,
+    features [B, 1 + N, 3H])."""
     depth, ancestors = draft.structure
     input_ids = torch.cat([batch.root[:, None], draft.tokens], 1)  # [B, 1 + N]
     see_cache = batch.valid[:, None, :].expand(-1, input_ids.shape[1], -1)  # [B, 1 + N, S]
-    return forward_verifier(verifier, batch, input_ids, batch.length[:, None] + depth, ancestors, see_cache, layer_ids)
+    hidden, features = forward_verifier(verifier, batch, input_ids, batch.length[:, None] + depth, ancestors, see_cache, layer_ids)
+    return greedy_tokens(verifier, hidden, draft), features
 
 
 def accept(draft: Draft, greedy: Tensor, budgets: Tensor, eos_ids: Tensor) -> Tensor:
