@@ -100,14 +100,14 @@ def backend_pass(spec: dict, prompts: list[list[int]], old: bool):
     import torch
     from omegaconf import OmegaConf
 
-    from eagle3.backends import Request
+    from eagle3.backends import Generation, Request
     from eagle3.backends.local import LocalBackend
 
     cfg = OmegaConf.create({"device": spec["device"], "dtype": spec["dtype"], "threads": spec["threads"],
                             "batch_size": spec["batch_size"], "batch_tokens": None if old else spec["batch_tokens"],
                             "pad_multiple": 1 if old else spec["pad_multiple"]})
-    gen = OmegaConf.create({"max_new_tokens": spec["max_new_tokens"], "temperature": 0.0, "top_p": 1.0,
-                            "trust_remote_code": False, "think_tags": None})
+    gen = Generation("bench", spec["max_new_tokens"], temperature=0.0, top_p=1.0, seed=0, think_tags=None,
+                     context=1 << 30, stop=(), trust_remote_code=False)  # context: the prompts are token ids, never skipped
     backend = LocalBackend(cfg, Path(spec["verifier"]), gen)
     if old and spec["device"].startswith("cuda"):
         torch.backends.cuda.enable_cudnn_sdp(True)
@@ -179,10 +179,11 @@ def openai_pass(spec: dict):
     """One pass of the stage's core against a server: prompts as chats, so it needs a shard."""
     from omegaconf import OmegaConf
 
-    from eagle3.backends import make_backend
+    from eagle3.backends import Generation, make_backend
     from eagle3.config import compose_params
     from eagle3.generate import Journal, generate_shard, generation_params, read_prompts
     from eagle3.verifiers.loading import load_tokenizer
+    from eagle3.verifiers.spec import VerifierSpec
 
     scratch = Path(tempfile.mkdtemp())
     compose_params(["backend=openai", f"backend.base_urls=[{spec['base_url']}]", f"backend.concurrency={spec['concurrency']}",
@@ -190,13 +191,15 @@ def openai_pass(spec: dict):
     params = OmegaConf.load(scratch / "params.yaml")
     tokenizer = load_tokenizer(spec["verifier"])
     prompts = read_prompts(Path(spec["prompts"]))[: spec["count"]]
-    generation = generation_params(params.generate, "openai")
+    model = VerifierSpec.from_params(params.model)
+    generation = Generation.from_params(params.generate, model)
+    record_params = generation_params(generation, "openai")
 
     def one_pass():
         journal = Journal(Path(tempfile.mkdtemp(dir=scratch)) / "journal.jsonl")  # empty: every pass answers all
-        backend = make_backend(params.backend, Path(spec["verifier"]), params.generate)
+        backend = make_backend(params.backend, Path(spec["verifier"]), generation, model)
         start = time.perf_counter()
-        shard = generate_shard("bench", prompts, backend, tokenizer, params.generate, generation, "bench", journal)
+        shard = generate_shard("bench", prompts, backend, tokenizer, generation, record_params, "bench", journal)
         return time.perf_counter() - start, shard.stats["completion_tokens"]
 
     return one_pass

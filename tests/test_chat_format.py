@@ -19,6 +19,7 @@ from eagle3.verifiers.chat import ChatFormat, render
 from eagle3.verifier import import_verifier
 from eagle3.verifiers.chat import prompt_ids
 from eagle3.verifiers.loading import load_tokenizer, read_meta
+from eagle3.verifiers.spec import VerifierSpec
 from test_generate import generate, shard_file, stage_params
 from test_pipeline import FAST, SMALL, add_dataset, overrides
 
@@ -60,7 +61,7 @@ def test_local_generation_ends_at_a_stop_string(tmp_path, tiny_verifier_dir):
     text = free.records[0]["messages"][-1]["content"]
     stop = text[len(text) // 2 :][:3]  # a piece of what the verifier writes anyway
     params = stage_params(tmp_path, "generate.max_new_tokens=12")
-    params.generate.stop = [stop]
+    params.model.stop = [stop]
     stopped = generate(tmp_path, verifier, prompts, params, "stopped").records[0]
     assert 0 < text.find(stop) < len(text) // 2 + 1
     assert stopped["messages"][-1]["content"] == text[: text.find(stop)]
@@ -72,7 +73,7 @@ def test_local_generation_ends_at_a_stop_string(tmp_path, tiny_verifier_dir):
 def test_the_stop_token_of_a_padded_row_is_not_counted(tiny_verifier_dir):
     backend = LocalBackend.__new__(LocalBackend)  # only the tokenizer-side fields matter here
     backend.tokenizer, backend.eos_ids, backend.stop_strings = load_tokenizer(tiny_verifier_dir), {2}, ["\nUser:"]
-    backend.generate_cfg = OmegaConf.create({"think_tags": None})
+    backend.generation = OmegaConf.create({"think_tags": None})
     ids = backend.tokenizer("4.\nUser: and more", add_special_tokens=False).input_ids
     answer = backend.to_answer(Request("r", "p", [], [1], 0), ids + [2, 2])  # finished by the string, then padding
     assert (answer.content, answer.stop, answer.finish_reason) == ("4.", "\nUser:", "stop")
@@ -104,9 +105,10 @@ def test_the_stop_string_is_the_end_of_turn_of_the_loss_mask(base_verifier):
 
 def test_sglang_is_given_the_configured_template(tmp_path):
     params = stage_params(tmp_path, "backend=sglang", "layout=gpu1")
-    command = launch_command(params.backend, Path("/weights"), Path("models/verifier/chat_template.jinja"))
+    spec = VerifierSpec.from_params(params.model)
+    command = launch_command(params.backend, Path("/weights"), spec, Path("models/verifier/chat_template.jinja"))
     assert command[command.index("--chat-template") + 1] == "models/verifier/chat_template.jinja"
-    assert "--chat-template" not in launch_command(params.backend, Path("/weights"))
+    assert "--chat-template" not in launch_command(params.backend, Path("/weights"), spec)
 
 
 BASE_MODEL = {  # conf/model/tiny-base.yaml: all a base model needs (its tokenizer has no chat template)

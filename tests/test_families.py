@@ -72,7 +72,7 @@ STAGES = ("verifier", "prompts", "generate", "extract", "merge", "train", "check
 def family_params(tmp: Path, family: str) -> Path:
     """params.yaml: the composed defaults at test size, the family as ``model``, a local prompt file."""
     path = tmp / "params.yaml"
-    compose_params(["layout.threads=1", "generate.max_new_tokens=16", "generate.context=2048", "merge.min_tokens=1",
+    compose_params(["layout.threads=1", "generate.max_new_tokens=16", "merge.min_tokens=1",
                     "merge.draft_vocab_size=2048", "train=debug", "evaluate.max_new_tokens=16", "evaluate.draft_tokens=3",
                     "evaluate.sets=[heldout]"], conf_dir=ROOT / "conf", output=path)
     params = OmegaConf.load(path)

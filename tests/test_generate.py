@@ -9,13 +9,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from eagle3.backends import Request, split_reasoning
+from eagle3.backends import Generation, Request, split_reasoning
 from eagle3.backends.local import LocalBackend, SeededSampling, left_pad, plan_batches, top_p_filter
 from eagle3.common import UserError, read_json, stable_hash, write_jsonl
 from eagle3.config import compose_params
 from eagle3.generate import Journal, read_prompts, run_stage
 from eagle3.verifiers.chat import prompt_ids
 from eagle3.verifiers.loading import load_tokenizer
+from eagle3.verifiers.spec import VerifierSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write one sentence about the sea."]
@@ -26,6 +27,11 @@ def stage_params(tmp_path: Path, *overrides: str):
     out = tmp_path / "params.yaml"
     compose_params(["layout.threads=1", *overrides], conf_dir=ROOT / "conf", output=out)
     return OmegaConf.load(out)
+
+
+def generation(params) -> Generation:
+    """The generation settings of composed ``params``, as the stage builds them."""
+    return Generation.from_params(params.generate, VerifierSpec.from_params(params.model))
 
 
 def prompt(tokenizer, text: str) -> dict:
@@ -80,7 +86,7 @@ def test_local_smollm2_answers_counts_and_rerun(tmp_path, smollm2_dir):
 def test_answer_counts_the_stop_token_once(tiny_verifier_dir):
     backend = LocalBackend.__new__(LocalBackend)  # only the tokenizer-side fields matter here
     backend.tokenizer, backend.eos_ids, backend.stop_strings = load_tokenizer(tiny_verifier_dir), {2}, []
-    backend.generate_cfg = OmegaConf.create({"think_tags": ["<think>", "</think>"]})
+    backend.generation = OmegaConf.create({"think_tags": ["<think>", "</think>"]})
     request = Request("r", "p", [], [1, 2, 3], 0)
     stopped = backend.to_answer(request, [28, 29, 2, 2, 2])  # stop, then padding
     assert (stopped.finish_reason, stopped.completion_tokens, stopped.prompt_tokens) == ("stop", 3, 3)
@@ -145,7 +151,7 @@ def test_too_long_and_undecodable_prompts_are_skipped_and_recorded(tmp_path, tin
     lines[2] = lines[2].replace(b"Bye.", b"By\xffe.")  # raw bytes that are not UTF-8
     lines.append(json.dumps({"id": "lone", "source": "test", "messages": [{"role": "user", "content": "a\ud800b"}]}).encode() + b"\n")
     prompts.write_bytes(b"".join(lines))
-    params = stage_params(tmp_path, "generate.max_new_tokens=4", "generate.context=64")
+    params = stage_params(tmp_path, "generate.max_new_tokens=4", "model.max_position_embeddings=64")
     shard = generate(tmp_path, tiny_verifier_dir, prompts, params)
     assert [s["reason"] for s in shard.skipped] == ["too_long", "invalid_text", "invalid_text"]
     assert "> context 64" in shard.skipped[0]["detail"]

@@ -14,12 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 from openai_standin import SLOW_SECONDS, StandinServer
-from test_generate import generate, prompt, shard_file, stage_params
+from test_generate import generate, generation, prompt, shard_file, stage_params
 
 from eagle3.backends.openai import OpenAIBackend
 from eagle3.backends.sglang import launch_command
 from eagle3.common import UserError, read_json
 from eagle3.verifiers.loading import load_tokenizer
+from eagle3.verifiers.spec import VerifierSpec
 
 STANDIN = Path(__file__).with_name("openai_standin.py")
 
@@ -102,7 +103,7 @@ def test_faults_are_retried_boundedly_and_accounted(tmp_path, tiny_verifier_dir,
     texts = [f"script: {s} | q{i}" for i, s in enumerate(scripts)] + ["word " * 60]
     prompts = shard_file(tmp_path, tokenizer, texts)
     params = openai_params(tmp_path, standin.url)
-    params.generate.context = 70
+    params.model.max_position_embeddings = 70
     shard = generate(tmp_path, tiny_verifier_dir, prompts, params)
 
     assert (shard.stats["answers"], shard.stats["errors"], shard.stats["skipped"]) == (8, 5, 1)
@@ -154,9 +155,9 @@ def test_api_key_comes_from_the_named_variable(tmp_path, monkeypatch):
     params = openai_params(tmp_path, "http://127.0.0.1:1/v1", api_key_env="EAGLE3_TEST_KEY")
     monkeypatch.delenv("EAGLE3_TEST_KEY", raising=False)
     with pytest.raises(UserError, match="EAGLE3_TEST_KEY is not set"):
-        OpenAIBackend(params.backend, params.generate)
+        OpenAIBackend(params.backend, generation(params))
     monkeypatch.setenv("EAGLE3_TEST_KEY", "sk-test")
-    assert OpenAIBackend(params.backend, params.generate).key == "sk-test"
+    assert OpenAIBackend(params.backend, generation(params)).key == "sk-test"
 
 
 def test_requests_go_round_robin_over_base_urls(tmp_path, tiny_verifier_dir, standin):
@@ -172,7 +173,7 @@ def test_requests_go_round_robin_over_base_urls(tmp_path, tiny_verifier_dir, sta
 
 def test_sglang_command_from_layout_and_model(tmp_path):
     params = stage_params(tmp_path, "backend=sglang", "layout=gpu8", "model=kimi-k2.5")
-    assert launch_command(params.backend, Path("/models/kimi")) == [
+    assert launch_command(params.backend, Path("/models/kimi"), VerifierSpec.from_params(params.model)) == [
         "python", "-m", "sglang.launch_server", "--model-path", "/models/kimi", "--host", "127.0.0.1",
         "--port", "30000", "--tp", "8", "--dp", "1", "--reasoning-parser", "kimi_k2", "--trust-remote-code",
     ]

@@ -120,6 +120,7 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.copy_weights": BOOL,
     "model.trust_remote_code": BOOL,
     "model.num_layers": POSITIVE,
+    "model.max_position_embeddings": POSITIVE,
     "layout.device": _one_of("cpu", "cuda"),
     "layout.dtype": _one_of("float32", "bfloat16", "float16"),
     "layout.extract_workers": POSITIVE,
@@ -129,8 +130,6 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "generate.max_new_tokens": POSITIVE,
     "generate.temperature": (_number(0), "a number >= 0"),
     "generate.top_p": (_number(0, 1, open_low=True), "a number in (0, 1]"),
-    "generate.context": POSITIVE,
-    "generate.trust_remote_code": BOOL,
     "backend.batch_size": POSITIVE,
     "backend.batch_tokens": ((lambda v: v is None or _int(1)(v)), "an integer >= 1, or null for no token budget"),
     "backend.pad_multiple": POSITIVE,
@@ -254,9 +253,9 @@ def _check_relations(params: DictConfig) -> None:
     device, dtype = _get(params, "layout.device"), _get(params, "layout.dtype")
     if device == "cpu" and dtype not in (_ABSENT, "float32"):
         raise _refuse("layout.dtype", dtype, "float32 on the CPU (bf16 is several times slower there)")
-    context, new = _get(params, "generate.context"), _get(params, "generate.max_new_tokens")
+    context, new = _get(params, "model.max_position_embeddings"), _get(params, "generate.max_new_tokens")
     if _ABSENT not in (context, new) and context <= new:
-        raise _refuse("generate.context", context, f"larger than generate.max_new_tokens ({new})")
+        raise _refuse("generate.max_new_tokens", new, f"smaller than model.max_position_embeddings ({context}), the verifier's context")
     low, high = _get(params, "merge.min_tokens"), _get(params, "merge.max_tokens")
     if _ABSENT not in (low, high) and high < low:
         raise _refuse("merge.max_tokens", high, f">= merge.min_tokens ({low})")

@@ -1,7 +1,7 @@
 """Stage ``generate``: the verifier answers every prompt of one shard itself (self-distillation).
 
     python -m eagle3.generate models/verifier data/prompts/shards/<shard>.jsonl data/generated/<shard> \\
-        --metrics metrics/generate/<shard>.json        # reads params.yaml: generate, backend
+        --metrics metrics/generate/<shard>.json        # reads params.yaml: generate, backend, model (PARAMS)
 
 The output folder holds ``records.jsonl`` (one conversation per prompt, in the prompt shard's
 order), ``errors.jsonl`` (requests that kept failing, with the reason), ``skipped.jsonl``
@@ -11,10 +11,11 @@ answers + errors + skipped == prompts is checked before anything is written.
 
 Every finished answer is appended (and fsync'd) to a journal in ``.eagle3/journal/generate/``
 named by the shard and a hash of all that determines the answers: prompt shard bytes, verifier
-fingerprint, ``generate`` params and the ``backend`` params except the transport ones (URLs,
-concurrency, timeouts, retries, port: TRANSPORT_KEYS). A killed run resumes from it, and the
-output is rebuilt in shard order, so for deterministic settings a resumed run writes the same
-bytes as an uninterrupted one. Journals are kept after success (scratch, safe to delete): a rerun
+fingerprint, the generation settings (``generate`` params and the verifier's context, stop strings
+and remote code, from its spec), and the ``backend`` params except the transport ones (URLs,
+concurrency, timeouts, retries, port: TRANSPORT_KEYS) with the model keys a server it starts is
+launched with. A killed run resumes from it, and the output is rebuilt in shard order, so for
+deterministic settings a resumed run writes the same bytes as an uninterrupted one. Journals are kept after success (scratch, safe to delete): a rerun
 that DVC asks for after a transport-only change, or ``dvc repro -f generate@<shard>`` to retry
 failed requests, sends only what the journal lacks.
 """
@@ -28,22 +29,25 @@ import os
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from jinja2.exceptions import TemplateError
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from eagle3.backends import Answer, Backend, Failure, Request, has_surrogates, make_backend
+from eagle3.backends import Answer, Backend, Failure, Generation, Request, has_surrogates, make_backend, server_model
 from eagle3.common import UserError, atomic_dir, sha256_file, stable_hash, stage_main, to_plain, write_json, write_jsonl
 from eagle3.config import stage_params
 from eagle3.verifiers.chat import prompt_ids
 from eagle3.verifiers.loading import load_tokenizer, read_meta
+from eagle3.verifiers.spec import VerifierSpec
 
 log = logging.getLogger(__name__)
 
-PARAMS = ("generate", "backend")  # = dvc.yaml
+# = dvc.yaml; the model keys: the answers' limits and, for a server the stage starts, its flags (SERVER_MODEL_KEYS)
+PARAMS = ("generate", "backend", "model.max_position_embeddings", "model.stop", "model.trust_remote_code",
+          "model.reasoning_parser", "model.chat_template")
 
 # Backend keys that change how answers are fetched, not what they are: a new server URL or a
 # higher concurrency after a crash still resumes from the journal, and gives the same output bytes.
@@ -140,24 +144,24 @@ def prompt_problem(record) -> str | None:
     return None
 
 
-def generation_params(generate: DictConfig, backend_name: str) -> dict:
+def generation_params(generation: Generation, backend_name: str) -> dict:
     """What decides an answer's tokens (besides prompt and verifier): part of every record id."""
     return {
         "backend": backend_name,
-        "max_new_tokens": int(generate.max_new_tokens),
-        "temperature": float(generate.temperature),
-        "top_p": float(generate.top_p),
-        "seed": int(generate.seed),  # the base; each record samples with a seed derived from its id
-        **({"stop": list(generate.stop)} if generate.get("stop") else {}),  # absent when unused: ids stay as before
+        "max_new_tokens": generation.max_new_tokens,
+        "temperature": generation.temperature,
+        "top_p": generation.top_p,
+        "seed": generation.seed,  # the base; each record samples with a seed derived from its id
+        **({"stop": list(generation.stop)} if generation.stop else {}),  # absent when unused: ids stay as before
     }
 
 
 def plan(
-    prompts: Sequence[dict], tokenizer, generate: DictConfig, generation: dict, verifier: str
+    prompts: Sequence[dict], tokenizer, generation: Generation, record_params: dict, verifier: str
 ) -> tuple[list[Request], dict[str, dict]]:
     """Requests for the prompts that can be sent, and skip records (by prompt id) for the others."""
     requests, skipped = [], {}
-    limit = int(generate.context) - int(generate.max_new_tokens)
+    limit = generation.context - generation.max_new_tokens
     for prompt in prompts:
         skip = {"prompt_id": prompt["id"], "source": prompt.get("source")}
         if any(has_surrogates(m["content"]) for m in prompt["messages"]):
@@ -169,16 +173,16 @@ def plan(
             skipped[prompt["id"]] = {**skip, "reason": "template_error", "detail": str(err)}
             continue
         if len(ids) > limit:
-            detail = f"{len(ids)} prompt tokens + {generate.max_new_tokens} new tokens > context {generate.context}"
+            detail = f"{len(ids)} prompt tokens + {generation.max_new_tokens} new tokens > context {generation.context}"
             skipped[prompt["id"]] = {**skip, "reason": "too_long", "detail": detail}
             continue
-        record_id = stable_hash({"prompt_id": prompt["id"], "verifier": verifier, **generation})
+        record_id = stable_hash({"prompt_id": prompt["id"], "verifier": verifier, **record_params})
         seed = int(stable_hash({"sampling_seed": record_id}, 8), 16)  # 32 bits, fixed by the record id
         requests.append(Request(record_id, prompt["id"], prompt["messages"], ids, seed))
     return requests, skipped
 
 
-def to_record(prompt: dict, request: Request, answer: Answer, generation: dict) -> dict:
+def to_record(prompt: dict, request: Request, answer: Answer, record_params: dict) -> dict:
     assistant = {"role": "assistant", "content": answer.content, "reasoning_content": answer.reasoning_content}
     return {
         "id": request.id,
@@ -188,7 +192,7 @@ def to_record(prompt: dict, request: Request, answer: Answer, generation: dict) 
         "finish_reason": answer.finish_reason,
         "prompt_tokens": answer.prompt_tokens,
         "completion_tokens": answer.completion_tokens,
-        "generation": {**generation, "seed": request.seed},  # this record's own sampling seed
+        "generation": {**record_params, "seed": request.seed},  # this record's own sampling seed
         **({"stop": answer.stop} if answer.stop is not None else {}),  # the stop string that ended it (extract masks it)
     }
 
@@ -215,11 +219,11 @@ class Progress:
 
 
 def generate_shard(
-    name: str, prompts: Sequence[dict], backend: Backend, tokenizer, generate: DictConfig,
-    generation: dict, verifier: str, journal: Journal,
+    name: str, prompts: Sequence[dict], backend: Backend, tokenizer, generation: Generation,
+    record_params: dict, verifier: str, journal: Journal,
 ) -> Shard:
     """Pure core: answer the shard's prompts through ``backend``, resuming from ``journal``."""
-    requests, skipped = plan(prompts, tokenizer, generate, generation, verifier)
+    requests, skipped = plan(prompts, tokenizer, generation, record_params, verifier)
     prompt_of = {p["id"]: p for p in prompts}
     finished = {r.id for r in requests if r.id in journal.records}
     if finished:
@@ -235,7 +239,7 @@ def generate_shard(
             errors[prompt["id"]] = {"prompt_id": prompt["id"], "source": prompt.get("source"),
                                     "reason": result.reason, "attempts": result.attempts, "url": result.url}
         else:
-            journal.append(to_record(prompt, request, result, generation))
+            journal.append(to_record(prompt, request, result, record_params))
         progress.update(result)
 
     try:
@@ -274,15 +278,21 @@ def shard_stats(prompts: int, records: list[dict], errors: list[dict], skipped: 
     }
 
 
-def answering(backend: DictConfig) -> dict:
-    """The backend params that can change an answer (all but TRANSPORT_KEYS)."""
-    return {k: v for k, v in to_plain(backend).items() if k not in TRANSPORT_KEYS}
+def answering(backend: DictConfig, spec: VerifierSpec) -> dict:
+    """The backend settings that can change an answer: its params but TRANSPORT_KEYS, and the model
+    keys it starts a server with (SERVER_MODEL_KEYS)."""
+    own = {k: v for k, v in to_plain(backend).items() if k not in TRANSPORT_KEYS}
+    return {**own, **server_model(str(backend.name), spec)}
 
 
-def journal_path(journal_dir: Path, prompts: Path, verifier: str, generate: DictConfig, backend: DictConfig) -> Path:
+def settings(generation: Generation, backend: DictConfig, spec: VerifierSpec) -> dict:
+    """All that decides the answers besides the prompts and the verifier: in meta.json and the journal's key."""
+    return {"generate": asdict(generation), "backend": answering(backend, spec)}
+
+
+def journal_path(journal_dir: Path, prompts: Path, verifier: str, settings: dict) -> Path:
     """``<dir>/<shard>-<hash>.jsonl``: a journal only ever resumes work that gives the same answers."""
-    key = stable_hash({"prompts": sha256_file(prompts), "verifier": verifier,
-                       "generate": to_plain(generate), "backend": answering(backend)})
+    key = stable_hash({"prompts": sha256_file(prompts), "verifier": verifier, **settings})
     return journal_dir / f"{prompts.stem}-{key}.jsonl"
 
 
@@ -297,20 +307,21 @@ def write_shard(out: Path, shard: Shard, meta: dict) -> None:
 
 def run_stage(verifier_dir: Path, prompts_path: Path, out: Path, params: DictConfig, journal_dir: Path, metrics: Path | None) -> Shard:
     """Read the inputs, answer the shard with the configured backend, write the outputs."""
-    generate, backend_cfg = params.generate, params.backend
+    spec = VerifierSpec.from_params(params.model)
+    generation, backend_cfg = Generation.from_params(params.generate, spec), params.backend
     verifier = read_meta(verifier_dir)["fingerprint"]["id"]
     prompts = read_prompts(prompts_path)
-    tokenizer = load_tokenizer(verifier_dir, bool(generate.trust_remote_code))
-    generation = generation_params(generate, str(backend_cfg.name))
-    journal = Journal(journal_path(journal_dir, prompts_path, verifier, generate, backend_cfg))
+    tokenizer = load_tokenizer(verifier_dir, generation.trust_remote_code)
+    record_params = generation_params(generation, str(backend_cfg.name))
+    answer_settings = settings(generation, backend_cfg, spec)
+    journal = Journal(journal_path(journal_dir, prompts_path, verifier, answer_settings))
     try:
-        backend = make_backend(backend_cfg, verifier_dir, generate)
-        shard = generate_shard(prompts_path.stem, prompts, backend, tokenizer, generate, generation, verifier, journal)
+        backend = make_backend(backend_cfg, verifier_dir, generation, spec)
+        shard = generate_shard(prompts_path.stem, prompts, backend, tokenizer, generation, record_params, verifier, journal)
     finally:
         journal.close()
     # Transport settings stay out of the outputs: moving servers leaves the shard's bytes (and extract) alone.
-    meta = {"verifier": verifier, "prompts_sha256": sha256_file(prompts_path),
-            "generate": to_plain(generate), "backend": answering(backend_cfg)}
+    meta = {"verifier": verifier, "prompts_sha256": sha256_file(prompts_path), **answer_settings}
     write_shard(out, shard, meta)
     if metrics:
         metrics.parent.mkdir(parents=True, exist_ok=True)

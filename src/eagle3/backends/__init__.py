@@ -22,6 +22,38 @@ from typing import Protocol
 from omegaconf import DictConfig
 
 from eagle3.common import UserError
+from eagle3.verifiers.spec import VerifierSpec
+
+# The model keys a backend that starts its own server launches it with (sglang: --reasoning-parser,
+# --trust-remote-code, --chat-template): they change its answers, so they count as its settings.
+SERVER_MODEL_KEYS = {"sglang": ("reasoning_parser", "trust_remote_code", "chat_template")}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """How the verifier answers: the ``generate`` params, and what its spec says about the verifier."""
+
+    name: str  # the conf/generate file
+    max_new_tokens: int  # answer length cap
+    temperature: float  # 0: greedy; > 0: sampling, each record seeded from its id
+    top_p: float  # nucleus sampling mass (with temperature > 0)
+    seed: int  # base of the per-record sampling seeds
+    think_tags: tuple[str, str] | None  # raw reasoning markup split out of an answer; None: never split
+    context: int  # prompt + answer limit: model.max_position_embeddings
+    stop: tuple[str, ...]  # model.stop: strings ending an answer besides the EOS tokens
+    trust_remote_code: bool  # model.trust_remote_code: the verifier's tokenizer/model code
+
+    @classmethod
+    def from_params(cls, generate: DictConfig, spec: VerifierSpec) -> Generation:
+        tags = generate.think_tags
+        return cls(str(generate.name), int(generate.max_new_tokens), float(generate.temperature), float(generate.top_p),
+                   int(generate.seed), None if tags is None else tuple(str(t) for t in tags),
+                   spec.max_position_embeddings, spec.stop, spec.trust_remote_code)
+
+
+def server_model(backend: str, spec: VerifierSpec) -> dict:
+    """The model keys the backend named ``backend`` starts its server with (SERVER_MODEL_KEYS), read from ``spec``."""
+    return {key: getattr(spec, key) for key in SERVER_MODEL_KEYS.get(backend, ())}
 
 
 @dataclass(frozen=True)
@@ -42,7 +74,7 @@ class Answer:
     finish_reason: str  # "stop" (end of sequence) or "length" (max_new_tokens reached)
     prompt_tokens: int
     completion_tokens: int  # generated tokens, the stop token included (as servers count them)
-    stop: str | None = None  # the generate.stop string that ended the answer (not in content); None: EOS or length
+    stop: str | None = None  # the model.stop string that ended the answer (not in content); None: EOS or length
 
 
 @dataclass(frozen=True)
@@ -98,18 +130,18 @@ def has_surrogates(text: str) -> bool:
     return SURROGATES.search(text) is not None
 
 
-def make_backend(cfg: DictConfig, verifier: Path, generate: DictConfig) -> Backend:
+def make_backend(cfg: DictConfig, verifier: Path, generation: Generation, spec: VerifierSpec) -> Backend:
     """The backend named by ``cfg.name`` (the params' ``backend`` section)."""
     if cfg.name == "local":
         from eagle3.backends.local import LocalBackend
 
-        return LocalBackend(cfg, verifier, generate)
+        return LocalBackend(cfg, verifier, generation)
     if cfg.name == "openai":
         from eagle3.backends.openai import OpenAIBackend
 
-        return OpenAIBackend(cfg, generate)
+        return OpenAIBackend(cfg, generation)
     if cfg.name == "sglang":
         from eagle3.backends.sglang import SGLangBackend
 
-        return SGLangBackend(cfg, verifier, generate)
+        return SGLangBackend(cfg, verifier, generation, spec)
     raise UserError(f"params.yaml: backend.name: {cfg.name!r} is not one of local, openai, sglang")

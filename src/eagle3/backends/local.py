@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from eagle3.backends import Answer, Done, Request, cut_at_stop, split_reasoning
+from eagle3.backends import Answer, Done, Generation, Request, cut_at_stop, split_reasoning
 from eagle3.verifiers.loading import eos_token_ids, load_tokenizer, load_verifier
 
 log = logging.getLogger(__name__)
@@ -97,24 +97,24 @@ class SeededSampling(LogitsProcessor):
 
 
 class LocalBackend:
-    def __init__(self, cfg: DictConfig, verifier: Path, generate: DictConfig):
+    def __init__(self, cfg: DictConfig, verifier: Path, generation: Generation):
         torch.set_num_threads(int(cfg.threads))
         if str(cfg.device).startswith("cuda"):
             torch.backends.cuda.enable_cudnn_sdp(False)  # per-shape setup cost: see the module docstring
-        trust = bool(generate.trust_remote_code)
+        trust = generation.trust_remote_code
         self.model = load_verifier(verifier, str(cfg.device), str(cfg.dtype), trust)
         self.tokenizer = load_tokenizer(verifier, trust)
         self.batch_size = int(cfg.batch_size)
         self.batch_tokens = int(cfg.batch_tokens) if cfg.get("batch_tokens") else None
         self.pad_multiple = int(cfg.get("pad_multiple") or 1)
-        self.generate_cfg = generate
+        self.generation = generation
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
-        self.stop_strings = [str(stop) for stop in generate.get("stop") or []]
+        self.stop_strings = list(generation.stop)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
 
     def run(self, requests: Sequence[Request], finished: Collection[str], done: Done) -> None:
-        max_new_tokens = int(self.generate_cfg.max_new_tokens)
+        max_new_tokens = self.generation.max_new_tokens
         for batch in plan_batches(requests, self.batch_size, self.batch_tokens, max_new_tokens, self.pad_multiple):
             if all(r.id in finished for r in batch):
                 continue
@@ -123,15 +123,15 @@ class LocalBackend:
 
     @torch.inference_mode()
     def answer_batch(self, batch: Sequence[Request]) -> list[Answer]:
-        gen = self.generate_cfg
+        gen = self.generation
         input_ids, attention_mask = left_pad([r.prompt_ids for r in batch], self.pad_id, self.pad_multiple)  # [B, T]
         config = GenerationConfig(
-            max_new_tokens=int(gen.max_new_tokens), do_sample=False,
+            max_new_tokens=gen.max_new_tokens, do_sample=False,
             eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id, stop_strings=self.stop_strings or None,
         )
         processors = LogitsProcessorList()
-        if float(gen.temperature) > 0:
-            processors.append(SeededSampling([r.seed for r in batch], float(gen.temperature), float(gen.top_p)))
+        if gen.temperature > 0:
+            processors.append(SeededSampling([r.seed for r in batch], gen.temperature, gen.top_p))
         device = self.model.device
         output = self.model.generate(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
@@ -148,7 +148,7 @@ class LocalBackend:
         text, matched = cut_at_stop(text, self.stop_strings)
         if matched is not None:
             kept = self.tokens_through(kept, len(text) + len(matched))
-        reasoning, content = split_reasoning(text, self.generate_cfg.think_tags)
+        reasoning, content = split_reasoning(text, self.generation.think_tags)
         return Answer(
             content=content, reasoning_content=reasoning,
             finish_reason="length" if stop is None and matched is None else "stop",

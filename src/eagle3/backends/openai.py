@@ -25,7 +25,7 @@ from typing import TypeVar
 import httpx
 from omegaconf import DictConfig
 
-from eagle3.backends import Answer, Done, Failure, Request, cut_at_stop, has_surrogates, split_reasoning
+from eagle3.backends import Answer, Done, Failure, Generation, Request, cut_at_stop, has_surrogates, split_reasoning
 from eagle3.common import UserError
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ def parse_answer(body: dict, think_tags: Sequence[str] | None, stops: Sequence[s
 
 
 class OpenAIBackend:
-    def __init__(self, cfg: DictConfig, generate: DictConfig, base_urls: Sequence[str] | None = None):
+    def __init__(self, cfg: DictConfig, generation: Generation, base_urls: Sequence[str] | None = None):
         self.base_urls = [str(u).rstrip("/") for u in (base_urls or cfg.base_urls)]
         if not self.base_urls or not all(u.startswith(("http://", "https://")) for u in self.base_urls):
             raise UserError(f"params.yaml: backend.base_urls {self.base_urls}: list server URLs like http://host:8000/v1")
@@ -135,8 +135,8 @@ class OpenAIBackend:
         self.concurrency = int(cfg.concurrency)
         self.timeout = float(cfg.timeout)
         self.policy = RetryPolicy(int(cfg.max_retries), float(cfg.backoff), float(cfg.backoff_max))
-        self.generate = generate
-        self.stops = [str(stop) for stop in generate.get("stop") or []]
+        self.generation = generation
+        self.stops = list(generation.stop)
 
     def run(self, requests: Sequence[Request], finished: Collection[str], done: Done) -> None:
         todo = [r for r in requests if r.id not in finished]
@@ -184,9 +184,9 @@ class OpenAIBackend:
         body = {
             "model": model,
             "messages": request.messages,
-            "max_tokens": int(self.generate.max_new_tokens),
-            "temperature": float(self.generate.temperature),
-            "top_p": float(self.generate.top_p),
+            "max_tokens": self.generation.max_new_tokens,
+            "temperature": self.generation.temperature,
+            "top_p": self.generation.top_p,
             "seed": request.seed,
         }
         if self.stops:
@@ -194,7 +194,7 @@ class OpenAIBackend:
 
         async def attempt(url: str) -> Answer:
             response = await client.post(f"{url}/chat/completions", json=body)
-            return parse_answer(checked_json(response), self.generate.think_tags, self.stops)
+            return parse_answer(checked_json(response), self.generation.think_tags, self.stops)
 
         urls = self.base_urls[index % len(self.base_urls) :] + self.base_urls[: index % len(self.base_urls)]
         return await self.retrying(attempt, urls)

@@ -1,9 +1,9 @@
 """The ``sglang`` backend: start an SGLang server for the verifier, generate through it, stop it.
 
-The server command is built from the params (``--tp``/``--dp`` from the layout, the reasoning
-parser from the model, both resolved into the ``backend`` section); the verifier's weights
-folder is ``--model-path``. The server runs in its own process group, its output goes to the
-stage's stderr, and it is stopped (SIGTERM, then SIGKILL) however the run ends; on Linux it also
+The server command is built from the params (``--tp``/``--dp`` from the layout, resolved into the
+``backend`` section) and the verifier spec (reasoning parser, remote code, chat template:
+SERVER_MODEL_KEYS); the verifier's weights folder is ``--model-path``. The server runs in its
+own process group, its output goes to the stage's stderr, and it is stopped (SIGTERM, then SIGKILL) however the run ends; on Linux it also
 gets SIGTERM when the stage process itself is killed.
 """
 
@@ -23,17 +23,18 @@ from pathlib import Path
 import httpx
 from omegaconf import DictConfig
 
-from eagle3.backends import Done, Request
+from eagle3.backends import Done, Generation, Request
 from eagle3.backends.openai import OpenAIBackend
 from eagle3.common import UserError, die_with_parent
 from eagle3.verifiers.loading import weights_dir
+from eagle3.verifiers.spec import VerifierSpec
 
 log = logging.getLogger(__name__)
 
 
 
-def launch_command(cfg: DictConfig, model_path: Path, chat_template: Path | None = None) -> list[str]:
-    """The ``sglang.launch_server`` command line for the params' ``backend`` section.
+def launch_command(cfg: DictConfig, model_path: Path, spec: VerifierSpec, chat_template: Path | None = None) -> list[str]:
+    """The ``sglang.launch_server`` command line for the params' ``backend`` section and the verifier's spec.
 
     ``chat_template``: the verifier folder's template file, given when ``model.chat_template`` is
     set (the weights folder may be the original one, whose tokenizer lacks it).
@@ -42,9 +43,9 @@ def launch_command(cfg: DictConfig, model_path: Path, chat_template: Path | None
                "--port", str(cfg.port), "--tp", str(cfg.tp), "--dp", str(cfg.dp)]
     if chat_template is not None:
         command += ["--chat-template", str(chat_template)]
-    if cfg.reasoning_parser:
-        command += ["--reasoning-parser", str(cfg.reasoning_parser)]
-    if cfg.trust_remote_code:
+    if spec.reasoning_parser:
+        command += ["--reasoning-parser", spec.reasoning_parser]
+    if spec.trust_remote_code:
         command.append("--trust-remote-code")
     return command + [str(a) for a in cfg.extra_args]
 
@@ -97,11 +98,11 @@ def running_server(command: Sequence[str], host: str, port: int, health_timeout:
 
 
 class SGLangBackend:
-    def __init__(self, cfg: DictConfig, verifier: Path, generate: DictConfig):
+    def __init__(self, cfg: DictConfig, verifier: Path, generation: Generation, spec: VerifierSpec):
         self.cfg = cfg
-        template = verifier / "chat_template.jinja" if cfg.get("chat_template") else None
-        self.command = launch_command(cfg, weights_dir(verifier), template)
-        self.client = OpenAIBackend(cfg, generate, base_urls=[f"http://{cfg.host}:{cfg.port}/v1"])
+        template = verifier / "chat_template.jinja" if spec.chat_template else None
+        self.command = launch_command(cfg, weights_dir(verifier), spec, template)
+        self.client = OpenAIBackend(cfg, generation, base_urls=[f"http://{cfg.host}:{cfg.port}/v1"])
 
     def run(self, requests: Sequence[Request], finished: Collection[str], done: Done) -> None:
         if all(r.id in finished for r in requests):

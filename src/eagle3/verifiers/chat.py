@@ -60,7 +60,7 @@ def render(tokenizer, messages: list[dict], fmt: ChatFormat, finished: bool = Tr
 
     The answer span is found by rendering twice: the prompt with the generation prompt (the span
     starts where that text ends) and the whole conversation (the span ends with the first
-    end-of-turn marker after the answer's content: ``stop``, the generate.stop string that ended
+    end-of-turn marker after the answer's content: ``stop``, the model.stop string that ended
     the answer, else ``fmt.end_of_turn``). Tokens overlapping the span, by character
     offsets, are masked. Only the last (generated) turn is masked; earlier assistant turns of a
     prompt were not written by the verifier. An answer cut by the token limit (``finished``

@@ -140,12 +140,14 @@ class VerifierSpec:
 
     name = ModelKey(str)  # the conf/model file
     num_layers = ModelKey(int)  # decoder layers (the verifier's own count once checked against its config)
+    max_position_embeddings = ModelKey(int)  # the verifier's context: prompt + answer limit of generate
     aux_layers = ModelKey(lambda v: tuple(int(i) for i in v))  # taps: residual stream entering layer k, 3 ascending ids
     final_state = ModelKey(str)  # which hidden state `final` is: post-norm
     chat_template = ModelKey(optional_str)  # Jinja written into models/verifier; None: the tokenizer's own
     reasoning_format = ModelKey(str)  # "template", or a prefix with {reasoning} put before the answer
     end_of_turn = ModelKey(optional_str)  # the marker closing an answer (in the loss mask); None: the eos token
     stop = ModelKey(lambda v: tuple(str(s) for s in v))  # strings ending an answer besides EOS
+    reasoning_parser = ModelKey(optional_str)  # SGLang --reasoning-parser; None: the model does not reason
     draft_head = ModelKey(lambda v: dict(to_plain(v) or {}))  # overrides of the drafter's shape (default: the verifier's)
     language_model = ModelKey(LanguageModel.from_params)  # where the text model sits in the checkpoint
     trust_remote_code = ModelKey(bool)  # the verifier's tokenizer/model need their own code
