@@ -53,7 +53,7 @@ SHAPES = {
 def random_verifier(shape: str, device: str, dtype: str):
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape], attn_implementation="sdpa"))
+        model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape]))
     return model.to(getattr(torch, dtype)).eval()
 
 

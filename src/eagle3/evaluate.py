@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 PARAMS = ("evaluate", "layout.device", "layout.dtype", "layout.threads", "layout.verifier", "model.trust_remote_code")  # = dvc.yaml
 
-WARMUP_TOKENS = 4  # the untimed decode of every method before the first set (see ``evaluate``)
+WARMUP_TOKENS = 2  # the untimed decode of every method before the first set: its prefill and one round (see ``evaluate``)
 
 
 @dataclass(frozen=True)

@@ -539,10 +539,11 @@ def speculative_decode(verifier, proposer, prompts: Sequence[Tensor], layer_ids:
     if proposer is not None:
         proposer.start(prompts, batch, features)
     while not all(finished(o.tokens, max_new_tokens, eos_ids) for o in outputs):
+        # before any kernel of the round is queued: a host-to-device copy waits for the GPU's queue
+        budgets = torch.tensor([max_new_tokens - len(o.tokens) for o in outputs], device=eos.device)  # [B]
         draft = proposer.propose() if proposer is not None else no_draft(batch)
         root_positions, inputs = batch.length, torch.cat([batch.root[:, None], draft.tokens], 1)  # [B], [B, Q]
         greedy, features = verify(verifier, batch, draft, layer_ids)
-        budgets = torch.tensor([max_new_tokens - len(o.tokens) for o in outputs], device=greedy.device)
         path = accept(draft, greedy, budgets, eos)  # [B, Q]
         commit(batch, path, greedy)
         paths, emitted = read_round(inputs, path, batch.root)
