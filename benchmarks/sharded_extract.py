@@ -169,7 +169,7 @@ def main() -> None:
         dist.barrier()
     depth = text_config(verifier, args.trust_remote_code).num_hidden_layers
     layers = (1, depth // 2, depth - 1)  # low, middle, high: the taps do not change the cost
-    settings = Settings(layers, "bfloat16", 8192, args.batch_tokens, 256 << 20, args.device, compute, world, 1)
+    settings = Settings("bench", layers, "bfloat16", 8192, args.batch_tokens, 256 << 20, args.device, compute, world, 1)
     device = f"cuda:{local_rank}" if args.device == "cuda" else "cpu"
 
     mine, probe = samples[rank::world], samples[::world][:4]  # probe: rank 0's first samples, run by all when sharded

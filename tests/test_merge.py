@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from safetensors.numpy import load_file
 
 from eagle3.common import UserError, read_json, read_jsonl, write_json
-from eagle3.extract import extract_shard
+from eagle3.extract import extract, stage_arguments
 from eagle3.hidden_states.loader import HiddenStates, collate, pack
 from eagle3.merge import draft_vocab, merge
 
@@ -31,7 +31,7 @@ def shards(tmp_path_factory, tiny_verifier_dir, tiny_model_params):
     second = [conversation(6), short, conversation(8, answer_sentences=25), {**conversation(2), "id": "dup"}, conversation(9), conversation(10)]
     params = tiny_params(tiny_model_params)
     for shard, records in zip(SHARDS, (first, second)):
-        extract_shard(tiny_verifier_dir, write_generated(root / "generated" / shard, records), root / "hidden" / shard, params)
+        extract(tiny_verifier_dir, write_generated(root / "generated" / shard, records), root / "hidden" / shard, *stage_arguments(params))
     return root
 
 

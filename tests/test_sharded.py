@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 import tiny_kimi
 from eagle3.common import UserError, read_jsonl
-from eagle3.extract import Settings, extract_shard
+from eagle3.extract import Settings, extract, stage_arguments
 from eagle3.verifier import import_verifier
 from eagle3.verifiers.loading import Placement, text_config
 from test_extract import conversation, stored_sample, tiny_params, write_generated
@@ -58,7 +58,7 @@ def test_tp2_hidden_states_equal_a_whole_copy(family, ep, tmp_path, tiny_verifie
     generated = write_generated(tmp_path / "generated", [conversation(i, reasoning="Think first." if i % 2 else None) for i in range(5)])
     params = tiny_params(model, max_length=300)
     params.layout.threads = 1
-    extract_shard(verifier, generated, tmp_path / "whole", params.copy())
+    extract(verifier, generated, tmp_path / "whole", *stage_arguments(params))
     sharded_extract(verifier, generated, tmp_path / "sharded", params, tp=2, ep=ep)
     assert_same_states(tmp_path / "whole", tmp_path / "sharded")
     assert not list((tmp_path / "sharded").parent.glob(".sharded.tmp-*"))  # only rank 0 wrote, once

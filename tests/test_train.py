@@ -25,7 +25,7 @@ from eagle3.common import UserError, read_json, read_jsonl, stage_main
 from eagle3.drafter.export import check_drafter
 from eagle3.drafter.loss import TrainingTimeTest, VerifierHead
 from eagle3.drafter.parallel import World
-from eagle3.extract import extract_shard
+from eagle3.extract import extract, stage_arguments
 from eagle3.hidden_states.loader import DataPlan, collate, pack
 from eagle3.merge import merge
 from eagle3.train import TrainConfig, TrainPaths, fit, lock_run, lr_factor, main, train, verifier_parts
@@ -160,8 +160,8 @@ def make_data(root: Path, verifier: Path, model_params, records: int, draft_voca
     shard = "000000-000032"
     params = tiny_params(model_params)
     params.layout.threads = 1  # a busy 2-core machine runs one thread faster than two
-    extract_shard(verifier, write_generated(root / "generated" / shard, [conversation(i) for i in range(records)]),
-                  root / "hidden" / shard, params)
+    extract(verifier, write_generated(root / "generated" / shard, [conversation(i) for i in range(records)]),
+            root / "hidden" / shard, *stage_arguments(params))
     params.dataset.shards = [shard]
     params.merge = OmegaConf.merge(params.merge, {"val_fraction": 0.25, "draft_vocab_size": draft_vocab_size, "min_tokens": 4})
     merge(verifier, root / "hidden", root / "merged", root / "metrics-merge", params)

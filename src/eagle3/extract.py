@@ -38,7 +38,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from eagle3.common import UserError, atomic_dir, exit_with_launcher, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl
+from eagle3.common import UserError, atomic_dir, exit_with_launcher, read_json, read_jsonl, stage_main, write_json, write_jsonl
 from eagle3.config import stage_params
 from eagle3.hidden_states.storage import PartWriter, encode_sample, magnitudes
 from eagle3.verifiers.chat import ChatFormat, RenderError, render
@@ -63,6 +63,7 @@ LAYER_CONVENTION = "aux layer k = residual stream entering decoder layer k = HF 
 class Settings:
     """What ``extract`` reads from params: its section, the taps, and the layout."""
 
+    name: str  # extract.name: the conf/extract file
     aux_layers: tuple[int, ...]  # model.aux_layers: HF hidden_states indices, ascending
     dtype: str  # extract.dtype: storage dtype, bfloat16 | float8_e4m3fn
     max_length: int  # extract.max_length: longer conversations are truncated (and counted)
@@ -83,9 +84,14 @@ class Settings:
                             f"processes (GPUs), layout.extract_workers is {layout.extract_workers}: use a layout with "
                             f"{placement.tp} GPUs (gpu8), or set extract_workers to tp")
         return cls(
-            VerifierSpec.from_params(params.model).aux_layers, extract.dtype, int(extract.max_length), int(extract.batch_tokens),
+            str(extract.name), VerifierSpec.from_params(params.model).aux_layers, extract.dtype, int(extract.max_length), int(extract.batch_tokens),
             int(extract.part_bytes), layout.device, layout.dtype, int(layout.extract_workers), int(layout.threads), placement,
         )
+
+    def section(self) -> dict[str, Any]:
+        """The ``extract`` params as read (meta.json's ``params``)."""
+        return {"name": self.name, "dtype": self.dtype, "max_length": self.max_length, "batch_tokens": self.batch_tokens,
+                "part_bytes": self.part_bytes}
 
 
 @dataclass
@@ -343,9 +349,14 @@ def verifier_shape(verifier: Path, settings: Settings, spec: VerifierSpec) -> di
     return {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size, "num_layers": config.num_hidden_layers}
 
 
-def extract_shard(verifier: Path, generated: Path, out: Path, params: DictConfig) -> dict[str, Any]:
-    """The whole stage for one shard; returns the written meta.json."""
-    settings, spec = Settings.from_params(params), VerifierSpec.from_params(params.model)
+def stage_arguments(params: DictConfig) -> tuple[Settings, VerifierSpec]:
+    """``extract``'s typed arguments from its params view."""
+    return Settings.from_params(params), VerifierSpec.from_params(params.model)
+
+
+def extract(verifier: Path, generated: Path, out: Path, settings: Settings, spec: VerifierSpec) -> dict[str, Any]:
+    """The whole stage for one shard; returns the written meta.json (on the other processes of a
+    sharded verifier, which write nothing: {})."""
     trust = spec.trust_remote_code
     verifier_meta = read_meta(verifier)
     fingerprint = verifier_meta["fingerprint"]["id"]
@@ -392,7 +403,7 @@ def extract_shard(verifier: Path, generated: Path, out: Path, params: DictConfig
             },
             "estimated_bytes": estimate,
             "parts": sorted({e["part"] for e in index}),
-            "params": to_plain(params.extract),
+            "params": settings.section(),
         }
         write_json(tmp / "meta.json", meta)
     counts = meta["counts"]
@@ -407,13 +418,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("out", type=Path, help="output folder, e.g. data/hidden_states/000000-000032")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
-    params = stage_params(PARAMS, args.params)
-    settings = Settings.from_params(params)
+    settings, spec = stage_arguments(stage_params(PARAMS, args.params))
     if settings.placement.sharded:  # refuse a placement the verifier cannot take before tp processes start
-        verifier_shape(args.verifier, settings, VerifierSpec.from_params(params.model))
+        verifier_shape(args.verifier, settings, spec)
     if settings.placement.launch("eagle3.extract", argv):
         return
-    extract_shard(args.verifier, args.generated, args.out, params)
+    extract(args.verifier, args.generated, args.out, settings, spec)
     close_sharded()
 
 
