@@ -32,6 +32,12 @@ def test_defaults_are_the_embedded_demo(tmp_path):
         "demo", "smollm2-135m", "cpu", "local")
 
 
+def test_the_demo_trains_with_its_own_sizing_and_every_other_scale_with_the_default(tmp_path):
+    assert compose(tmp_path).train.name == "demo"
+    assert [compose(tmp_path, f"dataset={scale}").train.name for scale in ("1k", "10k", "100k")] == ["default"] * 3
+    assert compose(tmp_path, "train=debug").train.name == "debug"  # a chosen train option wins over the scale's
+
+
 @pytest.mark.parametrize("scale", ["1k", "10k", "100k"])
 def test_every_scale_extends_the_demo_with_contiguous_shards(tmp_path, scale):
     demo, bigger = compose(tmp_path, "dataset=demo"), compose(tmp_path, f"dataset={scale}")
