@@ -38,7 +38,7 @@ from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.speculative import TreeShape
 from eagle3.evaluate import WARMUP_TOKENS, Settings, configure_torch, decode_all, for_decoding
 from eagle3.verifiers.chat import prompt_ids
-from eagle3.verifiers.loading import Placement, eos_token_ids, input_embedding, load_tokenizer, load_verifier
+from eagle3.verifiers.loading import WHOLE_COPY, eos_token_ids, input_embedding, load_tokenizer, load_verifier
 
 # Random verifiers (Llama architecture): SmolLM2-135M's shape, and a tiny one for the CPU test.
 SHAPES = {
@@ -129,7 +129,7 @@ def main() -> None:
     args.run = [tuple(map(int, run.split(":"))) for run in args.run or ["1:8", "32:96", "96:96"]]
 
     settings = Settings(args.draft_tokens, TreeShape(*args.tree), 1, args.max_new_tokens, ("bench",), None, False,
-                        args.device, args.dtype, args.threads, False, Placement())
+                        args.device, args.dtype, args.threads, False, WHOLE_COPY)
     configure_torch(settings)
     verifier, drafter, eos, tokenizer = models(args)
     for_decoding(verifier, drafter, settings)

@@ -41,7 +41,7 @@ from omegaconf import OmegaConf
 from eagle3.common import write_json
 from eagle3.extract import Job, Settings, batches, bytes_per_token, extract_samples, hidden_states, prepare, run_workers
 from eagle3.verifier import build_random
-from eagle3.verifiers.loading import load_tokenizer, load_verifier
+from eagle3.verifiers.loading import WHOLE_COPY, load_tokenizer, load_verifier
 from eagle3.verifiers.spec import VerifierSpec
 
 TEXT = (
@@ -175,7 +175,8 @@ def measure(args, params, verifier: Path, samples, pad_id: int) -> dict:
     hidden = model.config.hidden_size
     results = {}
     for dtype in ("bfloat16", "float8_e4m3fn"):
-        settings = Settings("bench", tuple(params.model.aux_layers), dtype, 8192, args.batch_tokens, 256 << 20, args.device, args.compute_dtype, 1, args.threads)
+        settings = Settings("bench", tuple(params.model.aux_layers), dtype, 8192, args.batch_tokens, 256 << 20, args.device,
+                            args.compute_dtype, 1, args.threads, WHOLE_COPY)
         time_extraction(model, samples[:1], settings, pad_id)  # warm-up: first-call kernel setup
         runs = [time_extraction(model, samples, settings, pad_id) for _ in range(args.runs)]
         results[dtype] = {

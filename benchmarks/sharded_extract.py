@@ -40,7 +40,7 @@ from omegaconf import OmegaConf
 from eagle3.common import write_json
 from eagle3.extract import Settings, batches, extract_samples, hidden_states, prepare
 from eagle3.verifier import build_random
-from eagle3.verifiers.loading import Placement, load_tokenizer, load_verifier, text_config
+from eagle3.verifiers.loading import WHOLE_COPY, Placement, load_tokenizer, load_verifier, text_config
 from eagle3.verifiers.spec import LanguageModel, VerifierSpec
 
 from extract_throughput import LLAMA_8B, conversations
@@ -169,7 +169,7 @@ def main() -> None:
         dist.barrier()
     depth = text_config(verifier, args.trust_remote_code).num_hidden_layers
     layers = (1, depth // 2, depth - 1)  # low, middle, high: the taps do not change the cost
-    settings = Settings("bench", layers, "bfloat16", 8192, args.batch_tokens, 256 << 20, args.device, compute, world, 1)
+    settings = Settings("bench", layers, "bfloat16", 8192, args.batch_tokens, 256 << 20, args.device, compute, world, 1, WHOLE_COPY)
     device = f"cuda:{local_rank}" if args.device == "cuda" else "cpu"
 
     mine, probe = samples[rank::world], samples[::world][:4]  # probe: rank 0's first samples, run by all when sharded

@@ -73,16 +73,18 @@ def placement_params(tiny_model_params, **layout):
 def test_impossible_placements_are_refused_with_one_line(tiny_verifier_dir, tiny_model_params):
     config = text_config(tiny_verifier_dir)  # 4 heads, 2 KV heads, a TP plan
     with pytest.raises(UserError, match="num_key_value_heads"):
-        Placement(tp=4).check(config, "cpu")
+        Placement(tp=4, ep=1).check(config, "cpu")
     with pytest.raises(UserError, match="GPUs; this node has"):
-        Placement(tp=2 * max(1, torch.cuda.device_count())).check(config, "cuda")
+        Placement(tp=2 * max(1, torch.cuda.device_count()), ep=1).check(config, "cuda")
     from transformers import AutoConfig
 
     with pytest.raises(UserError, match="no tensor-parallel plan"):
-        Placement(tp=2).check(AutoConfig.for_model("gpt2"), "cpu")
+        Placement(tp=2, ep=1).check(AutoConfig.for_model("gpt2"), "cpu")
     with pytest.raises(UserError, match="no expert-parallel plan"):
         Placement(tp=2, ep=2).check(config, "cpu")
-    with pytest.raises(UserError, match="ep 1 or tp"):
+    with pytest.raises(UserError, match=r"^params.yaml: layout.verifier = \{'tp': 2\}: must be \{tp: >= 1, ep: 1 or tp\}$"):
+        Placement.from_params(OmegaConf.create({"verifier": {"tp": 2}}))  # no fallback for a missing key
+    with pytest.raises(UserError, match="ep: 1 or tp"):
         Settings.from_params(placement_params(tiny_model_params, verifier={"tp": 2, "ep": 4}, extract_workers=2))
     with pytest.raises(UserError, match="set extract_workers to tp"):
         Settings.from_params(placement_params(tiny_model_params, verifier={"tp": 2, "ep": 1}, extract_workers=1))

@@ -73,7 +73,7 @@ class Settings:
     compute_dtype: str  # layout.dtype: the verifier's dtype for the forward
     workers: int  # layout.extract_workers: processes, one per device
     threads: int  # layout.threads: torch intra-op threads per process
-    placement: Placement = Placement()  # layout.verifier: a whole copy per worker (tp 1), or one copy over tp workers
+    placement: Placement  # layout.verifier: a whole copy per worker (tp 1), or one copy over tp workers
 
     @classmethod
     def from_params(cls, params: DictConfig) -> Settings:

@@ -26,7 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from eagle3.common import UserError, read_json
+from eagle3.common import UserError, read_json, to_plain
 from eagle3.verifiers.spec import LanguageModel
 
 log = logging.getLogger(__name__)
@@ -45,16 +45,17 @@ class Placement:
     parallel plan (``DistributedConfig``); ep = tp also splits a MoE's experts over them.
     """
 
-    tp: int = 1  # processes (GPUs) holding one copy together
-    ep: int = 1  # 1, or tp: experts split over the tp processes (MoE)
+    tp: int  # processes (GPUs) holding one copy together
+    ep: int  # 1, or tp: experts split over the tp processes (MoE)
 
     @classmethod
     def from_params(cls, layout: DictConfig) -> Placement:
-        section = layout.get("verifier") or {}
-        placement = cls(int(section.get("tp", 1)), int(section.get("ep", 1)))
-        if placement.tp < 1 or placement.ep not in (1, placement.tp):
-            raise UserError(f"params.yaml: layout.verifier {{tp: {placement.tp}, ep: {placement.ep}}}: tp must be >= 1, and ep 1 or tp")
-        return placement
+        """``layout.verifier`` (the layout's, or conf/config.yaml's model.placement): both keys, no fallback."""
+        section = to_plain(layout.verifier)
+        values = [section.get(key) for key in ("tp", "ep")] if isinstance(section, dict) else [None, None]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values) or values[0] < 1 or values[1] not in (1, values[0]):
+            raise UserError(f"params.yaml: layout.verifier = {section!r}: must be {{tp: >= 1, ep: 1 or tp}}")
+        return cls(*values)
 
     @property
     def sharded(self) -> bool:
@@ -107,6 +108,10 @@ class Placement:
             raise SystemExit(returncode)
         return True
 
+
+# One copy on one device: what a caller without a layout loads (generate's local backend, one
+# process; tests and benchmarks). extract and evaluate pass Placement.from_params(layout) instead.
+WHOLE_COPY = Placement(tp=1, ep=1)
 
 
 def shard_rank() -> int:
@@ -232,7 +237,7 @@ def eos_token_ids(model, tokenizer) -> set[int]:
 
 
 def load_verifier(folder: str | Path, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False,
-                  placement: Placement = Placement()):
+                  placement: Placement = WHOLE_COPY):
     """The verifier's language model as an eval-mode ``AutoModelForCausalLM`` on ``device`` in ``dtype``.
 
     A nested language model is built from its own config and its weights are read with the prefix
