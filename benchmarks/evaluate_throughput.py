@@ -9,7 +9,7 @@
 
 Each ``--run B:N`` decodes the first N prompts B at a time with ``eagle3.evaluate.decode_all`` (the
 stage's own loop: per batch one untimed prefill, then plain greedy, a chain of ``--draft-tokens``
-and SGLang's tree, each timed) after an untimed warm-up of every method on the first batch, and
+and SGLang's tree, each timed) after the stage's untimed warm-up (``warm_up``), and
 prints one row per method: decoding seconds and tokens/s (prefills not counted), τ, and the wall
 seconds of the whole run (all methods and prefills: what ``evaluate`` spends on one eval set of N
 prompts at ``evaluate.batch_size`` B). The rows end as a markdown table.
@@ -36,7 +36,7 @@ from eagle3.common import read_jsonl
 from eagle3.drafter.export import load_drafter
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.speculative import TreeShape
-from eagle3.evaluate import WARMUP_TOKENS, Settings, configure_torch, decode_all, for_decoding
+from eagle3.evaluate import Settings, configure_torch, decode_all, for_decoding, warm_up
 from eagle3.verifiers.chat import prompt_ids
 from eagle3.verifiers.loading import WHOLE_COPY, eos_token_ids, input_embedding, load_tokenizer, load_verifier
 
@@ -93,7 +93,7 @@ def models(args):
 
 def measure(verifier, drafter, prompts, settings: Settings, eos: set[int]) -> list[dict]:
     """One row per method for these prompts decoded settings.batch_size at a time."""
-    decode_all(verifier, drafter, prompts[: settings.batch_size], settings, eos, WARMUP_TOKENS)
+    warm_up(verifier, drafter, prompts, settings, eos)
     start = time.perf_counter()
     runs = decode_all(verifier, drafter, prompts, settings, eos)
     wall = time.perf_counter() - start
