@@ -132,7 +132,6 @@ def _watch_links(links: list[tuple[int, int]], interval: float) -> None:
                 os._exit(143)  # at once: the rerun owns the outputs now
 
 
-
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary sibling folder that replaces ``final`` only if the block succeeds.

@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 from eagle3.common import UserError, atomic_dir, sha256_file, stable_hash, stage_main, to_plain, write_json
 from eagle3.config import stage_params
-from eagle3.drafter import parallel
+import eagle3.drafter.parallel as parallel
 from eagle3.drafter.export import check_drafter, verifier_facts, write_drafter
 from eagle3.drafter.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter

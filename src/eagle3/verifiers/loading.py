@@ -35,7 +35,6 @@ EMBEDDING = "model.embed_tokens.weight"  # the text model's embedding, relative 
 DTYPES = {"float32", "bfloat16", "float16"}
 
 
-
 @dataclass(frozen=True)
 class Placement:
     """How one copy of the verifier is laid over devices for extract and evaluate (params ``layout.verifier``).
@@ -119,7 +118,6 @@ def shard_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-
 def close_sharded() -> None:
     """Leave the process group a sharded verifier was loaded into, once every process is done."""
     import torch.distributed as dist
@@ -127,7 +125,6 @@ def close_sharded() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-
 
 
 def text_config_dict(folder: Path, lm: LanguageModel) -> dict[str, Any]:
@@ -149,7 +146,6 @@ def text_config_dict(folder: Path, lm: LanguageModel) -> dict[str, Any]:
     return config
 
 
-
 def checkpoint_names(folder: Path) -> set[str]:
     """Every tensor name of the safetensors checkpoint in ``folder`` (from the index, else the file headers)."""
     index = folder / "model.safetensors.index.json"
@@ -164,7 +160,6 @@ def checkpoint_names(folder: Path) -> set[str]:
     return names
 
 
-
 def torch_dtype(name: str):
     import torch
 
@@ -173,10 +168,8 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
-
 def read_meta(folder: str | Path) -> dict[str, Any]:
     return read_json(Path(folder) / "meta.json")
-
 
 
 def weights_dir(folder: str | Path) -> Path:
@@ -186,12 +179,10 @@ def weights_dir(folder: str | Path) -> Path:
     return folder if location == "." else Path(location)
 
 
-
 def language_model(folder: str | Path) -> LanguageModel:
     """Where the verifier folder's language model sits, as its ``meta.json`` recorded (default: a plain LM)."""
     meta = Path(folder) / "meta.json"
     return LanguageModel(**(read_json(meta).get("language_model") or {})) if meta.is_file() else LanguageModel()
-
 
 
 def text_config(folder: str | Path, trust_remote_code: bool = False):
@@ -211,7 +202,6 @@ def text_config(folder: str | Path, trust_remote_code: bool = False):
         ) from None
 
 
-
 def require_quantizer(config) -> None:
     """Refuse, before loading, quantized weights whose transformers quantizer package is missing."""
     method = (getattr(config, "quantization_config", None) or {})
@@ -221,19 +211,16 @@ def require_quantizer(config) -> None:
         raise UserError(f"the verifier's weights are {method}-quantized; run `pip install {method}` (transformers loads them through it)")
 
 
-
 def load_tokenizer(folder: str | Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
 
 
-
 def eos_token_ids(model, tokenizer) -> set[int]:
     """Every token that ends an answer: the generation config's EOS ids, else the tokenizer's."""
     eos = model.generation_config.eos_token_id
     return set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
-
 
 
 def load_verifier(folder: str | Path, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False,
@@ -256,7 +243,6 @@ def load_verifier(folder: str | Path, device: str = "cpu", dtype: str = "float32
         weights_dir(folder), dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code, **extra
     )
     return model.eval() if placement.sharded else model.to(device).eval()
-
 
 
 def input_embedding(model):
