@@ -116,6 +116,25 @@ def test_packed_rows_equal_padded_samples():
         torch.testing.assert_close(grads_packed[name], grads_padded[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="training fuses its elementwise ops on CUDA only")
+def test_fused_training_on_gpu_matches_eager_cpu():
+    """The training unroll on a GPU (compiled norms, RoPE, SwiGLU, chain merge and soft CE, fused
+    FlexAttention; fp32) gives the CPU's eager loss, metrics and gradients on packed documents."""
+    drafter = make_drafter(seed=5).float()
+    cfg, K = drafter.config, 4
+    weight = verifier_head_weight(cfg, drafter.d2t, seed=2)
+    batch = collate(samples(cfg, [140, 33, 200, 61], seed=40), capacity=300, rows=2)
+    results = []
+    for device in ("cpu", "cuda"):
+        on = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+        results.append(ttt_loss_and_grads(drafter.to(device), VerifierHead(weight.to(device), drafter.d2t), on, K, 0.8))
+    (loss_cpu, sums_cpu, grads_cpu), (loss_gpu, sums_gpu, grads_gpu) = results
+    torch.testing.assert_close(loss_gpu.cpu(), loss_cpu, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(sums_gpu.cpu(), sums_cpu, rtol=1e-4, atol=1e-3)
+    for name in grads_cpu:
+        torch.testing.assert_close(grads_gpu[name].cpu(), grads_cpu[name], rtol=1e-3, atol=1e-4, msg=name)
+
 def test_metrics_by_hand():
     """Three rows, three steps: acc, conditional acc and simulated acceptance length; a target
     outside the draft vocabulary (not valid) is a miss, a row without a target is not counted."""

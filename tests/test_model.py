@@ -13,6 +13,7 @@ from torch import Tensor
 from transformers import AutoConfig, DeepseekV3Config, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from eagle3.drafter import loss, model
 from eagle3.drafter.model import DraftConfig, KVCache, cached_attention, document_block_mask, masked_attention, rope_frequencies
 from conftest import ROOT
 from reference import explicit_attention
@@ -215,3 +216,35 @@ def test_fused_ttt_attention_matches_masked_on_gpu(T):
         torch.testing.assert_close(a.float().cpu(), b, atol=2e-2, rtol=2e-2)
     for a, b in zip(*grads):
         torch.testing.assert_close(a.float().cpu(), b, atol=5e-2, rtol=5e-2)
+
+
+def fused_cases() -> list[tuple]:
+    """(fused function, its float inputs, its other inputs): every function training fuses on GPUs."""
+    torch.manual_seed(0)
+    N, H, B, nh, R, J, Vd = 6, 16, 2, 4, 5, 3, 11
+    return [
+        (model.rms_norm, [torch.randn(B, R, H), torch.rand(H) + 0.5], [1e-5]),
+        (model.apply_rope, [torch.randn(B, nh, R, 8), torch.randn(B, R, 8), torch.randn(B, R, 8)], []),
+        (model.swiglu, [torch.randn(B, R, H), torch.randn(B, R, H)], []),
+        (model.chain_softmax, [torch.randn(B, nh, R), torch.randn(B, nh, R, J)], [torch.float32]),
+        (model.merge_chain, [torch.randn(B, nh, R, 8), torch.randn(B, nh, R), torch.randn(B, nh, R) + 1, torch.randn(B, nh, R, 8)], []),
+        (loss.soft_cross_entropy_sum, [torch.randn(N - 2, Vd), torch.randn(N, Vd).softmax(-1)],
+         [torch.tensor([5, 0, 3, 3]), torch.tensor([True, False, True, True, False, True])]),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(fused_cases())))
+def test_fused_functions_compile_whole_and_match_eager(case):
+    """What training compiles on GPUs is one graph per function (fullgraph: no graph break), and
+    that graph with its derived backward computes what the eager ops do, values and gradients."""
+    fused, floats, others = fused_cases()[case]
+    compiled = torch.compile(fused.eager, fullgraph=True, backend="aot_eager")  # the graph, without a kernel build
+    inputs = [x.clone().requires_grad_() for x in floats]
+    copies = [x.clone().requires_grad_() for x in floats]
+    got, want = compiled(*inputs, *others), fused.eager(*copies, *others)
+    got, want = (got,) if isinstance(got, Tensor) else got, (want,) if isinstance(want, Tensor) else want
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    grads = torch.autograd.grad(sum(g.float().sum() for g in got), inputs)
+    for g, w in zip(grads, torch.autograd.grad(sum(w.float().sum() for w in want), copies)):
+        torch.testing.assert_close(g, w)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from eagle3.drafter.model import Eagle3Drafter, KVCache, RMSNorm
+from eagle3.drafter.model import Eagle3Drafter, KVCache, RMSNorm, fused_when_training_on_gpu
 
 
 def shift_left(x: Tensor, n: int, fill=0) -> Tensor:
@@ -159,7 +159,7 @@ class TrainingTimeTest(nn.Module):
             rows, pick = selection.rows[k], selection.picks[k]
             logits = self.drafter.logits(hidden.flatten(0, 1)[rows])  # [N_k, Vd]
             ok = targets.valid[pick]  # [N_k]
-            ce.append(torch.where(ok, soft_cross_entropy(logits, targets.probs[pick]), 0.0).sum())
+            ce.append(soft_cross_entropy_sum(logits, targets.probs, pick, targets.valid))
             right.append(on_rows(logits.detach().argmax(-1) == targets.index[pick], rows, B * T))
             valid.append(on_rows(ok, rows, B * T))
             scored.append(on_rows(torch.ones_like(ok), rows, B * T))
@@ -172,9 +172,15 @@ def on_rows(values: Tensor, rows: Tensor, size: int) -> Tensor:
     return torch.zeros(size, dtype=torch.bool, device=values.device).index_put_((rows,), values)
 
 
-def soft_cross_entropy(logits: Tensor, probs: Tensor) -> Tensor:
-    """-Σ_v p_v log softmax(logits)_v per row: [N, Vd] x [N, Vd] -> [N]."""
-    return -(probs * logits.float().log_softmax(-1)).sum(-1)
+@fused_when_training_on_gpu
+def soft_cross_entropy_sum(logits: Tensor, probs: Tensor, pick: Tensor, valid: Tensor) -> Tensor:
+    """Σ_i -Σ_v probs[pick_i, v] log softmax(logits_i)_v over the rows i whose target is valid:
+    logits [N_k, Vd], probs [N, Vd], pick [N_k] (row i's target), valid [N] -> a scalar.
+
+    The targets are picked inside (fused, no [N_k, Vd] copy of the probabilities per step).
+    """
+    ce = -(probs[pick] * logits.float().log_softmax(-1)).sum(-1)  # [N_k]
+    return torch.where(valid[pick], ce, 0.0).sum()
 
 
 def ttt_loss(ce: Tensor, counts: Tensor, decay: float) -> Tensor:

@@ -51,6 +51,38 @@ from torch import Tensor, nn
 # Blocks
 
 
+def fused_when_training_on_gpu(fn):
+    """``fn`` compiled into generated kernels (torch.compile) when it runs with gradients on a GPU.
+
+    Why: norms, RoPE, SwiGLU, the chain merge and the soft CE are chains of elementwise ops over
+    [B·T, H]- and [N, Vd]-sized tensors; run op by op, each one is a round trip through GPU memory,
+    about a quarter of an 8B-shaped training step. Fused, forward and backward each read and write
+    them once. Decoding (no gradients) and CPUs keep the eager ops: decoding's few rows are
+    launch-bound and would recompile for every new length, and compiling on a CPU costs more than
+    the demo's whole training saves. The first call of a new shape compiles (dynamic after that).
+    """
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(x: Tensor, *args):
+        nonlocal compiled
+        if not (x.is_cuda and torch.is_grad_enabled()):
+            return fn(x, *args)
+        if compiled is None:
+            compiled = torch.compile(fn, fullgraph=True)
+        return compiled(x, *args)
+
+    call.eager = fn  # what the fused kernels must compute (tests compare the two)
+    return call
+
+
+@fused_when_training_on_gpu
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF Llama's RMSNorm: normalised in fp32, cast back to x's dtype, then scaled."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -58,10 +90,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 # RoPE scaling types the drafter implements, with the keys each one reads. Anything else in a
@@ -146,6 +175,7 @@ class RotaryEmbedding(nn.Module):
         return (angles.cos() * self.attention_factor).to(dtype), (angles.sin() * self.attention_factor).to(dtype)
 
 
+@fused_when_training_on_gpu
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x [B, heads, T, hd] by cos/sin [..., T, hd] (half-split layout, as HF Llama)."""
     cos, sin = cos.unsqueeze(-3).to(x.dtype), sin.unsqueeze(-3).to(x.dtype)  # [..., 1, T, hd]: broadcast over heads
@@ -274,11 +304,23 @@ def cached_attention(q: Tensor, cache: KVCache, last: Tensor) -> Tensor:
     nkv = cache.k.shape[1]
     qg = q.view(B, nkv, nh // nkv, R, hd)
     chain = torch.einsum("bkgrd,bkrjd->bkgrj", qg, cache.chain_k).float() / math.sqrt(hd)  # [B, nkv, g, R, J]
-    chain = chain.reshape(B, nh, R, -1)
-    total = torch.logaddexp(lse, chain.logsumexp(-1))  # [B, nh, R]: log-normaliser over context and chain
-    chain_probs = (chain - total[..., None]).exp().to(q.dtype).view(B, nkv, nh // nkv, R, -1)
-    chain_out = torch.einsum("bkgrj,bkrjd->bkgrd", chain_probs, cache.chain_v).reshape(B, nh, R, hd)
-    return ((lse - total).exp()[..., None] * out.float() + chain_out.float()).to(q.dtype)
+    total, chain_probs = chain_softmax(lse, chain.reshape(B, nh, R, -1), q.dtype)
+    chain_out = torch.einsum("bkgrj,bkrjd->bkgrd", chain_probs.view(B, nkv, nh // nkv, R, -1), cache.chain_v)
+    return merge_chain(out, lse, total, chain_out.reshape(B, nh, R, hd))
+
+
+@fused_when_training_on_gpu
+def chain_softmax(lse: Tensor, chain: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Context log-sum-exp [B, nh, R] and chain scores [B, nh, R, J] -> (log-normaliser over both
+    [B, nh, R], chain probabilities [B, nh, R, J] in ``dtype``)."""
+    total = torch.logaddexp(lse, chain.logsumexp(-1))
+    return total, (chain - total[..., None]).exp().to(dtype)
+
+
+@fused_when_training_on_gpu
+def merge_chain(out: Tensor, lse: Tensor, total: Tensor, chain_out: Tensor) -> Tensor:
+    """The context part ``out`` (normalised over the context only) rescaled to the joint softmax, plus the chain part."""
+    return ((lse - total).exp()[..., None] * out.float() + chain_out.float()).to(out.dtype)
 
 
 class Attention(nn.Module):
@@ -313,7 +355,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+@fused_when_training_on_gpu
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
 
 
 class DraftLayer(nn.Module):
