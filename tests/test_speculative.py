@@ -313,6 +313,31 @@ def test_stops_at_eos_inside_an_accepted_chunk(tiny):
     assert [d.tokens for d in decode(verifier, constant, [ids], eos=eos)] == expected
 
 
+
+@pytest.mark.parametrize("method", ["plain", "chain", "tree", "ngram"])
+def test_finished_rows_leave_the_batch(tiny, method):
+    """A prompt that stops early (its EOS) leaves the batch: the forwards after it carry the other
+    rows only, and every output and acceptance count is what that prompt gets decoded alone."""
+    verifier, prompts, plain = tiny
+    early = next(t for i, t in enumerate(plain[1][2:10], 2)
+                 if t not in plain[1][:i] and t not in plain[0] and t not in plain[2])  # stops prompt 1 alone
+    eos = {early}
+    drafter = random_drafter(verifier, 512, TINY_TAPS)
+    proposer = lambda: {"plain": None, "chain": EagleProposer(drafter, TreeShape.chain(K)),  # noqa: E731
+                        "tree": EagleProposer(drafter, TREE), "ngram": HistoryProposer(ngram, K)}[method]
+    rows = []
+    hook = verifier.base_model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        batched = decode(verifier, proposer(), prompts, eos=eos)
+    finally:
+        hook.remove()
+    alone = [decode(verifier, proposer(), [p], eos=eos)[0] for p in prompts]
+    assert [d.tokens for d in batched] == [d.tokens for d in alone] == greedy_decode(verifier, prompts, MAX_NEW, eos)
+    assert [d.accepted for d in batched] == [d.accepted for d in alone]
+    assert batched[1].tokens[-1] == early and len(batched[1].tokens) < 10
+    with_it = 1 + len(batched[1].accepted)  # the prefill and prompt 1's verify forwards
+    assert rows[:with_it] == [3] * with_it and max(rows[with_it:]) == 2 and rows == sorted(rows, reverse=True)
+
 def test_ngram_matches_the_longest_latest_suffix():
     assert ngram([5, 6, 7, 1, 5, 6], 2) == [7, 1]
     assert ngram([5, 6, 7, 9, 6, 8, 5, 6], 3) == [7, 9, 6]  # n = 2 matches [5, 6] at 0

@@ -360,6 +360,19 @@ def drop_rejected(batch: Batch, block: int, kept: Tensor) -> None:
     batch.valid, batch.positions = keep(batch.valid), keep(batch.positions)
 
 
+def keep_rows(batch: Batch, rows: Tensor) -> None:
+    """Keep only ``rows`` [R] of the batch (the others finished): every layer's cache and the column records.
+
+    Why: a finished prompt would otherwise ride along in every later forward; on a CPU, where the
+    verify forwards of a few rows are compute-bound, a batch whose prompts stop at 10 and 64 tokens
+    pays for both rows until the end.
+    """
+    for layer in batch.cache.layers:
+        if layer.keys is not None and layer.keys.numel():
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+    batch.valid, batch.positions, batch.root, batch.length = (x[rows] for x in (batch.valid, batch.positions, batch.root, batch.length))
+
+
 # --- proposers --------------------------------------------------------------------------------------
 
 
@@ -384,6 +397,12 @@ class DraftBatchCache(KVCache):
     def add_chain(self, k: Tensor, v: Tensor, rows: Tensor) -> Tensor:
         super().add_chain(k, v, rows)
         return self.valid[:, None, None, None, :]  # [B, 1, 1, 1, S]: every real context row came before
+
+    def keep_rows(self, rows: Tensor) -> None:
+        """Keep only the batch rows ``rows`` [R] (``keep_rows`` of the verifier's side)."""
+        for name in ("k", "v", "chain_k", "chain_v", "valid", "incoming"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name)[rows])
 
     def follow(self, slots: Tensor) -> None:
         """Chain keys of row r := those of row slots[b, r] (a new frontier node continues its parent's path)."""
@@ -417,6 +436,10 @@ class EagleProposer:
         valid = torch.arange(width, device=device) < torch.tensor([len(p) for p in round_.paths], device=device)[:, None]
         features = round_.features[torch.arange(B, device=device)[:, None], index]  # [B, width, 3H]
         self.pending = (features, next_ids, round_.root_positions[:, None] + torch.arange(width, device=device), valid)
+
+    def keep_rows(self, rows: Tensor) -> None:
+        self.cache.keep_rows(rows)
+        self.pending = tuple(x[rows] for x in self.pending)
 
     @torch.no_grad()
     def propose(self) -> Draft:
@@ -503,6 +526,9 @@ class HistoryProposer:
         for history, emitted in zip(self.histories, round_.emitted):
             history += emitted
 
+    def keep_rows(self, rows: Tensor) -> None:
+        self.histories = [self.histories[r] for r in rows.tolist()]
+
     def propose(self) -> Draft:
         proposals = [self.propose_fn(h, self.k)[: self.k] for h in self.histories]
         tokens = torch.tensor([p + [0] * (self.k - len(p)) for p in proposals], device=self.device)  # [B, K]
@@ -538,9 +564,10 @@ def speculative_decode(verifier, proposer, prompts: Sequence[Tensor], layer_ids:
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=batch.root.device)
     if proposer is not None:
         proposer.start(prompts, batch, features)
-    while not all(finished(o.tokens, max_new_tokens, eos_ids) for o in outputs):
+    live = retire(list(range(len(outputs))), outputs, batch, proposer, max_new_tokens, eos_ids)  # the batch's rows
+    while live:
         # before any kernel of the round is queued: a host-to-device copy waits for the GPU's queue
-        budgets = torch.tensor([max_new_tokens - len(o.tokens) for o in outputs], device=eos.device)  # [B]
+        budgets = torch.tensor([max_new_tokens - len(outputs[i].tokens) for i in live], device=eos.device)  # [B]
         draft = proposer.propose() if proposer is not None else no_draft(batch)
         root_positions, inputs = batch.length, torch.cat([batch.root[:, None], draft.tokens], 1)  # [B], [B, Q]
         greedy, features = verify(verifier, batch, draft, layer_ids)
@@ -548,13 +575,25 @@ def speculative_decode(verifier, proposer, prompts: Sequence[Tensor], layer_ids:
         commit(batch, path, greedy)
         paths, emitted = read_round(inputs, path, batch.root)
         drop_rejected(batch, inputs.shape[1], torch.tensor(sorted(set().union(*paths)), device=greedy.device))
-        for output, row_path, new in zip(outputs, paths, emitted):
-            if not finished(output.tokens, max_new_tokens, eos_ids):
-                output.tokens += new
-                output.accepted.append(len(row_path) - 1)
+        for i, row_path, new in zip(live, paths, emitted):
+            outputs[i].tokens += new
+            outputs[i].accepted.append(len(row_path) - 1)
         if proposer is not None:
             proposer.advance(Round(paths, emitted, features, root_positions))
+        live = retire(live, outputs, batch, proposer, max_new_tokens, eos_ids)
     return [Decoded(truncate(o.tokens, max_new_tokens, eos_ids), o.accepted) for o in outputs]
+
+
+def retire(live: list[int], outputs: list[Decoded], batch: Batch, proposer, max_new_tokens: int, eos_ids: set[int]) -> list[int]:
+    """The batch rows ``live`` (indices into ``outputs``) that still decode; the finished ones leave
+    the batch and the proposer's state (``keep_rows``)."""
+    still = [r for r, i in enumerate(live) if not finished(outputs[i].tokens, max_new_tokens, eos_ids)]
+    if len(still) < len(live):
+        rows = torch.tensor(still, dtype=torch.long, device=batch.root.device)
+        keep_rows(batch, rows)
+        if proposer is not None:
+            proposer.keep_rows(rows)
+    return [live[r] for r in still]
 
 
 def read_round(inputs: Tensor, path: Tensor, bonus: Tensor) -> tuple[list[list[int]], list[list[int]]]:
