@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from conftest import ROOT, project_params, run
 from eagle3.common import UserError
+from eagle3.config import validate
 from eagle3.drafter.export import verifier_facts, write_drafter
 from eagle3.drafter.speculative import EagleProposer, TreeShape, greedy_decode, speculative_decode
 from eagle3.evaluate import Settings, acceptance_stats, check_pair, evaluate, main, most_frequent_token
@@ -30,11 +31,18 @@ def test_acceptance_stats_match_docstring_and_tau():
     assert most_frequent_token([[3, 5, 5], [3, 9]]) == 3  # tie between 3 and 5: the lower id
 
 
-def test_impossible_tree_is_one_clear_error():
+@pytest.mark.parametrize("tree, message", [
+    ({"num_steps": 2, "topk": 2, "num_draft_tokens": 9}, "evaluate.tree: num_draft_tokens must be in 2..7"),
+    ({"num_steps": 2, "topk": 2, "num_draft_tokens": 1}, "evaluate.tree: num_draft_tokens must be in 2..7"),
+    ({"num_steps": 0, "topk": 2, "num_draft_tokens": 4}, "num_steps and topk must be >= 1"),
+    ({"num_steps": 2, "topk": 2}, "evaluate.tree = .*: must be null, or integers"),
+])
+def test_impossible_tree_is_one_clear_error_when_params_compose(tree, message):
+    """Refused by the params check (``eagle3 params``, every stage's view), not after training."""
     params = project_params()
-    params.evaluate.tree = {"num_steps": 2, "topk": 2, "num_draft_tokens": 9}
-    with pytest.raises(UserError, match="evaluate.tree: num_draft_tokens must be in 2..7"):
-        Settings.from_params(params)
+    params.evaluate.tree = tree
+    with pytest.raises(UserError, match=message):
+        validate(params)
 
 
 def test_evaluate_reports_every_method_per_set_lossless(tiny_verifier_dir):

@@ -193,7 +193,7 @@ def validate(params: DictConfig) -> None:
         value = _get(params, key)
         if value is not _ABSENT and not ok(value):
             raise _refuse(key, value, allowed)
-    for check in (_check_shards, _check_sources, _check_eval_sets, _check_model, _check_relations):
+    for check in (_check_shards, _check_sources, _check_eval_sets, _check_tree, _check_model, _check_relations):
         check(params)
 
 
@@ -237,6 +237,32 @@ def _check_eval_sets(params: DictConfig) -> None:
         raise _refuse("evaluate.sets", chosen, "a non-empty list of eval set names")
     if _ABSENT not in (sets, chosen) and set(chosen) - set(sets):
         raise _refuse("evaluate.sets", chosen, f"sets that dataset.eval_sets builds ({sorted(sets)})")
+
+
+
+TREE_KEYS = ("num_steps", "topk", "num_draft_tokens")
+
+
+def tree_shape_problems(num_steps: int, topk: int, num_draft_tokens: int) -> list[str]:
+    """What makes an SGLang draft tree impossible, one line each (the caller names the config key)."""
+    most = topk + (num_steps - 1) * topk**2  # nodes the expansion produces
+    if min(num_steps, topk) < 1:
+        return [f"num_steps and topk must be >= 1, got {num_steps} and {topk}"]
+    if not 2 <= num_draft_tokens <= most + 1:
+        return [f"num_draft_tokens must be in 2..{most + 1} (1 + the {most} nodes of {num_steps} steps of "
+                f"top-{topk}), got {num_draft_tokens}"]
+    return []
+
+
+def _check_tree(params: DictConfig) -> None:
+    """evaluate.tree: null, or a shape SGLang's tree expansion can fill (refused here, not after training)."""
+    tree = _get(params, "evaluate.tree")
+    if tree is _ABSENT or tree is None:
+        return
+    if not isinstance(tree, dict) or set(tree) != set(TREE_KEYS) or not all(_int(0)(tree[key]) for key in TREE_KEYS):
+        raise _refuse("evaluate.tree", tree, "null, or integers num_steps, topk and num_draft_tokens")
+    for problem in tree_shape_problems(*(tree[key] for key in TREE_KEYS)):
+        raise UserError(f"params.yaml: evaluate.tree: {problem}")
 
 
 def _check_model(params: DictConfig) -> None:

@@ -80,16 +80,13 @@ class Settings:
     def from_params(cls, params: DictConfig) -> Settings:
         cfg, layout = params.evaluate, params.layout
         tree = cfg.tree
-        settings = cls(  # values validated by config.validate, but for the tree's shape
+        return cls(  # values validated by config.validate (stage_params), the tree's shape included
             int(cfg.draft_tokens), None if tree is None else TreeShape(int(tree.num_steps), int(tree.topk), int(tree.num_draft_tokens)),
             int(cfg.batch_size), int(cfg.max_new_tokens), tuple(cfg.sets),
             None if cfg.max_prompts is None else int(cfg.max_prompts), bool(cfg.baseline),
             str(layout.device), str(layout.dtype), int(layout.threads), VerifierSpec.from_params(params.model).trust_remote_code,
             Placement.from_params(layout),
         )
-        for problem in settings.tree.problems() if settings.tree else ():
-            raise UserError(f"params.yaml: evaluate.tree: {problem}")
-        return settings
 
     def methods(self) -> dict[str, TreeShape | None]:
         """Decoding methods: plain greedy (None), the chain, and the tree when configured."""

@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from eagle3.config import tree_shape_problems
 from eagle3.drafter.model import KVCache
 from eagle3.verifiers.spec import tapped_features
 
@@ -85,14 +86,8 @@ class TreeShape:
         return cls(num_steps=k, topk=1, num_draft_tokens=k + 1)
 
     def problems(self) -> list[str]:
-        """What makes this shape impossible, one line each (the caller names the config key)."""
-        most = self.topk + (self.num_steps - 1) * self.topk**2  # nodes the expansion produces
-        if min(self.num_steps, self.topk) < 1:
-            return [f"num_steps and topk must be >= 1, got {self.num_steps} and {self.topk}"]
-        if not 2 <= self.num_draft_tokens <= most + 1:
-            return [f"num_draft_tokens must be in 2..{most + 1} (1 + the {most} nodes of {self.num_steps} steps of "
-                    f"top-{self.topk}), got {self.num_draft_tokens}"]
-        return []
+        """What makes this shape impossible, one line each (params are checked by the same rule when composed)."""
+        return tree_shape_problems(self.num_steps, self.topk, self.num_draft_tokens)
 
 
 @dataclass
