@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from eagle3.config import tree_shape_problem
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.speculative import (
     SKINNY_ROWS,
@@ -155,8 +156,8 @@ def test_truncate_stops_after_first_eos_and_at_max():
 
 
 def test_tree_shape_chain_and_limits():
-    assert TreeShape.chain(7) == TreeShape(7, 1, 8) and not TreeShape(5, 4, 16).problems()
-    assert "num_draft_tokens must be in 2..69" in TreeShape(5, 4, 70).problems()[0]
+    assert TreeShape.chain(7) == TreeShape(7, 1, 8) and tree_shape_problem(5, 4, 16) is None
+    assert "num_draft_tokens must be in 2..69" in tree_shape_problem(5, 4, 70)
 
 
 def test_batched_greedy_decode_equals_hf_generate(tiny):

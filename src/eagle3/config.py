@@ -243,15 +243,15 @@ def _check_eval_sets(params: DictConfig) -> None:
 TREE_KEYS = ("num_steps", "topk", "num_draft_tokens")
 
 
-def tree_shape_problems(num_steps: int, topk: int, num_draft_tokens: int) -> list[str]:
-    """What makes an SGLang draft tree impossible, one line each (the caller names the config key)."""
+def tree_shape_problem(num_steps: int, topk: int, num_draft_tokens: int) -> str | None:
+    """Why SGLang's tree expansion cannot fill this draft tree, or None when it can."""
     most = topk + (num_steps - 1) * topk**2  # nodes the expansion produces
     if min(num_steps, topk) < 1:
-        return [f"num_steps and topk must be >= 1, got {num_steps} and {topk}"]
+        return f"num_steps and topk must be >= 1, got {num_steps} and {topk}"
     if not 2 <= num_draft_tokens <= most + 1:
-        return [f"num_draft_tokens must be in 2..{most + 1} (1 + the {most} nodes of {num_steps} steps of "
-                f"top-{topk}), got {num_draft_tokens}"]
-    return []
+        return (f"num_draft_tokens must be in 2..{most + 1} (1 + the {most} nodes of {num_steps} steps of "
+                f"top-{topk}), got {num_draft_tokens}")
+    return None
 
 
 def _check_tree(params: DictConfig) -> None:
@@ -261,7 +261,8 @@ def _check_tree(params: DictConfig) -> None:
         return
     if not isinstance(tree, dict) or set(tree) != set(TREE_KEYS) or not all(_int(0)(tree[key]) for key in TREE_KEYS):
         raise _refuse("evaluate.tree", tree, "null, or integers num_steps, topk and num_draft_tokens")
-    for problem in tree_shape_problems(*(tree[key] for key in TREE_KEYS)):
+    problem = tree_shape_problem(*(tree[key] for key in TREE_KEYS))
+    if problem:
         raise UserError(f"params.yaml: evaluate.tree: {problem}")
 
 

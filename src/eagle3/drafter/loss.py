@@ -159,7 +159,7 @@ class TrainingTimeTest(nn.Module):
             rows, pick = selection.rows[k], selection.picks[k]
             logits = self.drafter.logits(hidden.flatten(0, 1)[rows])  # [N_k, Vd]
             ok = targets.valid[pick]  # [N_k]
-            ce.append(soft_cross_entropy_sum(logits, targets.probs, pick, targets.valid))
+            ce.append(soft_cross_entropy_sum(logits, targets.probs, pick, ok))
             right.append(on_rows(logits.detach().argmax(-1) == targets.index[pick], rows, B * T))
             valid.append(on_rows(ok, rows, B * T))
             scored.append(on_rows(torch.ones_like(ok), rows, B * T))
@@ -173,14 +173,14 @@ def on_rows(values: Tensor, rows: Tensor, size: int) -> Tensor:
 
 
 @fused_when_training_on_gpu
-def soft_cross_entropy_sum(logits: Tensor, probs: Tensor, pick: Tensor, valid: Tensor) -> Tensor:
+def soft_cross_entropy_sum(logits: Tensor, probs: Tensor, pick: Tensor, ok: Tensor) -> Tensor:
     """Σ_i -Σ_v probs[pick_i, v] log softmax(logits_i)_v over the rows i whose target is valid:
-    logits [N_k, Vd], probs [N, Vd], pick [N_k] (row i's target), valid [N] -> a scalar.
+    logits [N_k, Vd], probs [N, Vd], pick [N_k] (row i's target), ok [N_k] -> a scalar.
 
     The targets are picked inside (fused, no [N_k, Vd] copy of the probabilities per step).
     """
     ce = -(probs[pick] * logits.float().log_softmax(-1)).sum(-1)  # [N_k]
-    return torch.where(valid[pick], ce, 0.0).sum()
+    return torch.where(ok, ce, 0.0).sum()
 
 
 def ttt_loss(ce: Tensor, counts: Tensor, decay: float) -> Tensor:

@@ -79,8 +79,8 @@ def fused_when_training_on_gpu(fn):
 @fused_when_training_on_gpu
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """HF Llama's RMSNorm: normalised in fp32, cast back to x's dtype, then scaled."""
-    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    wide = x.float()
+    return weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class RMSNorm(nn.Module):

@@ -60,7 +60,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from eagle3.config import tree_shape_problems
 from eagle3.drafter.model import KVCache
 from eagle3.verifiers.spec import tapped_features
 
@@ -84,10 +83,6 @@ class TreeShape:
     @classmethod
     def chain(cls, k: int) -> TreeShape:
         return cls(num_steps=k, topk=1, num_draft_tokens=k + 1)
-
-    def problems(self) -> list[str]:
-        """What makes this shape impossible, one line each (params are checked by the same rule when composed)."""
-        return tree_shape_problems(self.num_steps, self.topk, self.num_draft_tokens)
 
 
 @dataclass
