@@ -83,7 +83,7 @@ def random_documents(cfg: DraftConfig, rows: int, seq: int, doc_tokens: int, ans
 def real_micro_batches(merged: str, hidden_states: str, cfg: TrainConfig, count: int, world) -> list[list[dict]]:
     """The first ``count`` micro-batches (items) the ``train`` stage would take from the train split."""
     dataset = HiddenStates(merged, hidden_states, "train")
-    plan = DataPlan(dataset.lengths, cfg.batching, 0, world.rank, world.size)
+    plan = DataPlan(dataset.lengths, cfg.batching(world.size), 0, world.rank, world.size)
     batches = [b for step in range(count) for b in plan.micro_batches(step % (cfg.max_steps or plan.steps(cfg.epochs)))][:count]
     return [[dataset[i] for i in indices] for indices in batches]
 
@@ -183,13 +183,13 @@ def main() -> None:
     world = init_world(args.device)
     dtype = torch.bfloat16 if gpu else torch.float32
     cfg = DraftConfig.create(DRAFTER_SHAPES[preset], {})
-    packing = train_config(ttt_steps=args.ttt_steps, batch_size=rows, pack_tokens=seq)
+    packing = train_config(ttt_steps=args.ttt_steps, batch_tokens=rows * seq * world.size, micro_batch_rows=rows, pack_tokens=seq)
     if args.merged:
         items = real_micro_batches(args.merged, args.hidden_states, packing, args.batches, world)
     else:
         generator = torch.Generator().manual_seed(1 + world.rank)  # a batch of its own on every process
         items = [random_documents(cfg, rows, seq, args.doc_tokens, args.answer, generator)]
-    micro = [to_device(collate_ttt(docs, packing), world.device) for docs in items]
+    micro = [to_device(collate_ttt(docs, packing, rows), world.device) for docs in items]
     for batch in micro:
         batch["aux"], batch["final"] = batch["aux"].to(dtype), batch["final"].to(dtype)
     doc_lengths = [[len(d["input_ids"]) for d in docs] for docs in items]

@@ -63,6 +63,25 @@ def test_records_are_chat_prompts_with_stable_ids_and_token_counts(local_source,
         assert record["source"].startswith(str(local_source))
 
 
+def test_dedup_keys_the_whole_conversation_and_counts_drops_by_folder(tmp_path, count_tokens):
+    """Two prompts that share the last user turn but differ before it both survive; an exact
+    duplicate (up to case and whitespace) is dropped, and counted in its source folder."""
+    shared = "Which figure completes the pattern? Answer with its letter."
+    lines = [{"messages": [{"role": "system", "content": f"Puzzle {i}: {i} circles, then {i + 1} squares."},
+                           {"role": "user", "content": shared}]} for i in range(8)]
+    lines.append({"messages": [{"role": "system", "content": "Puzzle 3:  3 circles, then 4 SQUARES."},
+                               {"role": "user", "content": shared}]})  # puzzle 3 again
+    path = tmp_path / "raven" / "samples.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    shards, _, stats = build_prompts(dataset({"kind": "jsonl", "path": str(path)}, ["000000-000008"], heldout=0, fraction=0.0), 0,
+                                     count_tokens)
+    systems = {r["messages"][0]["content"] for r in shards["000000-000008"]}
+    assert len(systems) == 8 and all(r["messages"][-1]["content"] == shared for r in shards["000000-000008"])
+    assert stats["dropped"] == {"duplicate": 1}
+    assert stats["dropped_by_folder"] == {str(path): {"duplicate": 1}}
+
+
 def test_message_normalisation():
     assert to_messages({"prompt": " hi "}) == [{"role": "user", "content": "hi"}]
     assert to_messages({"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}) == [

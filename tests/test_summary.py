@@ -9,8 +9,8 @@ import pytest
 from eagle3.summary import headline, main
 
 TRAIN = {"best": {"acc_0": 0.412345, "sim_accept_len": 0.91, "loss": 3.0, "acc_1": 0.2, "step": 40}, "tokens_trained": 5120,
-         "train": {"loss": 3.1}}
-MERGE = {"hidden_state_bytes": 1_000_000, "records": 28}
+         "train": {"loss": 3.1}, "step": 60}
+MERGE = {"hidden_state_bytes": 1_000_000, "records": 28, "train_records": 25, "masked_tokens": 1234}
 EVALUATE = {
     "wall_seconds": 12.5,
     "heldout": {"tau": 1.523456, "speedup": 0.5, "prompts": 4, "lossless": 1.0, "tree": {"tau": 1.9, "speedup": 0.6, "forwards": 9},
@@ -25,13 +25,27 @@ def test_headline_keeps_tau_speedup_baselines_and_training_facts():
         "humaneval": {"tau": 1.2, "speedup": 0.4, "baseline_tau": 1.1},
         "val": {"acc_0": 0.4123, "sim_accept_len": 0.91},
         "tokens_trained": 5120,
+        "steps": 60,
+        "samples": 25,
+        "answer_tokens_mean": 44.1,
         "hidden_state_bytes": 1_000_000,
     }
+
+
+def test_tau_against_training_tokens_is_one_row_per_eval_set(tmp_path):
+    paths = {name: tmp_path / f"{name}.json" for name in ("train", "merge", "evaluate")}
+    for (name, path), data in zip(paths.items(), (TRAIN, MERGE, EVALUATE)):
+        path.write_text(json.dumps(data))
+    main([*map(str, paths.values()), str(tmp_path / "summary.json"), "--tau-vs-data", str(tmp_path / "tau")])
+    assert sorted(p.name for p in (tmp_path / "tau").iterdir()) == ["heldout.json", "humaneval.json"]
+    assert json.loads((tmp_path / "tau" / "heldout.json").read_text()) == [
+        {"train_tokens": 5120, "chain": 1.5235, "tree": 1.9, "prompt_lookup": 1.3}]
+    assert json.loads((tmp_path / "tau" / "humaneval.json").read_text()) == [{"train_tokens": 5120, "chain": 1.2}]
 
 
 def test_metrics_of_an_older_train_are_refused_with_the_file_named(tmp_path, capsys):
     paths = {name: tmp_path / f"{name}.json" for name in ("train", "merge", "evaluate")}
     for (name, path), data in zip(paths.items(), ({"best": TRAIN["best"]}, MERGE, EVALUATE)):
         path.write_text(json.dumps(data))
-    with pytest.raises(Exception, match="lacks \\['tokens_trained'\\]"):
+    with pytest.raises(Exception, match="lacks \\['tokens_trained', 'step'\\]"):
         main([str(paths["train"]), str(paths["merge"]), str(paths["evaluate"]), str(tmp_path / "summary.json")])

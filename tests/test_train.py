@@ -46,18 +46,46 @@ def train_config(**keys) -> TrainConfig:
 
 def test_data_plan_worked_example():
     lengths = [3, 3, 2, 6, 1, 4, 5, 2]
-    cfg = train_config(batch_size=1, grad_accum=1, pack_tokens=6, epochs=2)
+    cfg = train_config(batch_tokens=12, micro_batch_rows=1, pack_tokens=6, epochs=2)
     perms = [torch.randperm(8, generator=torch.Generator().manual_seed(7 * 100_003 + e)).tolist() for e in (0, 1)]
     rows = [[[perm[i] for i in row] for row in pack([lengths[i] for i in perm], 6)] for perm in perms]
-    two = [DataPlan(lengths, cfg.batching, 7, rank=r, processes=2) for r in (0, 1)]
+    two = [DataPlan(lengths, cfg.batching(2), 7, rank=r, processes=2) for r in (0, 1)]
     assert two[0].steps(cfg.epochs) == len(rows[0]) // 2 + len(rows[1]) // 2
     step = len(rows[0]) // 2  # the first step of epoch 1
     assert two[0].micro_batches(step) == [rows[1][0]] and two[1].micro_batches(step) == [rows[1][1]]
-    one = DataPlan(lengths, train_config(batch_size=1, grad_accum=2, pack_tokens=6).batching, 7)
+    one = DataPlan(lengths, cfg.batching(1), 7)
     assert one.micro_batches(step) == [rows[1][0], rows[1][1]]  # one process accumulating = two processes
-    wide = DataPlan(lengths, train_config(batch_size=2, grad_accum=1, pack_tokens=6).batching, 7)
+    wide = DataPlan(lengths, train_config(batch_tokens=12, micro_batch_rows=2, pack_tokens=6).batching(1), 7)
     assert wide.micro_batches(0) == [rows[0][0] + rows[0][1]]  # a micro-batch of two rows
     assert [len(r) for r in collate([Items.item(n) for n in (3, 3, 2)], 6, 2)["position_ids"]] == [6, 6]
+
+
+@pytest.mark.parametrize("processes, micro_rows, expected", [(1, 4, (4, 2)), (1, 3, (2, 4)), (2, 3, (2, 2)), (8, 4, (1, 1))])
+def test_the_recipe_fixes_the_global_batch_and_the_layout_only_cuts_it(processes, micro_rows, expected):
+    """8 rows a step on any number of processes: micro-batches of the largest size that divides a
+    process's share and fits micro_batch_rows, accumulated."""
+    batching = train_config(batch_tokens=8 * 2048, pack_tokens=2048, micro_batch_rows=micro_rows).batching(processes)
+    assert (batching.batch_size, batching.grad_accum) == expected
+    assert batching.batch_size * batching.grad_accum * processes == 8
+
+
+def test_a_global_batch_the_processes_cannot_share_or_of_partial_rows_is_refused():
+    from eagle3.config import validate
+
+    with pytest.raises(UserError, match="train.batch_tokens 6144 makes 3 rows .* 2 training processes cannot share evenly"):
+        train_config(batch_tokens=3 * 2048, pack_tokens=2048).batching(2)
+    with pytest.raises(UserError, match="train.batch_tokens = 5000: must be a multiple of train.pack_tokens \\(2048\\)"):
+        validate(OmegaConf.create({"train": {**OmegaConf.to_container(DEBUG), "batch_tokens": 5000}}))
+
+
+def test_a_short_run_says_it_is_under_trained(caplog):
+    from eagle3.train import MIN_STEPS, warmup_steps, warn_if_undertrained
+
+    warn_if_undertrained(MIN_STEPS, train_config())
+    assert "UNDER-TRAINED" not in caplog.text
+    warn_if_undertrained(54, train_config())
+    assert "UNDER-TRAINED: only 54 optimizer steps" in caplog.text and "Lower train.batch_tokens" in caplog.text
+    assert [warmup_steps(f, 600) for f in (0.0, 0.001, 0.03)] == [0, 1, 18]
 
 
 def test_a_frozen_random_head_is_refused():
@@ -70,8 +98,8 @@ def test_a_frozen_random_head_is_refused():
 
 def test_tokens_trained_counts_every_process_and_epoch():
     lengths = [3, 3, 2, 6, 1, 4, 5, 2]
-    cfg = train_config(batch_size=1, grad_accum=1, pack_tokens=6, epochs=3)
-    plans = [DataPlan(lengths, cfg.batching, 7, rank=r, processes=2) for r in (0, 1)]
+    cfg = train_config(batch_tokens=12, micro_batch_rows=1, pack_tokens=6, epochs=3)
+    plans = [DataPlan(lengths, cfg.batching(2), 7, rank=r, processes=2) for r in (0, 1)]
     steps = plans[0].steps(cfg.epochs)
     brute = sum(lengths[i] for step in range(steps) for plan in plans for micro in plan.micro_batches(step) for i in micro)
     assert plans[0].tokens(steps) == plans[1].tokens(steps) == brute
@@ -127,7 +155,7 @@ def live_files(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, bytes]:
 
 
 def test_resume_after_crash_equals_uninterrupted(tmp_path):
-    cfg = TrainConfig.from_params(OmegaConf.merge(DEBUG, {"max_steps": 7, "checkpoint_every": 3, "val_every": 2, "pack_tokens": 32}))
+    cfg = TrainConfig.from_params(OmegaConf.merge(DEBUG, {"max_steps": 7, "checkpoint_every": 3, "val_every": 2, "pack_tokens": 32, "batch_tokens": 32}))
     dcfg = make_drafter().config
     val = Items(dcfg, 3, seed=100)
     whole = fit_debug(tmp_path / "whole", Items(dcfg, 6, seed=0), val, cfg, tmp_path / "live-whole")
@@ -170,7 +198,7 @@ def make_data(root: Path, verifier: Path, model_params, records: int, draft_voca
 
 def stage_params(path: Path, **train) -> Path:
     params = project_params()
-    params.train = OmegaConf.merge(DEBUG, {"pack_tokens": 128}, train)  # rows of a few tiny samples: several rows
+    params.train = OmegaConf.merge(DEBUG, {"pack_tokens": 128, "batch_tokens": 128}, train)  # rows of a few tiny samples: several rows
     OmegaConf.save(params, path)
     return path
 
@@ -342,7 +370,8 @@ def test_sigkill_of_the_launcher_ends_torchrun_workers(tiny_data, tiny_verifier_
     """`kill -9` of the process running the stage (DVC) ends the torchrun agent and its workers,
     which torchrun starts in their own session. A stand-in plays DVC: it runs the stage command
     through bash with DVC_STAGE set, as `dvc repro` does."""
-    params = stage_params(tmp_path / "p.yaml", max_steps=1000, batch_size=2, checkpoint_every=1000, val_every=1000)
+    params = stage_params(tmp_path / "p.yaml", max_steps=1000, batch_tokens=4 * 128, micro_batch_rows=2, checkpoint_every=1000,
+                          val_every=1000)
     command = " ".join([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eagle3.train",
                         *stage_args(copy_data(tiny_data, tmp_path), tiny_verifier_dir, "run", params), "--threads", "1"])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
@@ -370,8 +399,8 @@ def test_two_processes_equal_one(tiny_data, tiny_verifier_dir):
     """torchrun --nproc-per-node 2 (gloo, batch 2 each) == one process (batch 4), same global batches."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     head = {"lm_head_init": "verifier", "freeze_lm_head": True}
-    one = stage_params(tiny_data / "one.yaml", batch_size=4, max_steps=3, **head)
-    two = stage_params(tiny_data / "two.yaml", batch_size=2, max_steps=3, **head)
+    one = stage_params(tiny_data / "one.yaml", batch_tokens=4 * 128, micro_batch_rows=4, max_steps=3, **head)
+    two = stage_params(tiny_data / "two.yaml", batch_tokens=4 * 128, micro_batch_rows=4, max_steps=3, **head)
     run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eagle3.train",
                             *stage_args(tiny_data, tiny_verifier_dir, "two", two), "--threads", "1"],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -410,7 +439,7 @@ def test_learns_on_smollm2_hidden_states(tmp_path, smollm2_dir):
     root = make_data(tmp_path, smollm2_dir, model, records=8, draft_vocab_size=512)
     params = project_params()
     params.model.draft_head = {"intermediate_size": 256}
-    params.train = OmegaConf.merge(DEBUG, {"max_steps": 16, "batch_size": 1, "pack_tokens": 128, "lr": 2e-3, "warmup_steps": 3, "val_every": 8,
+    params.train = OmegaConf.merge(DEBUG, {"max_steps": 16, "batch_tokens": 128, "pack_tokens": 128, "lr": 2e-3, "warmup_fraction": 0.2, "val_every": 8,
                                            "checkpoint_every": 100, "log_every": 4})
     args = train_paths(stage_args(root, smollm2_dir, "run", tmp_path / "unused.yaml"))
     summary = train_with(args, params)

@@ -152,15 +152,15 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.step_decay": (_number(0, 1, open_low=True), "a number in (0, 1]"),
     "train.lr": (_number(0, open_low=True), "a number > 0"),
     "train.min_lr_ratio": FRACTION,
-    "train.warmup_steps": NON_NEGATIVE,
+    "train.warmup_fraction": ((lambda v: _number(0, 1)(v) and v < 1), "a number in [0, 1)"),
     "train.weight_decay": (_number(0), "a number >= 0"),
     "train.epochs": POSITIVE,
     "train.max_steps": (_int(0), "an integer >= 0 (0: run the epochs)"),
-    "train.batch_size": POSITIVE,
+    "train.batch_tokens": POSITIVE,
+    "train.micro_batch_rows": POSITIVE,
     "train.pack_tokens": POSITIVE,
     "train.lm_head_init": _one_of("random", "verifier"),
     "train.freeze_lm_head": BOOL,
-    "train.grad_accum": POSITIVE,
     "train.clip": (_number(0, open_low=True), "a number > 0"),
     "train.log_every": POSITIVE,
     "train.val_every": POSITIVE,
@@ -286,5 +286,8 @@ def _check_relations(params: DictConfig) -> None:
     low, high = _get(params, "merge.min_tokens"), _get(params, "merge.max_tokens")
     if _ABSENT not in (low, high) and high < low:
         raise _refuse("merge.max_tokens", high, f">= merge.min_tokens ({low})")
+    batch, row = _get(params, "train.batch_tokens"), _get(params, "train.pack_tokens")
+    if _ABSENT not in (batch, row) and batch % row:
+        raise _refuse("train.batch_tokens", batch, f"a multiple of train.pack_tokens ({row}): the global batch is whole packed rows")
     if _get(params, "train.freeze_lm_head") is True and _get(params, "train.lm_head_init") != "verifier":
         raise _refuse("train.freeze_lm_head", True, "false unless train.lm_head_init is verifier (it keeps the lm_head at its start)")

@@ -4,9 +4,11 @@
 
 Each source (``dataset.sources``) lists its candidates in a seeded order (a keyed hash of each
 record, so the order of two records never depends on what else is in the pool). Walking it,
-each candidate is normalised to chat messages, deduplicated by text, kept out if its text is in
-a packaged eval set, length-filtered in verifier tokens and sent either to the held-out pool
-(decided by a hash of its text, so it can never reach training) or to training. The sources'
+each candidate is normalised to chat messages, deduplicated on the whole conversation (every turn,
+system included, case and whitespace aside), kept out if a user turn is in a packaged eval set,
+length-filtered in verifier tokens and sent either to the held-out pool (decided by a hash of the
+conversation, so it can never reach training) or to training; drops are counted by reason and by
+source folder. The sources'
 training prompts are interleaved by their ``weight`` into one sequence; shard ``SSSSSS-EEEEEE``
 is the slice [S, E) of it: a bigger dataset extends a smaller one and leaves its shards
 byte-identical. The statistics (with each source's share) go to ``stats.json`` and ``--metrics``.
@@ -60,6 +62,11 @@ class Candidate:
     path: Path | None = None  # lazily read records: file and byte offset of the line
     offset: int = 0
     record: dict | None = None  # records already in memory (local files, HF datasets)
+
+    @property
+    def folder(self) -> str:
+        """Where it came from, for the drop counts: an ``evals`` file's folder, else the file or dataset."""
+        return os.path.dirname(self.source) if self.path is not None else self.source.split("#")[0]
 
     def load(self) -> dict | None:
         if self.record is not None:
@@ -278,9 +285,16 @@ def user_keys(messages: list[dict]) -> set[str]:
     return {text_key(m["content"]) for m in messages if m["role"] == "user"}
 
 
+def conversation_key(messages: list[dict]) -> str:
+    """The identity of a whole prompt for dedup and held-out membership: every turn's role and
+    normalised text, system included. Keying on the last user turn alone collapsed families whose
+    prompts end in one shared instruction (raven-matrices: 56,000 puzzles to 2 prompts)."""
+    return stable_hash([(m["role"], " ".join(m["content"].split()).casefold()) for m in messages])
+
+
 def is_heldout(key: str, seed: int, fraction: float) -> bool:
-    """Membership of the held-out pool by the text of the last user turn: the same question
-    asked with another system prompt or history is always on the same side."""
+    """Membership of the held-out pool by ``conversation_key``: a prompt and its exact duplicates
+    (up to case and whitespace) are always on the same side."""
     bucket = int.from_bytes(order_key(seed, b"heldout\0" + key.encode()), "big")
     return bucket < fraction * 2**64
 
@@ -304,25 +318,31 @@ class Pool:
         self.max_tokens, self.eval_keys = max_prompt_tokens, eval_keys
         self.seen: set[str] = set()
         self.dropped: Counter = Counter()
+        self.dropped_by_folder: dict[str, Counter] = {}
+
+    def drop(self, reason: str, candidate: Candidate) -> None:
+        """Count a refused candidate by reason, overall and in its folder."""
+        self.dropped[reason] += 1
+        self.dropped_by_folder.setdefault(candidate.folder, Counter())[reason] += 1
 
     def admit(self, candidate: Candidate) -> tuple[str, dict] | None:
         """(side, record) of a usable candidate; None, with the reason counted, for the others."""
         raw = candidate.load()
         messages = to_messages(raw) if isinstance(raw, dict) else None
         if messages is None:
-            self.dropped["not_a_chat_prompt"] += 1
+            self.drop("not_a_chat_prompt", candidate)
             return None
         if user_keys(messages) & self.eval_keys:
-            self.dropped["in_an_eval_set"] += 1
+            self.drop("in_an_eval_set", candidate)
             return None
-        key = text_key(messages[-1]["content"])
+        key = conversation_key(messages)
         if key in self.seen:
-            self.dropped["duplicate"] += 1
+            self.drop("duplicate", candidate)
             return None
         self.seen.add(key)
         tokens = self.count_tokens(messages)
         if tokens > self.max_tokens:
-            self.dropped["too_long"] += 1
+            self.drop("too_long", candidate)
             return None
         side = "heldout" if is_heldout(key, self.seed, self.fraction) else "train"
         record = {"id": stable_hash(messages), "source": candidate.source, "messages": messages, "prompt_tokens": tokens}
@@ -446,6 +466,7 @@ def build_prompts(dataset: DictConfig, seed: int, count_tokens) -> tuple[dict[st
             for spec, w, n, h in zip(sources, weights, train_counts, heldout_counts)
         },
         "dropped": dict(sorted(pool.dropped.items())),
+        "dropped_by_folder": {folder: dict(sorted(counts.items())) for folder, counts in sorted(pool.dropped_by_folder.items())},
         "prompt_tokens": sum(r["prompt_tokens"] for r in train),
     }
     return shards, evals, stats

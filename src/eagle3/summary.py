@@ -1,7 +1,7 @@
 """Stage ``summary``: a run's headline numbers in one small metrics file.
 
     python -m eagle3.summary dvclive/train/metrics.json metrics/merge/metrics.json \\
-        dvclive/evaluate/metrics.json metrics/summary.json
+        dvclive/evaluate/metrics.json metrics/summary.json --tau-vs-data metrics/tau_vs_data
 
 Why: ``dvc exp show`` makes a column of every key of every declared metrics file. The stages'
 own statistics (every TTT step's loss and accuracy, generation and merge counts, timings) run to
@@ -14,7 +14,13 @@ metric: what runs are compared by.
   ``<method>_speedup`` where measured) of every method reported beside it: ``tree`` drafting,
   the ``baseline`` (most frequent token) and ``ngram`` (prompt lookup);
 - ``val``: ``acc_0`` and ``sim_accept_len`` of the best validation (the exported weights);
-- ``tokens_trained`` (padding excluded) and ``hidden_state_bytes`` (the stored shards).
+- ``tokens_trained`` (padding excluded), ``steps`` (optimizer steps), ``samples`` (training
+  samples), ``answer_tokens_mean`` (loss-masked tokens per sample) and ``hidden_state_bytes``.
+
+``--tau-vs-data``: one file per eval set, one row: the training tokens and the τ of the drafter's
+chain and tree and of prompt lookup. Every experiment contributes its point, so ``dvc plots diff``
+(and ``eagle3 report``) over experiments of other scales or answer lengths draw τ against the
+data it took.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from eagle3.common import UserError, read_json, stage_main, write_json
+from eagle3.common import UserError, atomic_dir, read_json, stage_main, write_json
 
 PARAMS = ()  # = dvc.yaml: it reads only the three metrics files
 DIGITS = 4  # rounding of ratios: differences below it are noise at the demo's scale
@@ -50,8 +56,18 @@ def headline(train: dict[str, Any], merge: dict[str, Any], evaluate: dict[str, A
         **{name: eval_set_headline(report) for name, report in evaluate.items() if isinstance(report, dict)},  # sets, not wall_seconds
         "val": {"acc_0": round(best["acc_0"], DIGITS), "sim_accept_len": round(best["sim_accept_len"], DIGITS)},
         "tokens_trained": train["tokens_trained"],
+        "steps": train["step"],
+        "samples": merge["train_records"],
+        "answer_tokens_mean": round(merge["masked_tokens"] / max(1, merge["records"]), 1),
         "hidden_state_bytes": merge["hidden_state_bytes"],
     }
+
+
+def tau_vs_data(summary: dict[str, Any]) -> dict[str, list[dict[str, float]]]:
+    """{eval set: [one row of the training tokens and each method's τ]} of a run's summary."""
+    methods = {"chain": "tau", "tree": "tree_tau", "prompt_lookup": "ngram_tau"}
+    return {name: [{"train_tokens": summary["tokens_trained"], **{m: row[key] for m, key in methods.items() if key in row}}]
+            for name, row in summary.items() if isinstance(row, dict) and "tau" in row}
 
 
 def read_metrics(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
@@ -68,11 +84,17 @@ def main(argv: list[str]) -> None:
     parser.add_argument("merge", type=Path, help="merge's statistics, e.g. metrics/merge/metrics.json")
     parser.add_argument("evaluate", type=Path, help="evaluate's metrics, e.g. dvclive/evaluate/metrics.json")
     parser.add_argument("out", type=Path, help="the summary, e.g. metrics/summary.json")
+    parser.add_argument("--tau-vs-data", type=Path, help="folder of one τ-vs-training-tokens row per eval set")
     args = parser.parse_args(argv)
-    summary = headline(read_metrics(args.train, ("best", "tokens_trained")), read_metrics(args.merge, ("hidden_state_bytes",)),
+    summary = headline(read_metrics(args.train, ("best", "tokens_trained", "step")),
+                       read_metrics(args.merge, ("hidden_state_bytes", "train_records", "masked_tokens", "records")),
                        read_json(args.evaluate))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, summary)
+    if args.tau_vs_data:
+        with atomic_dir(args.tau_vs_data) as tmp:
+            for name, rows in tau_vs_data(summary).items():
+                write_json(tmp / f"{name}.json", rows)
 
 
 if __name__ == "__main__":

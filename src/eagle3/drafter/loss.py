@@ -215,7 +215,10 @@ class StepMetrics:
     def summary(self, decay: float) -> dict[str, float]:
         """loss, loss_k (over valid targets: only those have a draft-vocabulary distribution), acc_k
         (draft argmax == verifier argmax), cond_acc_k (given steps < k right), sim_accept_len =
-        Σ_k Π_{j<=k} acc_j (draft tokens accepted per verify step, bonus token excluded).
+        Σ_k Π_{j<=k} cond_acc_j: the draft tokens a greedy chain gets accepted per verify step (bonus
+        token excluded), as decoding accepts them — draft k counts only where drafts 0..k-1 were
+        right. The product of unconditional accuracies instead treats the steps' hits as independent
+        and undercounts chains (their hits are correlated); the export is picked by this number.
 
         Accuracies are over *all* targets of a step: one whose verifier argmax lies outside the
         draft vocabulary is a miss, as it is when decoding (the drafter cannot propose it). Over
@@ -224,9 +227,10 @@ class StepMetrics:
         """
         ce, count, targets, hit, chain, candidates = self.sums.double().cpu()  # host sync: log time only
         acc = hit / targets.clamp(min=1)
-        out = {"loss": float(ttt_loss(ce.float(), count.float(), decay)), "sim_accept_len": float(torch.cumprod(acc, 0).sum())}
+        cond = chain / candidates.clamp(min=1)
+        out = {"loss": float(ttt_loss(ce.float(), count.float(), decay)), "sim_accept_len": float(torch.cumprod(cond, 0).sum())}
         for k in range(len(ce)):
             out[f"loss_{k}"] = float(ce[k] / count[k].clamp(min=1))
             out[f"acc_{k}"] = float(acc[k])
-            out[f"cond_acc_{k}"] = float(chain[k] / candidates[k].clamp(min=1))
+            out[f"cond_acc_{k}"] = float(cond[k])
         return out

@@ -195,8 +195,8 @@ class DataPlan:
             rows = len(self.rows(len(self.counts)))
             if rows < self.global_rows:
                 raise UserError(f"train split: {rows} rows of train.pack_tokens {self.batching.pack_tokens} tokens, fewer than one "
-                                f"global batch of {self.global_rows} rows (train.batch_size x train.grad_accum x processes); "
-                                "lower train.batch_size, grad_accum or pack_tokens")
+                                f"global batch of {self.global_rows} rows (train.batch_tokens / train.pack_tokens); "
+                                "lower train.batch_tokens")
             self.counts.append(rows // self.global_rows)
         return self.counts[epoch]
 
