@@ -1,0 +1,164 @@
+"""Recipe choices measured, not guessed: train and evaluate several recipes on the same data in one
+lease, and write every run's τ per eval set beside its training facts as one JSON.
+
+    python benchmarks/recipe_sweep.py --params params.yaml --work /root/sweep --json results.json \\
+        [--only NAME ...] [--parallel 6]
+
+``--params``: a composed params.yaml of the scale (e.g. ``eagle3 params -S dataset=1k -S layout=gpu1``)
+whose ``models/verifier`` and ``data/prompts`` exist in the current folder. Each data variant
+(answer length) is generated, extracted and merged once with the pipeline's own stage modules and
+those params plus the variant's overrides; each recipe variant then trains and evaluates on it,
+several at once on the one GPU (a SmolLM2-sized drafter leaves most of an H200 idle). Nothing here
+needs DVC: it runs the commands of dvc.yaml with explicit ``--params`` files, one folder per run.
+The JSON is rewritten after every finished run, so a poll sees partial results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+# Answer lengths: what `generate` and `extract` change (the scale's prompts are the same).
+DATA = {
+    "long": {},  # the scale's own settings (GPU scales: 2,048-token answers, generate/long.yaml)
+    "short": {"generate.max_new_tokens": 128, "generate.name": "default", "extract.max_length": 2048, "extract.name": "default"},
+}
+
+# Recipes: overrides of the composed params; "data" picks the answers.
+RECIPES = {
+    "default": {},
+    "batch4k": {"train.batch_tokens": 4096},
+    "batch16k": {"train.batch_tokens": 16384},
+    "lr1e-3": {"train.lr": 1e-3},
+    "batch4k-lr1e-3": {"train.batch_tokens": 4096, "train.lr": 1e-3},
+    "epochs6": {"train.epochs": 6},
+    "wd0.01-floor0": {"train.weight_decay": 0.01, "train.min_lr_ratio": 0.0},
+    "ttt5": {"train.ttt_steps": 5},
+    "vocab49k": {"merge.draft_vocab_size": 49152},
+    "head-random": {"train.lm_head_init": "random"},
+    "short-answers": {"data": "short"},
+}
+
+
+def run(command: list[str], log: Path) -> None:
+    """Run a stage command, its output appended to ``log``; raise with the log's tail on failure."""
+    start = time.time()
+    with log.open("a") as out:
+        out.write(f"$ {' '.join(command)}\n")
+        out.flush()
+        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
+    print(f"{time.time() - start:7.1f} s  rc {code}  {' '.join(command[2:4])} -> {log}", flush=True)
+    if code:
+        raise RuntimeError(f"{command[2]} failed (rc {code}); see {log}:\n{log.read_text()[-3000:]}")
+
+
+def write_params(base, overrides: dict, path: Path) -> Path:
+    params = OmegaConf.merge(base, OmegaConf.from_dotlist([f"{k}={v}" for k, v in overrides.items() if k != "data"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(params, path, resolve=True)
+    return path
+
+
+def make_data(base, name: str, work: Path) -> Path:
+    """generate -> extract for every shard of one answer length; returns its folder."""
+    folder = work / f"data-{name}"
+    params = write_params(base, DATA[name], folder / "params.yaml")
+    py = [sys.executable, "-m"]
+    for shard in base.dataset.shards:
+        run([*py, "eagle3.generate", "models/verifier", f"data/prompts/shards/{shard}.jsonl", str(folder / "generated" / shard),
+             "--metrics", str(folder / "metrics" / f"generate-{shard}.json"), "--params", str(params),
+             "--journal-dir", str(folder / "journal")], folder / "generate.log")
+        run([*py, "eagle3.extract", "models/verifier", str(folder / "generated" / shard), str(folder / "hidden_states" / shard),
+             "--params", str(params)], folder / "extract.log")
+    return folder
+
+
+def merged(base, data: Path, overrides: dict) -> Path:
+    """The merge of ``data`` with the merge keys of ``overrides`` (one folder per distinct merge)."""
+    keys = {k: v for k, v in overrides.items() if k.startswith("merge.")}
+    folder = data / ("merged-" + "-".join(f"{k.split('.')[-1]}{v}" for k, v in sorted(keys.items())) if keys else "merged")
+    if not (folder / "meta.json").is_file():
+        params = write_params(base, {**DATA[data.name.removeprefix("data-")], **keys}, folder.with_name(folder.name + ".yaml"))
+        run([sys.executable, "-m", "eagle3.merge", "models/verifier", str(data / "hidden_states"), str(folder),
+             str(folder.with_name(folder.name + "-metrics")), "--params", str(params)], data / "merge.log")
+    return folder
+
+
+def train_and_evaluate(base, name: str, overrides: dict, data: Path, mix: Path, work: Path, threads: int, device: str) -> dict:
+    folder = work / "runs" / name
+    params = write_params(base, {**DATA[data.name.removeprefix("data-")], **overrides}, folder / "params.yaml")
+    py = [sys.executable, "-m"]
+    start = time.time()
+    run([*py, "eagle3.train", "models/verifier", str(mix), str(data / "hidden_states"), str(folder / "drafter"),
+         "--checkpoints", str(folder / "checkpoints"), "--live", str(folder / "train"), "--device", device,
+         "--threads", str(threads), "--params", str(params)], folder / "train.log")
+    trained = time.time() - start
+    run([*py, "eagle3.evaluate", "models/verifier", str(folder / "drafter"), "data/prompts", str(folder / "evaluate"),
+         "--params", str(params)], folder / "evaluate.log")
+    return result(name, overrides, data, mix, folder, trained, time.time() - start - trained)
+
+
+def result(name: str, overrides: dict, data: Path, mix: Path, folder: Path, train_s: float, evaluate_s: float) -> dict:
+    train = json.loads((folder / "train" / "metrics.json").read_text())
+    merge = json.loads((mix.with_name(mix.name + "-metrics") / "metrics.json").read_text())
+    evaluate = json.loads((folder / "evaluate" / "metrics.json").read_text())
+    sets = {}
+    for set_name, report in evaluate.items():
+        if isinstance(report, dict) and "tau" in report:
+            sets[set_name] = {"tau": report["tau"], "prompts": report.get("prompts"),
+                              **{f"{m}_tau": report[m]["tau"] for m in ("tree", "ngram", "baseline") if isinstance(report.get(m), dict)}}
+    best = train["best"]
+    return {"name": name, "overrides": overrides, "data": data.name, "steps": train["step"], "train_tokens": train["tokens_trained"],
+            "samples": merge["train_records"], "answer_tokens_mean": round(merge["masked_tokens"] / max(1, merge["records"]), 1),
+            "best_step": best.get("step"), "val_sim_accept_len": best["sim_accept_len"], "val_acc_0": best["acc_0"],
+            "train_seconds": round(train_s, 1), "evaluate_seconds": round(evaluate_s, 1), "sets": sets}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--only", nargs="*", help="recipe names (default: all)")
+    parser.add_argument("--parallel", type=int, default=6, help="runs training/evaluating at once")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads per training process")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--set", nargs="*", default=[], help="overrides of every run, e.g. train.max_steps=3 (smoke runs)")
+    parser.add_argument("--commit", default="", help="the commit measured (where the tree has no .git)")
+    args = parser.parse_args()
+    base = OmegaConf.merge(OmegaConf.load(args.params), OmegaConf.from_dotlist(args.set))
+    recipes = {k: v for k, v in RECIPES.items() if not args.only or k in args.only}
+    needed = sorted({v.get("data", "long") for v in recipes.values()})
+    started = time.time()
+    with ThreadPoolExecutor(len(needed)) as pool:  # answer lengths side by side: one GPU holds both
+        datasets = dict(zip(needed, pool.map(lambda n: make_data(base, n, args.work), needed)))
+    mixes = {name: merged(base, datasets[v.get("data", "long")], v) for name, v in recipes.items()}
+    report = {"commit": args.commit, "command": " ".join(sys.argv), "params": str(args.params), "data_seconds": round(time.time() - started, 1), "runs": []}
+
+    def one(name: str) -> None:
+        try:
+            row = train_and_evaluate(base, name, recipes[name], datasets[recipes[name].get("data", "long")], mixes[name], args.work,
+                                     args.threads, args.device)
+        except Exception as err:  # one failed recipe must not cost the others
+            row = {"name": name, "overrides": recipes[name], "error": str(err)[-2000:]}
+        report["runs"].append(row)
+        args.json.write_text(json.dumps(report, indent=1))
+
+    with ThreadPoolExecutor(args.parallel) as pool:
+        list(pool.map(one, recipes))
+    report["wall_seconds"] = round(time.time() - started, 1)
+    args.json.write_text(json.dumps(report, indent=1))
+    for row in report["runs"]:
+        sets = " ".join(f"{s}:{v['tau']:.2f}/{v.get('tree_tau', 0):.2f}/{v.get('ngram_tau', 0):.2f}" for s, v in row.get("sets", {}).items())
+        print(f"{row['name']:16s} steps {row.get('steps', '-'):>5} tokens {row.get('train_tokens', '-'):>9} {sets or row.get('error', '')[:200]}")
+
+
+if __name__ == "__main__":
+    main()
