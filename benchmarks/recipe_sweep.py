@@ -19,6 +19,7 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -137,15 +138,17 @@ def main() -> None:
     recipes = {k: v for k, v in RECIPES.items() if not args.only or k in args.only}
     needed = sorted({v.get("data", "long") for v in recipes.values()})
     started = time.time()
-    with ThreadPoolExecutor(len(needed)) as pool:  # answer lengths side by side: one GPU holds both
-        datasets = dict(zip(needed, pool.map(lambda n: make_data(base, n, args.work), needed)))
-    mixes = {name: merged(base, datasets[v.get("data", "long")], v) for name, v in recipes.items()}
-    report = {"commit": args.commit, "command": " ".join(sys.argv), "params": str(args.params), "data_seconds": round(time.time() - started, 1), "runs": []}
+    data_pool = ThreadPoolExecutor(len(needed))  # answer lengths side by side: one GPU holds both
+    datasets = {name: data_pool.submit(make_data, base, name, args.work) for name in needed}
+    merging = threading.Lock()  # recipes sharing a merge wait for the first to write it
+    report = {"commit": args.commit, "command": " ".join(sys.argv), "params": str(args.params), "runs": []}
 
     def one(name: str) -> None:
         try:
-            row = train_and_evaluate(base, name, recipes[name], datasets[recipes[name].get("data", "long")], mixes[name], args.work,
-                                     args.threads, args.device)
+            data = datasets[recipes[name].get("data", "long")].result()  # a recipe starts once its answers exist
+            with merging:
+                mix = merged(base, data, recipes[name])
+            row = train_and_evaluate(base, name, recipes[name], data, mix, args.work, args.threads, args.device)
         except Exception as err:  # one failed recipe must not cost the others
             row = {"name": name, "overrides": recipes[name], "error": str(err)[-2000:]}
         report["runs"].append(row)

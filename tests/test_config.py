@@ -61,7 +61,7 @@ def test_every_group_file_has_a_name_matching_its_file():
 
 @pytest.mark.parametrize("model", ["llama-3.1-8b", "kimi-k2.5"])
 def test_real_model_descriptions_compose(tmp_path, model):
-    params = compose(tmp_path, f"model={model}", "layout=gpu8")
+    params = compose(tmp_path, f"model={model}", "layout=gpu8", "train.batch_tokens=6144")  # 8 rows of the demo's 768
     assert params.model.source.kind == "hf" and params.model.copy_weights is False
     assert params.layout.server.tp == 8
 
@@ -98,6 +98,8 @@ def test_params_command_validates_before_writing(tmp_path):
 BAD = [
     ("train.lr=-1", "params.yaml: train.lr = -1: must be a number > 0"),
     ("evaluate.draft_tokens=0", "params.yaml: evaluate.draft_tokens = 0: must be an integer >= 1"),
+    ("layout=gpu8", "params.yaml: train.batch_tokens = 768: must be a multiple of 6144: whole packed rows of train.pack_tokens (768) "
+                    "for each of the 8 training processes"),
     ("model.aux_layers=[2,27,15]", "params.yaml: model.aux_layers [2, 27, 15] must be 3 ascending layer ids in [0, 30)"),
     ("model.aux_layers=[2,15,30]", "params.yaml: model.aux_layers [2, 15, 30] must be 3 ascending layer ids in [0, 30)"),
     ("dataset.shards=[000000-000032,000040-001000]",

@@ -289,5 +289,10 @@ def _check_relations(params: DictConfig) -> None:
     batch, row = _get(params, "train.batch_tokens"), _get(params, "train.pack_tokens")
     if _ABSENT not in (batch, row) and batch % row:
         raise _refuse("train.batch_tokens", batch, f"a multiple of train.pack_tokens ({row}): the global batch is whole packed rows")
+    procs, nodes = _get(params, "layout.train_procs"), _get(params, "layout.nnodes")
+    if _ABSENT not in (batch, row, procs, nodes) and (batch // row) % (procs * nodes):
+        raise _refuse("train.batch_tokens", batch, f"a multiple of {procs * nodes * row}: whole packed rows of train.pack_tokens "
+                      f"({row}) for each of the {procs * nodes} training processes (layout.train_procs x layout.nnodes); the "
+                      "layout cuts the recipe's global batch, it never changes it")
     if _get(params, "train.freeze_lm_head") is True and _get(params, "train.lm_head_init") != "verifier":
         raise _refuse("train.freeze_lm_head", True, "false unless train.lm_head_init is verifier (it keeps the lm_head at its start)")
