@@ -37,12 +37,12 @@ from omegaconf import DictConfig, ListConfig
 
 from eagle3.common import UserError, atomic_dir, package_file, read_json, sha256_file, stage_main, to_plain, write_json
 from eagle3.config import stage_params
-from eagle3.verifiers.loading import EMBEDDING, checkpoint_names, load_tokenizer, text_config_dict, torch_dtype
+from eagle3.verifiers.loading import (EMBEDDING, WEIGHT_SUFFIXES, checkpoint_names, load_tokenizer, text_config_dict,
+                                      torch_dtype)
 from eagle3.verifiers.spec import LanguageModel, VerifierSpec
 
 log = logging.getLogger(__name__)
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 SMALL_FILE_LIMIT = 64 << 20  # config/tokenizer files are hashed whole; weights are sampled when referenced
 SPLIT_NAME = re.compile(r"-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp's gguf-split file names
 CHUNK_NAME = re.compile(r"\.gguf\.part(?P<part>\d+)$")  # plain byte chunks of one GGUF file: x.gguf.part01, ...
