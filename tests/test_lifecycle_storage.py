@@ -163,6 +163,34 @@ def test_interrupted_push_resumes_and_server_keeps_data_across_restarts(blob_rep
     assert "up to date" in run(["dvc", "status"], clone).stdout
 
 
+def test_status_checks_the_endpoint_and_key_dvc_signs_with(tmp_path, local_s3):
+    """`eagle3 s3 status` is ok only when the server accepts what .dvc/config.local gives DVC, not its own key alone."""
+    from dvc.config import Config
+
+    repo = tmp_path / "fresh"
+    repo.mkdir()
+    run(["git", "init", "-q", "-b", "main"], repo)
+    run(["dvc", "init", "-q"], repo)
+    add_remote(repo)
+    port = local_s3(repo)
+    run(["eagle3", "s3", "status"], repo)
+    server_key = repo / ".eagle3" / "s3" / "credentials.json"
+    for key, value, message in [
+        ("secret_access_key", "not-the-secret", f"the server at http://127.0.0.1:{port} refuses the key of remote "
+                                                f"'local-s3' that DVC signs with (the server's is in {server_key})"),
+        ("endpointurl", "http://127.0.0.1:1", f"remote 'local-s3' points at http://127.0.0.1:1, the server listens at "
+                                              f"http://127.0.0.1:{port}"),
+    ]:
+        with Config(dvc_dir=str(repo / ".dvc")).edit("local") as local:
+            saved, local["remote"]["local-s3"][key] = local["remote"]["local-s3"][key], value
+        refused = run(["eagle3", "s3", "status"], repo, check=False)
+        assert refused.returncode != 0 and refused.stderr.splitlines() == [
+            f"error: .dvc/config.local: {message}; run `eagle3 s3 serve --background --addr 127.0.0.1:{port}` to configure it again"]
+        with Config(dvc_dir=str(repo / ".dvc")).edit("local") as local:
+            local["remote"]["local-s3"][key] = saved
+        run(["eagle3", "s3", "status"], repo)
+
+
 def test_credentials_never_reach_git(tmp_path, local_s3):
     repo = tmp_path / "fresh"
     repo.mkdir()
@@ -181,3 +209,4 @@ def test_credentials_never_reach_git(tmp_path, local_s3):
         text = (repo / path).read_bytes()
         assert creds["secret_access_key"].encode() not in text and creds["access_key_id"].encode() not in text, path
     assert oct((repo / "storage" / "credentials.json").stat().st_mode & 0o777) == "0o600"
+    assert oct((repo / ".dvc" / "config.local").stat().st_mode & 0o777) == "0o600"  # it holds the secret too
