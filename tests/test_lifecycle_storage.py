@@ -116,6 +116,32 @@ def test_gc_refuses_until_every_kept_object_is_in_the_remote(blob_repo, local_s3
     assert "neither cached" not in gc(repo, "--dry-run", "--rev", "main").stderr
 
 
+def test_gc_dry_run_says_what_it_would_remove_and_removes_nothing(blob_repo, local_s3):
+    repo = blob_repo
+    local_s3(repo)
+    run(["dvc", "repro"], repo)
+    commit(repo, "seed 1")
+    first = lock_objects(repo)
+    set_blobs(repo, seed=2)
+    run(["dvc", "repro"], repo)
+    commit(repo, "seed 2")  # seed 1 is no branch tip or tag any more: its 5 objects are what gc removes
+    run(["dvc", "push"], repo)
+    before = cache_objects(repo)
+
+    dry = gc(repo, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert cache_objects(repo) == before
+    output = dry.stdout + dry.stderr
+    assert "Removing" not in output and "Removed" not in output
+    listed = [line.split()[-1] for line in dry.stdout.splitlines() if line.startswith("  would remove ")]
+    assert sorted(Path(path).parent.name + Path(path).name for path in listed) == sorted(first)
+    assert dry.stdout.splitlines()[-1] == "dry run: nothing was removed; `eagle3 gc` would remove these 5 objects from the cache"
+    assert "No unused" not in output
+    assert gc(repo).returncode == 0 and cache_objects(repo) == before - first
+    assert gc(repo, "--dry-run").stdout.splitlines()[-1] == (
+        "dry run: nothing was removed; `eagle3 gc` would remove nothing (the workspace uses every cached object)")
+
+
 def wait_for_upload(data: Path, timeout: float = 30.0) -> None:
     """Return once rclone is midway through writing an object (a temp file holding > 4 MiB)."""
     deadline = time.monotonic() + timeout
