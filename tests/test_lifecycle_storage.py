@@ -189,15 +189,22 @@ def test_interrupted_push_resumes_and_server_keeps_data_across_restarts(blob_rep
     assert "up to date" in run(["dvc", "status"], clone).stdout
 
 
-def test_status_checks_the_endpoint_and_key_dvc_signs_with(tmp_path, local_s3):
-    """`eagle3 s3 status` is ok only when the server accepts what .dvc/config.local gives DVC, not its own key alone."""
-    from dvc.config import Config
-
+@pytest.fixture
+def fresh_repo(tmp_path: Path) -> Path:
+    """A git + DVC repo with the project's default remote and nothing else."""
     repo = tmp_path / "fresh"
     repo.mkdir()
     run(["git", "init", "-q", "-b", "main"], repo)
     run(["dvc", "init", "-q"], repo)
     add_remote(repo)
+    return repo
+
+
+def test_status_checks_the_endpoint_and_key_dvc_signs_with(fresh_repo, local_s3):
+    """`eagle3 s3 status` is ok only when the server accepts what .dvc/config.local gives DVC, not its own key alone."""
+    from dvc.config import Config
+
+    repo = fresh_repo
     port = local_s3(repo)
     run(["eagle3", "s3", "status"], repo)
     server_key = repo / ".eagle3" / "s3" / "credentials.json"
@@ -217,12 +224,8 @@ def test_status_checks_the_endpoint_and_key_dvc_signs_with(tmp_path, local_s3):
         run(["eagle3", "s3", "status"], repo)
 
 
-def test_credentials_never_reach_git(tmp_path, local_s3):
-    repo = tmp_path / "fresh"
-    repo.mkdir()
-    run(["git", "init", "-q", "-b", "main"], repo)
-    run(["dvc", "init", "-q"], repo)
-    add_remote(repo)
+def test_credentials_never_reach_git(fresh_repo, local_s3):
+    repo = fresh_repo
     local_s3(repo, home=repo / "storage")  # even outside .eagle3/, the server folder ignores itself
     run(["git", "add", "-A"], repo)
     run(["git", "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "all"], repo)
