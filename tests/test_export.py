@@ -17,6 +17,7 @@ from eagle3.drafter.export import (
     default_taps,
     load_drafter,
     sglang_taps,
+    speculators_command,
     verifier_facts,
     vllm_taps,
     write_drafter,
@@ -221,7 +222,7 @@ def test_token_ids_are_the_verifiers(tmp_path, tiny_verifier_dir, capsys):
     assert json.loads((folder / "config.json").read_text()) == config
 
 
-def test_ok_prints_the_speculators_command_with_the_taps(tmp_path, capsys):
+def test_ok_prints_the_speculators_command_with_the_taps(tmp_path, capsys, monkeypatch):
     """speculators convert ignores config.json's taps: the command check-drafter prints passes them."""
     folder = tmp_path / "drafter"
     export_with_taps(folder, (1, 3, 7), 8)
@@ -230,3 +231,5 @@ def test_ok_prints_the_speculators_command_with_the_taps(tmp_path, capsys):
         f"for speculators (it ignores config.json's taps): speculators convert {folder} --algorithm eagle3 "
         f"--verifier <verifier weights folder> --output-path {folder}-speculators "
         """--algorithm-kwargs '{"eagle_aux_hidden_state_layer_ids": [1, 3, 7]}'""")
+    monkeypatch.chdir(folder)
+    assert f"--output-path {folder}-speculators " in speculators_command(".")

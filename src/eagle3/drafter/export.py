@@ -380,8 +380,9 @@ def speculators_command(folder: str | Path, verifier_folder: str | Path | None =
     folder = Path(folder)
     taps = json.dumps({"eagle_aux_hidden_state_layer_ids": list(read_json(folder / "meta.json")["aux_layers"])})
     verifier = weights_dir(verifier_folder) if verifier_folder else "<verifier weights folder>"
+    named = folder if folder.name else folder.resolve()  # "." has no name to derive the output's from
     return (f"speculators convert {folder} --algorithm eagle3 --verifier {verifier} "
-            f"--output-path {folder.with_name(folder.name + '-speculators')} --algorithm-kwargs '{taps}'")
+            f"--output-path {named.with_name(named.name + '-speculators')} --algorithm-kwargs '{taps}'")
 
 
 def rewrite_config(folder: str | Path, verifier_folder: str | Path | None = None) -> Path:
