@@ -16,7 +16,7 @@ from eagle3.config import validate
 from eagle3.drafter.export import verifier_facts, write_drafter
 from eagle3.drafter.speculative import EagleProposer, TreeShape, greedy_decode, speculative_decode
 from eagle3.evaluate import Settings, acceptance_stats, check_pair, evaluate, main, most_frequent_token
-from eagle3.verifiers.loading import load_tokenizer, load_verifier, read_meta
+from eagle3.verifiers.loading import load_tokenizer, load_verifier, tokenizer_fingerprint
 from test_speculative import QUESTIONS, K, TableDrafter, encode, greedy_tables, random_drafter
 
 TINY_TAPS = (1, 2, 3)
@@ -72,7 +72,7 @@ def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, mon
     drafter_dir.mkdir()
     write_drafter(random_drafter(verifier, 512, TINY_TAPS), drafter_dir, verifier_facts(tiny_verifier_dir), {})
     (prompts_dir / "eval").mkdir(parents=True)
-    (prompts_dir / "meta.json").write_text(json.dumps({"verifier": read_meta(tiny_verifier_dir)["fingerprint"]["id"]}))
+    (prompts_dir / "meta.json").write_text(json.dumps({"tokenizer": tokenizer_fingerprint(tiny_verifier_dir)}))
     records = [{"id": str(i), "messages": [{"role": "user", "content": q}]} for i, q in enumerate(QUESTIONS)]
     (prompts_dir / "eval" / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     params = project_params()
@@ -134,7 +134,7 @@ def test_dvc_repro_evaluate_lists_tau_and_speedup_and_renders_plots(make_project
     (repo / "models" / "drafter").mkdir()
     write_drafter(random_drafter(verifier, 512, TINY_TAPS), repo / "models" / "drafter", verifier_facts(tiny_verifier_dir), {})
     (repo / "data" / "prompts" / "eval").mkdir(parents=True)
-    (repo / "data" / "prompts" / "meta.json").write_text(json.dumps({"verifier": read_meta(tiny_verifier_dir)["fingerprint"]["id"]}))
+    (repo / "data" / "prompts" / "meta.json").write_text(json.dumps({"tokenizer": tokenizer_fingerprint(tiny_verifier_dir)}))
     records = [{"id": str(i), "messages": [{"role": "user", "content": q}]} for i, q in enumerate(QUESTIONS)]
     (repo / "data" / "prompts" / "eval" / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
@@ -152,3 +152,45 @@ def test_throughput_benchmark_runs_on_the_cpu_with_a_tiny_shape():
     out = run([sys.executable, str(ROOT / "benchmarks" / "evaluate_throughput.py"), "--device", "cpu", "--tiny"], ROOT).stdout
     table = [line for line in out.splitlines() if line.startswith("| ") and "batch_size" not in line]
     assert [row.split(" | ")[2] for row in table] == ["plain", "chain", "tree"] * 2
+
+
+def reimported_elsewhere(verifier_dir, out):
+    """``verifier_dir`` as another machine's torch/transformers imports the same GGUF: other bf16 weight
+    bytes, so another fingerprint, and another transformers_version in the model's configs; same tokenizer."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(verifier_dir, out)
+    tensors = load_file(out / "model.safetensors")
+    save_file({name: t + 1e-3 if t.is_floating_point() else t for name, t in tensors.items()}, out / "model.safetensors")
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((out / name).read_text())
+        (out / name).write_text(json.dumps({**config, "transformers_version": "5.17.0"}, indent=2))
+    meta = json.loads((out / "meta.json").read_text())
+    meta["fingerprint"] = {**meta["fingerprint"], "id": "51c7b9e4aaaaaaaa"}
+    (out / "meta.json").write_text(json.dumps(meta))
+    return out
+
+
+def test_prompts_are_checked_by_the_tokenizer_they_were_counted_with(tmp_path, tiny_verifier_dir):
+    """Prompts composed on one machine are evaluated with the verifier imported on another; a changed
+    chat template still refuses them."""
+    (tmp_path / "sources").mkdir()
+    (tmp_path / "sources" / "mine.jsonl").write_text("".join(json.dumps({"prompt": f"Tell me about number {i}."}) + "\n"
+                                                             for i in range(12)))
+    params = project_params()
+    params.dataset.sources = [{"kind": "jsonl", "path": str(tmp_path / "sources" / "mine.jsonl")}]
+    params.dataset.shards, params.dataset.eval_sets = ["000000-000004"], {"heldout": 2}
+    OmegaConf.save(params, tmp_path / "params.yaml")
+    run([sys.executable, "-m", "eagle3.prompts", str(tiny_verifier_dir), str(tmp_path / "prompts"), "--sources",
+         str(tmp_path / "sources"), "--params", str(tmp_path / "params.yaml")], tmp_path)
+
+    other = reimported_elsewhere(tiny_verifier_dir, tmp_path / "other-machine")
+    (tmp_path / "drafter").mkdir()
+    write_drafter(random_drafter(load_verifier(other), 512, TINY_TAPS), tmp_path / "drafter", verifier_facts(other), {})
+    check_pair(other, tmp_path / "drafter", tmp_path / "prompts")
+
+    with (other / "chat_template.jinja").open("a") as template:
+        template.write("{{ '\\n' }}")
+    with pytest.raises(UserError, match=r"prompts/meta.json: prompts counted with the tokenizer and chat template of "
+                                        r"verifier [0-9a-f]{16}, this verifier's are [0-9a-f]{16}; rerun prompts"):
+        check_pair(other, tmp_path / "drafter", tmp_path / "prompts")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from eagle3.drafter.export import (
     default_taps,
     load_drafter,
     sglang_taps,
+    speculators_command,
     verifier_facts,
     vllm_taps,
     write_drafter,
@@ -95,6 +97,10 @@ FAULTS = {
     "too small context": (lambda f: edit_json(f / "config.json", lambda c: c.update(max_position_embeddings=1024)), "max_position_embeddings 1024 <"),
     "taps beyond the verifier": (lambda f: edit_json(f / "meta.json", lambda m: m.update(aux_layers=[1, 2, 4])), "aux_layers [1, 2, 4] must be 3 ascending layer ids in [0, 4)"),
     "truncated model.safetensors": (lambda f: truncate(f / "model.safetensors"), "not a readable safetensors file"),
+    "a NaN weight": (lambda f: edit_tensors(f, lambda t: {**t, "fc.weight": t["fc.weight"].index_fill(0, torch.tensor([3]), float("nan"))}),
+                     "model.safetensors: fc.weight has 192 NaN/Inf values of 12288"),
+    "an Inf weight": (lambda f: edit_tensors(f, lambda t: {**t, "norm.weight": t["norm.weight"].index_fill(0, torch.tensor([0]), float("inf"))}),
+                      "model.safetensors: norm.weight has 1 NaN/Inf values of 64"),
     "not the engine architecture": (lambda f: edit_json(f / "config.json", lambda c: c.update(architectures=["LlamaForCausalLM"])), "architectures"),
 }
 
@@ -166,7 +172,7 @@ def test_both_engines_resolve_the_trained_taps(tmp_path, taps, num_layers, capsy
     with pytest.raises(SystemExit):
         cli(["check-drafter", str(folder)])
     cli(["check-drafter", str(folder), "--rewrite-config"])
-    assert capsys.readouterr().out.rstrip().endswith(f"{folder}: ok")
+    assert f"{folder}: ok" in capsys.readouterr().out.splitlines()
     assert json.loads((folder / "config.json").read_text()) == config
 
 
@@ -180,3 +186,50 @@ def test_tap_zero_is_refused_at_export(tmp_path):
     """Both engines capture hidden_states + residual before layer k, which does not exist before layer 0."""
     with pytest.raises(ValueError, match="cannot be written for SGLang"):
         export_with_taps(tmp_path / "drafter", (0, 1, 3), 4)
+
+
+def gemma_like_verifier(tmp_path, tiny_verifier_dir):
+    """The tiny verifier's config and meta with Gemma's special token ids (BOS 2, EOS 1; Llama's are 1, 2)."""
+    folder = tmp_path / "verifier"
+    folder.mkdir()
+    for name in ("config.json", "meta.json"):
+        shutil.copy(tiny_verifier_dir / name, folder)
+    edit_json(folder / "config.json", lambda c: c.update(bos_token_id=2, eos_token_id=1))
+    return folder
+
+
+def test_token_ids_are_the_verifiers(tmp_path, tiny_verifier_dir, capsys):
+    verifier = gemma_like_verifier(tmp_path, tiny_verifier_dir)
+    facts = verifier_facts(verifier)
+    assert (facts["bos_token_id"], facts["eos_token_id"]) == (2, 1)
+    cfg = DraftConfig.from_verifier(AutoConfig.from_pretrained(verifier), 1024, [1, 2, 3])
+    drafter = Eagle3Drafter(cfg, torch.zeros(cfg.vocab_size, cfg.hidden_size))
+    drafter.set_draft_vocab(draft_d2t(cfg.vocab_size, cfg.draft_vocab_size))
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    write_drafter(drafter, folder, facts, {})
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (2, 1)
+    assert check_drafter(folder, verifier) == []
+
+    edit_json(folder / "config.json", lambda c: c.update(bos_token_id=1, eos_token_id=2))  # as exported before
+    assert check_drafter(folder, verifier) == [
+        "config.json: bos_token_id 1 != the verifier's 2 (eagle3 check-drafter --rewrite-config --verifier models/verifier rewrites it)",
+        "config.json: eos_token_id 2 != the verifier's 1 (eagle3 check-drafter --rewrite-config --verifier models/verifier rewrites it)"]
+    cli(["check-drafter", str(folder), "--verifier", str(verifier), "--rewrite-config"])
+    out = capsys.readouterr().out.splitlines()
+    assert f"{folder}: ok" in out and f"--verifier {verifier} --output-path" in out[-1]  # the weights' folder
+    assert json.loads((folder / "config.json").read_text()) == config
+
+
+def test_ok_prints_the_speculators_command_with_the_taps(tmp_path, capsys, monkeypatch):
+    """speculators convert ignores config.json's taps: the command check-drafter prints passes them."""
+    folder = tmp_path / "drafter"
+    export_with_taps(folder, (1, 3, 7), 8)
+    cli(["check-drafter", str(folder)])
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"for speculators (it ignores config.json's taps): speculators convert {folder} --algorithm eagle3 "
+        f"--verifier <verifier weights folder> --output-path {folder}-speculators "
+        """--algorithm-kwargs '{"eagle_aux_hidden_state_layer_ids": [1, 3, 7]}'""")
+    monkeypatch.chdir(folder)
+    assert f"--output-path {folder}-speculators " in speculators_command(".")

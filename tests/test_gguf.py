@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,61 @@ def test_a_split_over_two_packages_imports_as_the_whole_file(tmp_path, monkeypat
         write_gguf([tmp_path / "site" / "llm_part_a" / parts[0].name], tmp_path / "joined.gguf")
     meta = import_verifier(model, tmp_path / "verifier")
     assert meta["fingerprint"] == read_meta(smollm2_dir)["fingerprint"]  # the same tokenizer and weights, byte for byte
+
+
+def chunk_packages(root: Path, monkeypatch, count: int, listed: list[int] | None = None) -> list[Path]:
+    """The packaged SmolLM2 GGUF cut into ``count`` plain byte chunks (``smol.gguf.part01`` ...), one
+    package each; returns the chunks listed (``listed``: their numbers, default all in order)."""
+    data = package_file(project_params().model.source.package, project_params().model.source.file).read_bytes()
+    size = -(-len(data) // count)
+    names = {f"llm_chunk_{i}": [f"smol.gguf.part{i:02d}"] for i in range(1, count + 1)}
+    make_packages(root, monkeypatch, names)
+    for i in range(1, count + 1):
+        (root / f"llm_chunk_{i}" / f"smol.gguf.part{i:02d}").write_bytes(data[(i - 1) * size : i * size])
+    return [root / f"llm_chunk_{i}" / f"smol.gguf.part{i:02d}" for i in (listed or range(1, count + 1))]
+
+
+def chunk_source(chunks: list[Path]):
+    return source([c.parent.name for c in chunks], [c.name for c in chunks])
+
+
+@pytest.mark.parametrize("listed,message", [
+    ([1, 3], r"\['smol.gguf.part01', 'smol.gguf.part03'\] are not the chunks part1, part2, ... of one GGUF file in order"),
+    ([2, 1, 3], r"are not the chunks part1, part2, ... of one GGUF file in order"),
+    ([1], r"\['smol.gguf.part01'\] do not make up a whole GGUF file \(.*\): a chunk is missing"),
+])
+def test_byte_chunks_missing_or_out_of_order_are_one_line(tmp_path, monkeypatch, listed, message):
+    chunks = chunk_packages(tmp_path, monkeypatch, 3, listed)
+    with pytest.raises(UserError, match=message):
+        import_verifier(verifier_source(chunk_source(chunks)), tmp_path / "verifier")
+    assert not (tmp_path / "verifier").exists()
+
+
+def test_parts_of_no_known_kind_are_refused(tmp_path, monkeypatch):
+    """A first part that is no GGUF, or a GGUF followed by another file that starts as one, is neither kind."""
+    chunks = chunk_packages(tmp_path, monkeypatch, 2)
+    make_packages(tmp_path, monkeypatch, {"llm_other": ["junk.gguf"]})
+    (tmp_path / "llm_other" / "junk.gguf").write_bytes(b"not a GGUF file")
+    shutil.copy(chunks[0], tmp_path / "llm_other" / "whole.gguf")
+    for first in ("junk.gguf", "whole.gguf"):
+        with pytest.raises(UserError, match="are neither gguf-split files .* nor byte chunks of one GGUF file"):
+            import_verifier(verifier_source(source(["llm_other", chunks[0].parent.name], [first, chunks[0].name])), tmp_path / "v")
+
+
+def verifier_source(gguf_source):
+    model = project_params().model
+    model.source = gguf_source
+    return model
+
+
+@pytest.mark.slow
+def test_byte_chunks_over_packages_import_as_the_whole_file(tmp_path, monkeypatch, smollm2_dir):
+    """Plain chunks (how a GGUF over PyPI's file limit is shipped) listed part by part, or by the first alone."""
+    chunks = chunk_packages(tmp_path / "site", monkeypatch, 3)
+    meta = import_verifier(verifier_source(chunk_source(chunks)), tmp_path / "verifier")
+    assert meta["fingerprint"] == read_meta(smollm2_dir)["fingerprint"]  # the same tokenizer and weights, byte for byte
+    assert [p.name for p in gguf_parts(source("llm_chunk_1", "smol.gguf.part01"))] == ["smol.gguf.part01"]
+    together = tmp_path / "site" / "llm_chunk_1"
+    for chunk in chunks[1:]:
+        chunk.rename(together / chunk.name)
+    assert gguf_parts(source("llm_chunk_1", "smol.gguf.part01")) == [together / c.name for c in chunks]

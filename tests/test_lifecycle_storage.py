@@ -116,6 +116,32 @@ def test_gc_refuses_until_every_kept_object_is_in_the_remote(blob_repo, local_s3
     assert "neither cached" not in gc(repo, "--dry-run", "--rev", "main").stderr
 
 
+def test_gc_dry_run_says_what_it_would_remove_and_removes_nothing(blob_repo, local_s3):
+    repo = blob_repo
+    local_s3(repo)
+    run(["dvc", "repro"], repo)
+    commit(repo, "seed 1")
+    first = lock_objects(repo)
+    set_blobs(repo, seed=2)
+    run(["dvc", "repro"], repo)
+    commit(repo, "seed 2")  # seed 1 is no branch tip or tag any more: its 5 objects are what gc removes
+    run(["dvc", "push"], repo)
+    before = cache_objects(repo)
+
+    dry = gc(repo, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert cache_objects(repo) == before
+    output = dry.stdout + dry.stderr
+    assert "Removing" not in output and "Removed" not in output
+    listed = [line.split()[-1] for line in dry.stdout.splitlines() if line.startswith("  would remove ")]
+    assert sorted(Path(path).parent.name + Path(path).name for path in listed) == sorted(first)
+    assert dry.stdout.splitlines()[-1] == "dry run: nothing was removed; `eagle3 gc` would remove these 5 objects from the cache"
+    assert "No unused" not in output
+    assert gc(repo).returncode == 0 and cache_objects(repo) == before - first
+    assert gc(repo, "--dry-run").stdout.splitlines()[-1] == (
+        "dry run: nothing was removed; `eagle3 gc` would remove nothing (the workspace uses every cached object)")
+
+
 def wait_for_upload(data: Path, timeout: float = 30.0) -> None:
     """Return once rclone is midway through writing an object (a temp file holding > 4 MiB)."""
     deadline = time.monotonic() + timeout
@@ -163,12 +189,43 @@ def test_interrupted_push_resumes_and_server_keeps_data_across_restarts(blob_rep
     assert "up to date" in run(["dvc", "status"], clone).stdout
 
 
-def test_credentials_never_reach_git(tmp_path, local_s3):
+@pytest.fixture
+def fresh_repo(tmp_path: Path) -> Path:
+    """A git + DVC repo with the project's default remote and nothing else."""
     repo = tmp_path / "fresh"
     repo.mkdir()
     run(["git", "init", "-q", "-b", "main"], repo)
     run(["dvc", "init", "-q"], repo)
     add_remote(repo)
+    return repo
+
+
+def test_status_checks_the_endpoint_and_key_dvc_signs_with(fresh_repo, local_s3):
+    """`eagle3 s3 status` is ok only when the server accepts what .dvc/config.local gives DVC, not its own key alone."""
+    from dvc.config import Config
+
+    repo = fresh_repo
+    port = local_s3(repo)
+    run(["eagle3", "s3", "status"], repo)
+    server_key = repo / ".eagle3" / "s3" / "credentials.json"
+    for key, value, message in [
+        ("secret_access_key", "not-the-secret", f"the server at http://127.0.0.1:{port} refuses the key of remote "
+                                                f"'local-s3' that DVC signs with (the server's is in {server_key})"),
+        ("endpointurl", "http://127.0.0.1:1", f"remote 'local-s3' points at http://127.0.0.1:1, the server listens at "
+                                              f"http://127.0.0.1:{port}"),
+    ]:
+        with Config(dvc_dir=str(repo / ".dvc")).edit("local") as local:
+            saved, local["remote"]["local-s3"][key] = local["remote"]["local-s3"][key], value
+        refused = run(["eagle3", "s3", "status"], repo, check=False)
+        assert refused.returncode != 0 and refused.stderr.splitlines() == [
+            f"error: .dvc/config.local: {message}; run `eagle3 s3 serve --background --addr 127.0.0.1:{port}` to configure it again"]
+        with Config(dvc_dir=str(repo / ".dvc")).edit("local") as local:
+            local["remote"]["local-s3"][key] = saved
+        run(["eagle3", "s3", "status"], repo)
+
+
+def test_credentials_never_reach_git(fresh_repo, local_s3):
+    repo = fresh_repo
     local_s3(repo, home=repo / "storage")  # even outside .eagle3/, the server folder ignores itself
     run(["git", "add", "-A"], repo)
     run(["git", "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "all"], repo)
@@ -181,3 +238,4 @@ def test_credentials_never_reach_git(tmp_path, local_s3):
         text = (repo / path).read_bytes()
         assert creds["secret_access_key"].encode() not in text and creds["access_key_id"].encode() not in text, path
     assert oct((repo / "storage" / "credentials.json").stat().st_mode & 0o777) == "0o600"
+    assert oct((repo / ".dvc" / "config.local").stat().st_mode & 0o777) == "0o600"  # it holds the secret too

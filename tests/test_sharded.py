@@ -97,7 +97,7 @@ def test_sharded_evaluate_decodes_as_a_whole_copy(tmp_path, tiny_verifier_dir):
 
     from eagle3.drafter.export import verifier_facts, write_drafter
     from eagle3.evaluate import main
-    from eagle3.verifiers.loading import load_verifier, read_meta
+    from eagle3.verifiers.loading import load_verifier, tokenizer_fingerprint
     from conftest import project_params
     from test_evaluate import QUESTIONS, TINY_TAPS, random_drafter
 
@@ -105,7 +105,7 @@ def test_sharded_evaluate_decodes_as_a_whole_copy(tmp_path, tiny_verifier_dir):
     drafter_dir.mkdir()
     write_drafter(random_drafter(load_verifier(tiny_verifier_dir), 512, TINY_TAPS), drafter_dir, verifier_facts(tiny_verifier_dir), {})
     (prompts_dir / "eval").mkdir(parents=True)
-    (prompts_dir / "meta.json").write_text(json.dumps({"verifier": read_meta(tiny_verifier_dir)["fingerprint"]["id"]}))
+    (prompts_dir / "meta.json").write_text(json.dumps({"tokenizer": tokenizer_fingerprint(tiny_verifier_dir)}))
     records = [{"id": str(i), "messages": [{"role": "user", "content": q}]} for i, q in enumerate(QUESTIONS)]
     (prompts_dir / "eval" / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     params = project_params()

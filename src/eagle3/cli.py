@@ -25,16 +25,17 @@ def _params(args: argparse.Namespace) -> None:
 
 
 def _check_drafter(args: argparse.Namespace) -> None:
-    from eagle3.drafter.export import check_drafter, rewrite_config
+    from eagle3.drafter.export import check_drafter, rewrite_config, speculators_command
 
     if args.rewrite_config:
-        print(f"wrote {rewrite_config(args.folder)}")
+        print(f"wrote {rewrite_config(args.folder, args.verifier)}")
     problems = check_drafter(args.folder, args.verifier)
     for problem in problems:
         print(f"{args.folder}: {problem}")
     if problems:
         raise SystemExit(1)
     print(f"{args.folder}: ok")
+    print(f"for speculators (it ignores config.json's taps): {speculators_command(args.folder, args.verifier)}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("folder", help="exported drafter folder, e.g. models/drafter")
     check.add_argument("--verifier", help="verifier folder to check sizes, context and fingerprint against")
     check.add_argument("--rewrite-config", action="store_true",
-                       help="first rewrite config.json from meta.json's taps (exports of older versions)")
+                       help="first rewrite config.json from meta.json's taps and the verifier's token ids (exports of older versions)")
     check.set_defaults(func=_check_drafter)
     s3.add_parser(commands)
     gc.add_parser(commands)

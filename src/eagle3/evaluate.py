@@ -48,7 +48,7 @@ from eagle3.drafter.speculative import (EagleProposer, TreeShape, most_frequent,
                                         speculative_decode)
 from eagle3.verifiers.chat import prompt_ids
 from eagle3.verifiers.loading import (Placement, close_sharded, eos_token_ids, input_embedding, load_tokenizer, load_verifier,
-                                      read_meta, shard_rank, text_config)
+                                      shard_rank, text_config, tokenizer_fingerprint)
 from eagle3.verifiers.spec import VerifierSpec, require_verifier
 
 log = logging.getLogger(__name__)
@@ -128,9 +128,10 @@ def check_pair(verifier_dir: Path, drafter_dir: Path, prompts_dir: Path) -> None
     problems = check_drafter(drafter_dir, verifier_dir)
     if problems:
         raise UserError(f"{drafter_dir}: {problems[0]}" + (f" (and {len(problems) - 1} more; run eagle3 check-drafter)" if len(problems) > 1 else ""))
-    verifier = read_meta(verifier_dir)["fingerprint"]["id"]
-    prompts = read_json(prompts_dir / "meta.json").get("verifier")
-    require_verifier(f"{prompts_dir}/meta.json", "prompts counted for", prompts, verifier, "this verifier is", "rerun prompts")
+    tokenizer = tokenizer_fingerprint(verifier_dir)  # not the weights': another machine's import of them differs
+    prompts = read_json(prompts_dir / "meta.json").get("tokenizer")
+    require_verifier(f"{prompts_dir}/meta.json", "prompts counted with the tokenizer and chat template of", prompts,
+                     tokenizer, "this verifier's are", "rerun prompts")
 
 
 # --- measurement -----------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from eagle3.common import (UserError, atomic_dir, numbered_jsonl, package_file, 
                            write_jsonl)
 from eagle3.config import shard_range, stage_params
 from eagle3.verifiers.chat import prompt_ids
-from eagle3.verifiers.loading import load_tokenizer, read_meta
+from eagle3.verifiers.loading import load_tokenizer, read_meta, tokenizer_fingerprint
 from eagle3.verifiers.spec import VerifierSpec
 
 log = logging.getLogger(__name__)
@@ -497,7 +497,8 @@ def main(argv: list[str]) -> None:
     count_tokens = PromptCounter(load_tokenizer(args.verifier, VerifierSpec.from_params(params.model).trust_remote_code))
     shards, evals, stats = build_prompts(params.dataset, int(params.seed), count_tokens)
     meta: dict[str, Any] = {
-        "verifier": read_meta(args.verifier)["fingerprint"]["id"],
+        "verifier": read_meta(args.verifier)["fingerprint"]["id"],  # provenance; evaluate checks the tokenizer's
+        "tokenizer": tokenizer_fingerprint(args.verifier),
         "seed": int(params.seed),
         "sources": to_plain(params.dataset.sources),
         "shards": list(shards),

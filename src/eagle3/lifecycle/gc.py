@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
     from dvc_data.hashfile.tree import Tree
 
 SHOWN = 20  # missing objects listed by name; the rest are counted
+# DVC's loggers of a gc run: in a dry run they still say "Removing <path>" and "Removed N objects".
+GC_LOGGERS = ("dvc_data.hashfile.gc", "dvc.repo.gc")
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,42 @@ def refusal(repo: Repo, verdict: Verdict, remote: str | None) -> str | None:
     return f"refusing: {len(verdict.unpushed)} objects of kept revisions are not in remote {name!r}; run `{fix}`, then `eagle3 gc` again"
 
 
+class DryRunLines(logging.Filter):
+    """Drops DVC's gc lines, keeping the paths of its "Removing <path>" ones (in a dry run, nothing is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paths: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "Removing %s":
+            self.paths.append(str(record.args[0]))
+        return False
+
+
+@contextmanager
+def would_remove() -> Iterator[list[str]]:
+    """The cache paths that the ``repo.gc(dry=True)`` inside would remove, DVC's own lines silenced."""
+    lines = DryRunLines()
+    for name in GC_LOGGERS:
+        logging.getLogger(name).addFilter(lines)
+    try:
+        yield lines.paths
+    finally:
+        for name in GC_LOGGERS:
+            logging.getLogger(name).removeFilter(lines)
+
+
+def dry_run(repo: Repo) -> None:
+    """Print what ``dvc gc --workspace --force`` would remove, in words that say nothing was."""
+    with would_remove() as paths:
+        repo.gc(workspace=True, force=True, dry=True)
+    for path in paths:
+        print(f"  would remove {os.path.relpath(path, repo.root_dir)}")
+    print(f"dry run: nothing was removed; `eagle3 gc` would remove these {len(paths)} objects from the cache"
+          if paths else "dry run: nothing was removed; `eagle3 gc` would remove nothing (the workspace uses every cached object)")
+
+
 def run_gc(args: argparse.Namespace) -> None:
     from dvc.repo import Repo, lock_repo
 
@@ -228,8 +268,12 @@ def run_gc(args: argparse.Namespace) -> None:
         if problem:
             raise UserError(problem)
         print(f"all {verdict.checked} objects of the kept revisions are in the remote; "
-              f"running `dvc gc --workspace --force{' --dry' if args.dry_run else ''}`", flush=True)
-        repo.gc(workspace=True, force=True, dry=args.dry_run)
+              f"{'listing what' if args.dry_run else 'running'} `dvc gc --workspace --force`"
+              f"{' would remove' if args.dry_run else ''}", flush=True)
+        if args.dry_run:
+            dry_run(repo)
+        else:
+            repo.gc(workspace=True, force=True)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -239,5 +283,5 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        "(default: all branches and tags); the workspace is always kept")
     scope.add_argument("--all-commits", action="store_true", help="keep every commit")
     parser.add_argument("--remote", help="remote to check (default: core.remote)")
-    parser.add_argument("--dry-run", action="store_true", help="check, then show what `dvc gc -w` would remove")
+    parser.add_argument("--dry-run", action="store_true", help="check, then list what `dvc gc -w` would remove (removing nothing)")
     parser.set_defaults(func=run_gc)

