@@ -98,8 +98,9 @@ def test_params_command_validates_before_writing(tmp_path):
 BAD = [
     ("train.lr=-1", "params.yaml: train.lr = -1: must be a number > 0"),
     ("evaluate.draft_tokens=0", "params.yaml: evaluate.draft_tokens = 0: must be an integer >= 1"),
-    ("model.aux_layers=[2,27,15]", "params.yaml: model.aux_layers [2, 27, 15] must be 3 ascending layer ids in [0, 30)"),
-    ("model.aux_layers=[2,15,30]", "params.yaml: model.aux_layers [2, 15, 30] must be 3 ascending layer ids in [0, 30)"),
+    ("model.aux_layers=[2,27,15]", "params.yaml: model.aux_layers [2, 27, 15] must be 3 ascending layer ids in [1, 30)"),
+    ("model.aux_layers=[2,15,30]", "params.yaml: model.aux_layers [2, 15, 30] must be 3 ascending layer ids in [1, 30)"),
+    ("model.aux_layers=[0,15,27]", "params.yaml: model.aux_layers [0, 15, 27] must be 3 ascending layer ids in [1, 30)"),
     ("dataset.shards=[000000-000032,000040-001000]",
      "params.yaml: dataset.shards = ['000000-000032', '000040-001000']: must be contiguous ranges (one ends at 000032, "
      "the next starts at 000040)"),
@@ -131,7 +132,7 @@ STAGES = [  # what `dvc exp run -S key=value` hands a stage: params.yaml with th
     (["-m", "eagle3.generate", "verifier", "prompts.jsonl", "out"], "generate.temperature", -1,
      "generate.temperature = -1: must be a number >= 0"),
     (["-m", "eagle3.extract", "verifier", "generated", "out"], "model.aux_layers", [2, 27, 15],
-     "model.aux_layers [2, 27, 15] must be 3 ascending layer ids in [0, L)"),
+     "model.aux_layers [2, 27, 15] must be 3 ascending layer ids >= 1 (and below the verifier's layer count)"),
     ([*LAUNCH, "-m", "eagle3.train", "verifier", "merged", "hidden", "out", "--checkpoints", "ckpt", "--live", "live"],
      "train.lr", -1, "train.lr = -1: must be a number > 0"),
     (["-m", "eagle3.evaluate", "verifier", "drafter", "prompts", "out"], "evaluate.draft_tokens", 0,
