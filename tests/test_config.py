@@ -149,3 +149,11 @@ def test_a_stage_refuses_a_bad_param_in_one_line_before_anything(tmp_path, argv,
     assert result.returncode == USER_ERROR, result.stderr
     assert result.stderr.splitlines() == [f"error: params.yaml: {message}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]  # nothing written
+
+
+def test_params_command_refuses_in_one_line_with_the_status_of_every_eagle3_command(tmp_path):
+    """README (What you can rely on): exit status 1 from `eagle3 params`, as from the other commands."""
+    result = subprocess.run([sys.executable, "-m", "eagle3.cli", "params", "-S", "train.lr=-1", "--conf", str(CONF),
+                             "--output", str(tmp_path / "params.yaml")], capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr.splitlines() == ["error: params.yaml: train.lr = -1: must be a number > 0"]
+    assert "1 from `eagle3 params` as from every `eagle3` command" in " ".join((ROOT / "README.md").read_text().split())

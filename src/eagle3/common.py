@@ -46,12 +46,25 @@ def setup_logging(level: int = logging.INFO) -> None:
     )
 
 
+FINISH_CHECKS: list[Callable[[], None]] = []  # run by stage_main once the stage's main returns (at_finish)
+
+
+def at_finish(check: Callable[[], None]) -> None:
+    """Have ``stage_main`` run ``check`` after the stage's main returns: a UserError it raises fails the
+    stage (one line, exit USER_ERROR), so DVC records nothing for outputs that no longer match."""
+    FINISH_CHECKS.append(check)
+
+
 def stage_main(fn: Callable[[list[str]], None]) -> None:
-    """Run a stage's ``main(argv)``; turn a UserError into one line and exit USER_ERROR."""
+    """Run a stage's ``main(argv)`` and then its ``at_finish`` checks; turn a UserError into one line and
+    exit USER_ERROR."""
     setup_logging()
     exit_with_launcher()
+    FINISH_CHECKS.clear()  # only this run's (an in-process caller may have read params before)
     try:
         fn(sys.argv[1:])
+        for check in FINISH_CHECKS:
+            check()
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR)
