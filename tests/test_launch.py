@@ -26,6 +26,7 @@ STOPS = {  # how the stop is signalled -> the lines after training's last log li
 }
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
 @pytest.mark.parametrize("stop", list(STOPS))
 def test_a_stopped_train_ends_in_one_line(tiny_data, tiny_verifier_dir, tmp_path, stop):  # noqa: F811

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import run, stage_processes
+from conftest import project_params, run, stage_processes
 from eagle3.params import PARAMS, RESTORE
-from test_pipeline import overrides
+from test_pipeline import overrides, stage_lines
+from test_train import folder_bytes
 
 # A small local prompt file instead of the `evals` registry keeps the `prompts` stage quick.
 QUICK = {"name": "quick", "shards": ["000000-000004"], "sources": [{"kind": "jsonl", "path": "data/sources/quick.jsonl"}],
@@ -40,17 +41,7 @@ def quick_project(make_project) -> Path:
     return repo
 
 
-def ran(output: str) -> list[str]:
-    return [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage")]
-
-
-def folder_bytes(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 def test_the_params_stage_declares_every_section():
-    from conftest import project_params
-
     assert set(PARAMS) == set(project_params())
 
 
@@ -67,7 +58,7 @@ def test_a_bad_exp_run_value_stops_before_any_output_is_removed(make_project):
     ]
     for bad in bad_runs:
         failed = run(["dvc", "exp", "run", *overrides(*CHOICES, *bad)], repo, check=False)
-        assert failed.returncode != 0 and ran(failed.stdout) == ["params"], (bad, failed.stdout, failed.stderr)
+        assert failed.returncode != 0 and stage_lines(failed.stdout) == ["params"], (bad, failed.stdout, failed.stderr)
         (line,) = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
         assert line.startswith("error: params.yaml: ") and line.endswith(RESTORE), line
         assert {name: folder_bytes(repo / name) for name in outputs} == outputs, bad
@@ -77,7 +68,7 @@ def test_a_bad_exp_run_value_stops_before_any_output_is_removed(make_project):
 
     # A valid change of a key prompts does not declare runs the check and nothing else.
     run(["eagle3", "params", *overrides(*CHOICES, "train.lr=0.001")], repo)
-    assert ran(run(["dvc", "repro", "prompts"], repo).stdout) == ["params"]
+    assert stage_lines(run(["dvc", "repro", "prompts"], repo).stdout) == ["params"]
     assert {name: folder_bytes(repo / name) for name in outputs} == outputs
 
 
