@@ -100,8 +100,9 @@ BAD = [
     ("evaluate.draft_tokens=0", "params.yaml: evaluate.draft_tokens = 0: must be an integer >= 1"),
     ("layout=gpu8", "params.yaml: train.batch_tokens = 768: must be a multiple of 6144: whole packed rows of train.pack_tokens (768) "
                     "for each of the 8 training processes"),
-    ("model.aux_layers=[2,27,15]", "params.yaml: model.aux_layers [2, 27, 15] must be 3 ascending layer ids in [0, 30)"),
-    ("model.aux_layers=[2,15,30]", "params.yaml: model.aux_layers [2, 15, 30] must be 3 ascending layer ids in [0, 30)"),
+    ("model.aux_layers=[2,27,15]", "params.yaml: model.aux_layers [2, 27, 15] must be 3 ascending layer ids in [1, 30)"),
+    ("model.aux_layers=[2,15,30]", "params.yaml: model.aux_layers [2, 15, 30] must be 3 ascending layer ids in [1, 30)"),
+    ("model.aux_layers=[0,15,27]", "params.yaml: model.aux_layers [0, 15, 27] must be 3 ascending layer ids in [1, 30)"),
     ("dataset.shards=[000000-000032,000040-001000]",
      "params.yaml: dataset.shards = ['000000-000032', '000040-001000']: must be contiguous ranges (one ends at 000032, "
      "the next starts at 000040)"),
@@ -133,7 +134,7 @@ STAGES = [  # what `dvc exp run -S key=value` hands a stage: params.yaml with th
     (["-m", "eagle3.generate", "verifier", "prompts.jsonl", "out"], "generate.temperature", -1,
      "generate.temperature = -1: must be a number >= 0"),
     (["-m", "eagle3.extract", "verifier", "generated", "out"], "model.aux_layers", [2, 27, 15],
-     "model.aux_layers [2, 27, 15] must be 3 ascending layer ids in [0, L)"),
+     "model.aux_layers [2, 27, 15] must be 3 ascending layer ids >= 1 (and below the verifier's layer count)"),
     ([*LAUNCH, "-m", "eagle3.train", "verifier", "merged", "hidden", "out", "--checkpoints", "ckpt", "--live", "live"],
      "train.lr", -1, "train.lr = -1: must be a number > 0"),
     (["-m", "eagle3.evaluate", "verifier", "drafter", "prompts", "out"], "evaluate.draft_tokens", 0,
@@ -150,3 +151,11 @@ def test_a_stage_refuses_a_bad_param_in_one_line_before_anything(tmp_path, argv,
     assert result.returncode == USER_ERROR, result.stderr
     assert result.stderr.splitlines() == [f"error: params.yaml: {message}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]  # nothing written
+
+
+def test_params_command_refuses_in_one_line_with_the_status_of_every_eagle3_command(tmp_path):
+    """README (What you can rely on): exit status 1 from `eagle3 params`, as from the other commands."""
+    result = subprocess.run([sys.executable, "-m", "eagle3.cli", "params", "-S", "train.lr=-1", "--conf", str(CONF),
+                             "--output", str(tmp_path / "params.yaml")], capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr.splitlines() == ["error: params.yaml: train.lr = -1: must be a number > 0"]
+    assert "1 from `eagle3 params` as from every `eagle3` command" in " ".join((ROOT / "README.md").read_text().split())

@@ -95,7 +95,7 @@ FAULTS = {
                                                           c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3]))),
         "config.json: vllm would tap layers [2, 2, 1]"),  # vLLM's default taps of a 4-layer verifier
     "too small context": (lambda f: edit_json(f / "config.json", lambda c: c.update(max_position_embeddings=1024)), "max_position_embeddings 1024 <"),
-    "taps beyond the verifier": (lambda f: edit_json(f / "meta.json", lambda m: m.update(aux_layers=[1, 2, 4])), "aux_layers [1, 2, 4] must be 3 ascending layer ids in [0, 4)"),
+    "taps beyond the verifier": (lambda f: edit_json(f / "meta.json", lambda m: m.update(aux_layers=[1, 2, 4])), "aux_layers [1, 2, 4] must be 3 ascending layer ids in [1, 4)"),
     "truncated model.safetensors": (lambda f: truncate(f / "model.safetensors"), "not a readable safetensors file"),
     "a NaN weight": (lambda f: edit_tensors(f, lambda t: {**t, "fc.weight": t["fc.weight"].index_fill(0, torch.tensor([3]), float("nan"))}),
                      "model.safetensors: fc.weight has 192 NaN/Inf values of 12288"),

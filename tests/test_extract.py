@@ -277,7 +277,7 @@ def test_taps_beyond_the_verifier_are_refused_before_loading_it(tmp_path, tiny_v
     monkeypatch.setattr("eagle3.extract.load_verifier", lambda *a, **k: pytest.fail("model loaded before the check"))
     with pytest.raises(UserError) as caught:
         extract(tiny_verifier_dir, generated, tmp_path / "out", *stage_arguments(params))
-    assert str(caught.value) == f"params.yaml: model.aux_layers [1, 2, 4] must be 3 ascending layer ids in [0, 4) (the layers of {tiny_verifier_dir})"
+    assert str(caught.value) == f"params.yaml: model.aux_layers [1, 2, 4] must be 3 ascending layer ids in [1, 4) (the layers of {tiny_verifier_dir})"
     assert not (tmp_path / "out").exists()
 
 

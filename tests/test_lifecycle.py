@@ -1,6 +1,6 @@
 """The artifact lifecycle on the real pipeline (tiny random verifier, real rclone S3 server, real dvc).
 
-Scale A, push; scale-up B reuses A's shard; a tapped-layer change C re-extracts every shard;
+Scale A, push; scale-up B reuses A's shard; a storage change C re-extracts every shard;
 `eagle3 gc` then removes exactly what only A and B referenced, and A comes back with `dvc pull`.
 """
 
@@ -63,9 +63,10 @@ def test_push_invalidate_gc_and_restore(make_project, local_s3):
     b_objects = lock_objects(repo)
     assert a_shard in b_objects  # scale-up: the first shard's hidden states stay referenced, not garbage
 
-    use(repo, "dataset=bigger", "model.aux_layers=[0,1,2]")  # other taps: new hidden states for every shard
+    use(repo, "dataset=bigger", "extract.dtype=float8_e4m3fn")  # other storage: new hidden states for every shard
+    # (the tiny verifier's 4 layers allow only the taps [1, 2, 3])
     ran = repro_and_commit(repo, "C")
-    assert sorted(ran) == ["extract@000000-000006", "extract@000006-000009"], ran
+    assert sorted(ran) == ["extract@000000-000006", "extract@000006-000009", "params"], ran  # params: the check of any change
     run(["dvc", "push"], repo)
     c_objects = lock_objects(repo)
 

@@ -17,9 +17,10 @@ from conftest import ROOT, project_params
 
 
 def test_tap_rule_matches_docstring():
-    assert tap_problem([2, 15, 27], 30) is None and tap_problem([0, 1, 2], 0) is None  # 0: layer count unknown
-    for bad in ([2, 15, 30], [15, 2, 27], [2, 2, 27], [2, 15], [-1, 2, 3]):
-        assert "must be 3 ascending layer ids in [0, 30)" in tap_problem(bad, 30)
+    assert tap_problem([2, 15, 27], 30) is None and tap_problem([1, 2, 3], 0) is None  # 0: layer count unknown
+    for bad in ([2, 15, 30], [15, 2, 27], [2, 2, 27], [2, 15], [-1, 2, 3], [0, 15, 27]):
+        assert "must be 3 ascending layer ids in [1, 30)" in tap_problem(bad, 30)
+    assert tap_problem([0, 1, 2], 0).endswith("ids >= 1 (and below the verifier's layer count)")  # no bound to name
 
 
 def test_fingerprint_refusal_is_one_line():
@@ -40,7 +41,7 @@ def test_spec_reads_the_language_model_of_a_nested_config():
     spec = VerifierSpec.from_params(model)
     assert spec.aux_layers == (2, 15, 27) and spec.num_layers == 30 and spec.final_state == "post-norm"
     nested = LlavaConfig(text_config=LlamaConfig(num_hidden_layers=16).to_dict())  # a multimodal wrapper
-    with pytest.raises(UserError, match=r"model.aux_layers \[2, 15, 27\] must be 3 ascending layer ids in \[0, 16\)"):
+    with pytest.raises(UserError, match=r"model.aux_layers \[2, 15, 27\] must be 3 ascending layer ids in \[1, 16\)"):
         VerifierSpec.from_params(model, nested)
     assert VerifierSpec.from_params(OmegaConf.merge(model, {"aux_layers": [1, 8, 13]}), nested).num_layers == 16
     with pytest.raises(UserError, match="model.final_state"):

@@ -30,6 +30,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 log = logging.getLogger("eagle3")
 
 USER_ERROR = 2  # exit status of a stage stopped by a UserError (already reported in one line)
+LAUNCHER_GONE = 143  # exit status of a stage whose launcher died (128 + SIGTERM, as if terminated)
+INTERRUPTED = 130  # exit status of a stage stopped by Ctrl-C (128 + SIGINT; reported in one line)
 
 
 class UserError(Exception):
@@ -46,15 +48,32 @@ def setup_logging(level: int = logging.INFO) -> None:
     )
 
 
+FINISH_CHECKS: list[Callable[[], None]] = []  # run by stage_main once the stage's main returns (at_finish)
+
+
+def at_finish(check: Callable[[], None]) -> None:
+    """Have ``stage_main`` run ``check`` after the stage's main returns: a UserError it raises fails the
+    stage (one line, exit USER_ERROR), so DVC records nothing for outputs that no longer match."""
+    FINISH_CHECKS.append(check)
+
+
 def stage_main(fn: Callable[[list[str]], None]) -> None:
-    """Run a stage's ``main(argv)``; turn a UserError into one line and exit USER_ERROR."""
+    """Run a stage's ``main(argv)`` and then its ``at_finish`` checks; turn a UserError into one line and
+    exit USER_ERROR."""
     setup_logging()
     exit_with_launcher()
+    FINISH_CHECKS.clear()  # only this run's (an in-process caller may have read params before)
     try:
         fn(sys.argv[1:])
+        for check in FINISH_CHECKS:
+            check()
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR)
+    except KeyboardInterrupt:  # outputs are written atomically: nothing half-written is left
+        if "TORCHELASTIC_RUN_ID" not in os.environ:  # a torchrun worker: eagle3.launch says it once
+            print(f"eagle3: interrupted; stopping (pid {os.getpid()})", file=sys.stderr)
+        sys.exit(INTERRUPTED)
 
 
 def exit_with_launcher(worker: bool = False, interval: float = 1.0) -> None:
@@ -78,7 +97,7 @@ def exit_with_launcher(worker: bool = False, interval: float = 1.0) -> None:
         # outlived its killed torchrun agent on an H200); the watcher covers the links above it.
         die_with_parent(signal.SIGKILL)
         if os.getppid() != links[0][1]:  # the parent died before the guard was set
-            os._exit(143)
+            os._exit(LAUNCHER_GONE)
         threading.Thread(target=_watch_links, args=(links, interval), name="launcher-watch", daemon=True).start()
 
 
@@ -129,7 +148,7 @@ def _watch_links(links: list[tuple[int, int]], interval: float) -> None:
             if _parent(pid) != parent:
                 print(f"eagle3: process {parent} that launched this stage is gone; stopping (pid {os.getpid()})",
                       file=sys.stderr, flush=True)
-                os._exit(143)  # at once: the rerun owns the outputs now
+                os._exit(LAUNCHER_GONE)  # at once: the rerun owns the outputs now
 
 
 @contextlib.contextmanager

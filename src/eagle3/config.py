@@ -12,16 +12,18 @@ bad value set with ``dvc exp run -S`` stops the stage with the same one-line err
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from eagle3.common import USER_ERROR, UserError
+from eagle3.common import USER_ERROR, UserError, at_finish
 from eagle3.verifiers.spec import VerifierSpec
 
 SHARD_NAME = re.compile(r"^(\d{6})-(\d{6})$")
@@ -57,9 +59,11 @@ def compose_params(overrides: list[str], conf_dir: str | Path = "conf", output: 
 def stage_params(keys: Iterable[str], path: str | os.PathLike = "params.yaml") -> DictConfig:
     """The declared ``keys`` of the params file, validated; reading any other key raises.
 
-    Under torchrun every process validates the same values: only rank 0 prints the error.
+    When the stage finishes (``stage_main``), the file must still hold these values, else the stage
+    fails (``_require_unchanged``). Under torchrun every process validates the same values: only
+    rank 0 prints the error.
     """
-    path = Path(path)
+    path, keys = Path(path), tuple(keys)
     if not path.is_file():
         raise UserError(f"{path}: not found; run from the repository root or compose it with `eagle3 params`")
     params, view = OmegaConf.load(path), OmegaConf.create()
@@ -68,14 +72,64 @@ def stage_params(keys: Iterable[str], path: str | os.PathLike = "params.yaml") -
         if value is _ABSENT:
             raise UserError(f"{path}: {key} is missing; recompose it with `eagle3 params`")
         OmegaConf.update(view, key, value, force_add=True)
-    try:
+    with _reported_by_rank0():
         validate(view)
+    started = _declared_values(params, keys)
+    at_finish(lambda: _require_unchanged(path, keys, started))
+    OmegaConf.set_struct(view, True)
+    return view
+
+
+@contextlib.contextmanager
+def _reported_by_rank0() -> Iterator[None]:
+    """A UserError inside is printed by rank 0 only; the other torchrun processes exit USER_ERROR silently."""
+    try:
+        yield
     except UserError:
         if os.environ.get("RANK", "0") != "0":
             raise SystemExit(USER_ERROR) from None
         raise
-    OmegaConf.set_struct(view, True)
-    return view
+
+
+def _declared_values(params: DictConfig, keys: Iterable[str]) -> dict[str, Any]:
+    """The leaves of the declared ``keys``, by dotted name: ``{"evaluate.tree.topk": 4, ...}``."""
+    leaves: dict[str, Any] = {}
+
+    def add(name: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for child, item in value.items():
+                add(f"{name}.{child}", item)
+        else:
+            leaves[name] = value
+
+    for key in keys:
+        add(key, _get(params, key))
+    return leaves
+
+
+def _require_unchanged(path: Path, keys: Iterable[str], started: dict[str, Any]) -> None:
+    """Refuse to finish when the params file no longer holds the declared values the stage started with.
+
+    A `dvc exp run -S` refused by DVC's lock while this stage ran has already rewritten params.yaml
+    (DVC releases its lock while a stage's command runs), and DVC would record the new values
+    for outputs made with the old ones: a stage failing here gets no dvc.lock entry.
+    """
+    try:
+        now = _declared_values(OmegaConf.load(path), keys)
+    except (OSError, yaml.YAMLError):
+        now = {}
+    changed = [key for key in sorted(started.keys() | now.keys()) if started.get(key, _ABSENT) != now.get(key, _ABSENT)]
+    if changed:
+        shown = ", ".join(f"{key} {_shown(started.get(key, _ABSENT))} -> {_shown(now.get(key, _ABSENT))}" for key in changed[:3])
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        with _reported_by_rank0():
+            raise UserError(f"{path}: changed while this stage ran ({shown}{more}): its outputs are of the values it "
+                            f"started with, so nothing is recorded; run `dvc repro` again for the new values, or first "
+                            f"`git checkout {path}` for the old ones")
+
+
+def _shown(value: Any) -> str:
+    return "(missing)" if value is _ABSENT else repr(value)
 
 
 def shard_range(name: str) -> tuple[int, int]:

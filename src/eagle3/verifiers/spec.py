@@ -41,12 +41,13 @@ T = TypeVar("T")
 def tap_problem(ids: Sequence[int], num_layers: int) -> str | None:
     """Why ``ids`` cannot be the taps of a verifier with ``num_layers`` layers (0: unknown); None if they can.
 
-    Example: tap_problem([2, 15, 27], 30) is None; tap_problem([2, 15, 30], 30) names [0, 30).
+    Layer 0 is refused: SGLang's config names the taps as k - 1 (see ``drafter.export``).
+    Example: tap_problem([2, 15, 27], 30) is None; tap_problem([0, 15, 27], 30) names [1, 30).
     """
     ids = [int(i) for i in ids]
-    bound = num_layers if num_layers else "L"
-    if len(ids) != NUM_TAPS or ids != sorted(set(ids)) or ids[0] < 0 or (num_layers and ids[-1] >= num_layers):
-        return f"aux_layers {ids} must be {NUM_TAPS} ascending layer ids in [0, {bound})"
+    span = f"in [1, {num_layers})" if num_layers else ">= 1 (and below the verifier's layer count)"
+    if len(ids) != NUM_TAPS or ids != sorted(set(ids)) or ids[0] < 1 or (num_layers and ids[-1] >= num_layers):
+        return f"aux_layers {ids} must be {NUM_TAPS} ascending layer ids {span}"
     return None
 
 

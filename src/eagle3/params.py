@@ -1,0 +1,41 @@
+"""Stage ``params``: the whole params.yaml validated before DVC removes any stage's outputs.
+
+    python -m eagle3.params data/params.ok
+
+``dvc exp run -S key=value`` writes the value into params.yaml and then, stage by stage, deletes
+the outputs of a stage whose params changed before running it; a stage that then refused the
+value left neither its old outputs nor new ones. This stage declares every section of params.yaml,
+so any change runs it first (``verifier``, and through it every stage, depends on its output),
+and a bad value stops the run here, before anything is removed. Its output's bytes are the same
+for every valid params.yaml, so a valid change reruns only the stages that declare the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from eagle3.common import UserError, stage_main
+from eagle3.config import stage_params
+
+PARAMS = ("seed", "model", "dataset", "layout", "backend", "generate", "extract", "merge", "train", "evaluate")  # = dvc.yaml
+VALID = "params.yaml: valid (checked by the params stage: python -m eagle3.params)\n"
+RESTORE = "nothing was run or removed: correct it, or restore the committed params with `git checkout params.yaml`"
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eagle3.params", description="validate params.yaml as a whole")
+    parser.add_argument("out", type=Path, help="the stage's constant output, e.g. data/params.ok")
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    try:
+        stage_params(PARAMS, args.params)
+    except UserError as err:
+        raise UserError(f"{err}; {RESTORE}") from None
+    if not args.out.is_file() or args.out.read_text() != VALID:  # persistent: DVC leaves it, rewritten only if damaged
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(VALID)
+
+
+if __name__ == "__main__":
+    stage_main(main)

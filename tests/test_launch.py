@@ -1,0 +1,53 @@
+"""eagle3.launch under real `dvc repro`: a stopped training run ends in one line, not torchrun's report."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import run, stage_processes
+from test_train import copy_data, stage_args, stage_params, tiny_data  # noqa: F401 (fixture)
+
+LAUNCH = [sys.executable, "-m", "eagle3.launch", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+          "--rdzv-endpoint", "localhost:0"]
+
+
+STOPS = {  # how the stop is signalled -> the lines after training's last log line
+    "SIGTERM to dvc": (lambda pid: os.kill(pid, signal.SIGTERM),  # `kill` of dvc alone: the stage's watchdog stops the workers
+                       [r"eagle3: process \d+ that launched this stage is gone; stopping \(pid \d+\)"]),
+    "Ctrl-C": (lambda pid: os.killpg(pid, signal.SIGINT),  # SIGINT to dvc's process group: the torchrun agent
+               [r"eagle3.launch: stopped by SIGINT; workers stopped", r"ERROR: failed to reproduce 'train': .* exited with 130"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
+@pytest.mark.parametrize("stop", list(STOPS))
+def test_a_stopped_train_ends_in_one_line(tiny_data, tiny_verifier_dir, tmp_path, stop):  # noqa: F811
+    send, expected = STOPS[stop]
+    repo = copy_data(tiny_data, tmp_path / "repo")
+    params = stage_params(repo / "p.yaml", max_steps=1000, checkpoint_every=1000, val_every=1000)
+    command = " ".join([*LAUNCH, "-m", "eagle3.train", *stage_args(repo, tiny_verifier_dir, "run", params), "--threads", "1"])
+    (repo / "dvc.yaml").write_text(f"stages:\n  train:\n    cmd: {command}\n")
+    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "test@eagle3"], ["git", "config", "user.name", "eagle3 test"],
+                ["dvc", "init", "-q"], ["git", "add", "dvc.yaml"], ["git", "commit", "-qam", "train"]):
+        run(cmd, repo)  # dvclive needs a commit
+    dvc = subprocess.Popen(["dvc", "repro"], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (repo / "run" / "live" / "plots").is_dir():  # training has started
+        assert dvc.poll() is None and time.monotonic() < deadline, dvc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    send(dvc.pid)
+    output = dvc.communicate(timeout=60)[0]  # until every process of the stage has closed its output
+    assert not stage_processes(repo, "train")
+    lines = output.splitlines()
+    last_log = max(i for i, line in enumerate(lines) if " INFO " in line)
+    tail = [line for line in lines[last_log + 1 :] if line.strip()]
+    assert len(tail) == len(expected) and all(re.fullmatch(p, line) for p, line in zip(expected, tail)), output[-3000:]
