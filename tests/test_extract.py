@@ -3,6 +3,7 @@ post-norm final states, FP8 error bound, validation, disk preflight, data-parall
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -312,3 +313,22 @@ def test_background_part_write_failure_reaches_the_extractor(tmp_path):
             writer.add(sample, tensors, {"aux": 1.0, "final": 1.0})  # full at once: handed to the writer thread
             writer.add(Sample("b", 1, [4], [1], False), {"input_ids": torch.tensor([4], dtype=torch.int32)}, {"aux": 1.0, "final": 1.0})
     assert [entry["id"] for entry in writer.index] == ["a", "b"]
+
+
+def test_a_full_disk_is_one_line_and_keeps_nothing(tmp_path, tiny_verifier_dir, tiny_model_params, monkeypatch):
+    """A disk that fills mid-run (another process's writes): the part write fails as safetensors reports it."""
+    from safetensors import SafetensorError
+
+    def full_disk(tensors, path, metadata=None):  # fault injection: what safetensors raises on ENOSPC
+        Path(path).write_bytes(b"\0" * 1000)  # the bytes that fitted
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
+
+    monkeypatch.setattr("safetensors.torch.save_file", full_disk)
+    generated = write_generated(tmp_path / "generated", [conversation(i) for i in range(3)])
+    with pytest.raises(UserError) as caught:
+        extract(tiny_verifier_dir, generated, tmp_path / "out", *stage_arguments(tiny_params(tiny_model_params)))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert re.search(r"/part-000000\.safetensors: no space left on the device writing this part of \d+\.\d\d MB "
+                     r"\(\d+\.\d\d [MG]B free now\); free space .*, then re-run extract", message), message
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))

@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from eagle3.common import UserError, atomic_dir, exit_with_launcher, read_json, read_jsonl, stage_main, write_json, write_jsonl
 from eagle3.config import stage_params
-from eagle3.hidden_states.storage import PartWriter, encode_sample, magnitudes
+from eagle3.hidden_states.storage import PartWriter, encode_sample, magnitudes, size
 from eagle3.verifiers.chat import ChatFormat, RenderError, render
 from eagle3.verifiers.loading import Placement, close_sharded, load_tokenizer, load_verifier, read_meta, shard_rank, text_config
 from eagle3.verifiers.spec import VerifierSpec, require_verifier, tapped_features
@@ -231,11 +231,6 @@ def bytes_per_token(hidden_size: int, groups: int, dtype: str) -> int:
     element = 2 if dtype == "bfloat16" else 1
     scales = 4 * (groups + 1) if dtype == "float8_e4m3fn" else 0
     return (groups + 1) * hidden_size * element + scales + 4 + 1
-
-
-def size(n: int) -> str:
-    """Bytes in GB, or in MB below 0.01 GB."""
-    return f"{n / 1e9:.2f} GB" if n >= 10**7 else f"{n / 1e6:.2f} MB"
 
 
 def disk_free(path: Path) -> tuple[int, Path]:

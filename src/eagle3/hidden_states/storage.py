@@ -16,7 +16,9 @@ on. ``PartWriter`` writes the parts and the index entries; ``read_rows`` reads a
 
 from __future__ import annotations
 
+import errno
 import math
+import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -178,7 +180,30 @@ class PartWriter:
 
 
 def write_part(path: Path, samples: list[dict[str, torch.Tensor]]) -> None:
-    """One safetensors part: each key's tensors of all ``samples`` concatenated along tokens."""
+    """One safetensors part: each key's tensors of all ``samples`` concatenated along tokens.
+
+    A full disk is bad environment, not a bug: one line with the file, the bytes and what to do
+    (the caller's ``atomic_dir`` removes the partial output).
+    """
     from safetensors.torch import save_file
 
-    save_file({key: torch.cat([stored[key] for stored in samples]) for key in samples[0]}, path)
+    tensors = {key: torch.cat([stored[key] for stored in samples]) for key in samples[0]}
+    try:
+        save_file(tensors, path)
+    except Exception as err:  # safetensors wraps the OS error in its own SafetensorError
+        if not disk_full(err):
+            raise
+        need, free = sum(t.nbytes for t in tensors.values()), shutil.disk_usage(path.parent).free
+        raise UserError(f"{path}: no space left on the device writing this part of {size(need)} ({size(free)} free now); "
+                        "free space (or store less: extract.dtype=float8_e4m3fn halves it), then re-run extract; "
+                        "nothing of this shard was kept") from None
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether a write failed for want of space: an OSError ENOSPC, or safetensors' IoError of code 28."""
+    return (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in str(err)
+
+
+def size(n: int) -> str:
+    """Bytes in GB, or in MB below 0.01 GB."""
+    return f"{n / 1e9:.2f} GB" if n >= 10**7 else f"{n / 1e6:.2f} MB"
