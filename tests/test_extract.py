@@ -247,7 +247,7 @@ def test_validation_rejects_planted_nan(tmp_path, tiny_verifier_dir, tiny_model_
 
     model.model.layers[0].register_forward_hook(plant_nan)
     settings = Settings.from_params(tiny_params(tiny_model_params, batch_tokens=10_000))
-    index, rejected = extract_samples(model, samples, settings, tmp_path, pad_id=2)
+    index, rejected, _ = extract_samples(model, samples, settings, tmp_path, pad_id=2)
     assert rejected == [{"id": records[0]["id"], "record": 0, "reason": "non-finite values (NaN/Inf) in aux"}]
     assert [e["record"] for e in index] == [1, 2, 3]
 
@@ -332,3 +332,4 @@ def test_a_full_disk_is_one_line_and_keeps_nothing(tmp_path, tiny_verifier_dir, 
     assert re.search(r"/part-000000\.safetensors: no space left on the device writing this part of \d+\.\d\d MB "
                      r"\(\d+\.\d\d [MG]B free now\); free space .*, then re-run extract", message), message
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+

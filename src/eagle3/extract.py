@@ -11,7 +11,8 @@ batches of similar lengths, checked, and stored in the ``eagle3.hidden_states.st
 - ``index.jsonl``: per stored sample, in record order: id, record, part, offset, length, masked, truncated,
   max_abs (the largest |value| of its aux and final, checked again when training reads it);
 - ``rejected.jsonl``: per rejected record: id, record, reason (nothing is dropped silently);
-- ``meta.json``: verifier fingerprint, tapped layers and their convention, final-state norm, dtype, counts.
+- ``meta.json``: verifier fingerprint, tapped layers and their convention, final-state norm, dtype, counts,
+  and the sha256 of every other file of the shard (train refuses a file that no longer matches).
 
 Conventions (also written to meta.json):
 - ``aux[:, i*H:(i+1)*H]`` is the residual stream *entering* decoder layer ``aux_layers[i]``, i.e.
@@ -38,7 +39,8 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from eagle3.common import UserError, atomic_dir, exit_with_launcher, read_json, read_jsonl, stage_main, write_json, write_jsonl
+from eagle3.common import (UserError, atomic_dir, exit_with_launcher, read_json, read_jsonl, sha256_file, stage_main, write_json,
+                           write_jsonl)
 from eagle3.config import stage_params
 from eagle3.hidden_states.storage import PartWriter, encode_sample, magnitudes, size
 from eagle3.verifiers.chat import ChatFormat, RenderError, render
@@ -204,8 +206,10 @@ def check_sample(sample: Sample, stored: dict[str, torch.Tensor], largest: dict[
     return None
 
 
-def extract_samples(model, samples: list[Sample], settings: Settings, folder: Path | None, pad_id: int) -> tuple[list[dict], list[dict]]:
-    """Run, check and store ``samples`` (``folder`` None: run and check only); returns (index entries, rejections)."""
+def extract_samples(model, samples: list[Sample], settings: Settings, folder: Path | None,
+                    pad_id: int) -> tuple[list[dict], list[dict], dict[str, str]]:
+    """Run, check and store ``samples`` (``folder`` None: run and check only); returns (index entries,
+    rejections, sha256 of each part written)."""
     rejected = []
     progress = tqdm(total=sum(len(s.input_ids) for s in samples), desc="extract", unit="tok")
     with PartWriter(folder, settings.part_bytes) as writer:
@@ -220,7 +224,7 @@ def extract_samples(model, samples: list[Sample], settings: Settings, folder: Pa
                     rejected.append({"id": sample.id, "record": sample.record, "reason": reason})
             progress.update(sum(len(s.input_ids) for s in batch))
     progress.close()
-    return writer.index, rejected
+    return writer.index, rejected, writer.sha256
 
 
 # --- scale: disk preflight and data-parallel workers ----------------------------------------------
@@ -273,7 +277,7 @@ class Job:
     pad_id: int
 
 
-def run_worker(rank: int, job: Job, samples: list[Sample]) -> tuple[list[dict], list[dict]]:
+def run_worker(rank: int, job: Job, samples: list[Sample]) -> tuple[list[dict], list[dict], dict[str, str]]:
     torch.set_num_threads(job.settings.threads)
     settings = job.settings
     model = load_verifier(job.verifier, device_of(settings.device, rank), settings.compute_dtype, job.trust_remote_code,
@@ -284,11 +288,11 @@ def run_worker(rank: int, job: Job, samples: list[Sample]) -> tuple[list[dict], 
 def _spawned_worker(rank: int, job: Job, samples: list[Sample], result: Path) -> None:
     """Entry point of a spawned worker: its results go to a JSON file the parent reads."""
     exit_with_launcher(worker=True)  # never outlive the stage process, even a SIGKILLed one
-    index, rejected = run_worker(rank, job, samples)
-    write_json(result, {"index": index, "rejected": rejected})
+    index, rejected, sha256 = run_worker(rank, job, samples)
+    write_json(result, {"index": index, "rejected": rejected, "sha256": sha256})
 
 
-def run_workers(job: Job, samples: list[Sample]) -> tuple[list[dict], list[dict]]:
+def run_workers(job: Job, samples: list[Sample]) -> tuple[list[dict], list[dict], dict[str, str]]:
     """Extract in this process, or in ``layout.extract_workers`` spawned processes, each on a contiguous slice.
 
     A sharded verifier is one copy over the torchrun processes this one belongs to: every process
@@ -313,13 +317,14 @@ def run_workers(job: Job, samples: list[Sample]) -> tuple[list[dict], list[dict]
     failed = [rank for rank, (process, _) in enumerate(jobs) if process.exitcode != 0]
     if failed:
         raise RuntimeError(f"extract workers {failed} failed; see their logs above")
-    index, rejected = [], []
+    index, rejected, sha256 = [], [], {}
     for _, result in jobs:
         part = read_json(result)
         result.unlink()
         index += part["index"]
         rejected += part["rejected"]
-    return index, rejected
+        sha256.update(part["sha256"])
+    return index, rejected, sha256
 
 
 # --- the stage ------------------------------------------------------------------------------------
@@ -369,7 +374,7 @@ def extract(verifier: Path, generated: Path, out: Path, settings: Settings, spec
         run_workers(Job(verifier, settings, None, trust, tokenizer.pad_token_id or 0), samples)
         return {}
     with atomic_dir(out) as tmp:
-        index, late = run_workers(Job(verifier, settings, tmp, trust, tokenizer.pad_token_id or 0), samples)
+        index, late, sha256 = run_workers(Job(verifier, settings, tmp, trust, tokenizer.pad_token_id or 0), samples)
         index.sort(key=lambda entry: entry["record"])
         rejected = sorted(rejected + late, key=lambda entry: entry["record"])
         if len(index) + len(rejected) != len(records):
@@ -398,6 +403,7 @@ def extract(verifier: Path, generated: Path, out: Path, settings: Settings, spec
             },
             "estimated_bytes": estimate,
             "parts": sorted({e["part"] for e in index}),
+            "sha256": {**sha256, **{name: sha256_file(tmp / name) for name in ("index.jsonl", "rejected.jsonl")}},
             "params": settings.section(),
         }
         write_json(tmp / "meta.json", meta)
