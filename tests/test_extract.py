@@ -333,3 +333,25 @@ def test_a_full_disk_is_one_line_and_keeps_nothing(tmp_path, tiny_verifier_dir, 
                      r"\(\d+\.\d\d [MG]B free now\); free space .*, then re-run extract", message), message
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
 
+
+def test_a_shard_rejecting_more_than_a_tenth_of_its_records_is_refused(tmp_path, tiny_verifier_dir, tiny_model_params, monkeypatch):
+    """Answers that stopped on a string the verifier's template never writes after an answer are
+    all rejected; once that is more than 10% of the shard, extract stops in one line (before the
+    forward) instead of training on the rest. Exactly 10% passes, counted in meta.json."""
+    records = [conversation(i) for i in range(10)]
+    for record in records[:4]:
+        record["stop"] = "<end_of_turn>"  # a base model's marker; the tiny verifier's template writes <|im_end|>
+    generated = write_generated(tmp_path / "generated", records)
+    params = stage_arguments(tiny_params(tiny_model_params))
+    with monkeypatch.context() as patch:
+        patch.setattr("eagle3.extract.load_verifier", lambda *a, **k: pytest.fail("model loaded for a refused shard"))
+        with pytest.raises(UserError) as caught:
+            extract(tiny_verifier_dir, generated, tmp_path / "out", *params)
+    reason = "render: no end-of-turn marker '<end_of_turn>' after the answer"
+    assert str(caught.value) == (f"{generated}/records.jsonl: 4 of 10 records rejected, more than 10% ({{{reason!r}: 4}}); fix the "
+                                 "cause (model.stop, model.end_of_turn and the chat template, or extract.max_length) and re-run extract")
+    assert not (tmp_path / "out").exists()
+    for record in records[1:4]:
+        del record["stop"]
+    meta = extract(tiny_verifier_dir, write_generated(tmp_path / "one", records), tmp_path / "out", *params)
+    assert (meta["counts"]["rejected"], meta["counts"]["rejected_by_reason"]) == (1, {reason: 1})

@@ -58,6 +58,7 @@ PARAMS = ("extract", "model.aux_layers", "model.final_state", "model.chat_templa
 DISK_FREE_ENV = "EAGLE3_DISK_FREE_BYTES"  # overrides the measured free space (tests, quotas)
 INDEX_BYTES_PER_SAMPLE = 256  # index.jsonl line + share of a part header
 FIXED_OVERHEAD_BYTES = 1 << 20  # meta.json, rejected.jsonl, slack
+MAX_REJECTED_SHARE = 0.10  # a shard rejecting more of its records is refused: a broken rule, not a few bad records
 LAYER_CONVENTION = "aux layer k = residual stream entering decoder layer k = HF output_hidden_states[k] (0 = embeddings)"
 
 
@@ -140,6 +141,17 @@ def prepare(records: list[dict], tokenizer, fmt: ChatFormat, max_length: int) ->
         else:
             rejected.append({"id": record.get("id"), "record": number, "reason": problem})
     return samples, rejected
+
+
+def check_rejections(generated: Path, rejected: list[dict], records: int) -> None:
+    """Refuse a shard that rejects more than MAX_REJECTED_SHARE of its records, in one line with the
+    reason counts: a rule the configuration breaks (e.g. a chat template that does not write the
+    stop string) must not silently cost half the data."""
+    if len(rejected) > MAX_REJECTED_SHARE * records:
+        reasons = dict(Counter(r["reason"] for r in rejected).most_common())
+        raise UserError(f"{generated}/records.jsonl: {len(rejected)} of {records} records rejected, more than "
+                        f"{MAX_REJECTED_SHARE:.0%} ({reasons}); fix the cause (model.stop, model.end_of_turn and the chat "
+                        "template, or extract.max_length) and re-run extract")
 
 
 def mask_problem(mask: list[int], truncated: bool) -> str | None:
@@ -365,9 +377,9 @@ def extract(verifier: Path, generated: Path, out: Path, settings: Settings, spec
     fmt = spec.chat.for_tokenizer(tokenizer)
     records = list(read_jsonl(generated / "records.jsonl"))
     samples, rejected = prepare(records, tokenizer, fmt, settings.max_length)
-    if not samples:
-        reasons = Counter(r["reason"] for r in rejected)
-        raise UserError(f"{generated}/records.jsonl: none of {len(records)} records is usable ({dict(reasons)})")
+    check_rejections(generated, rejected, len(records))  # before the forward: most rejections are known here
+    if not samples:  # no records at all: rejecting most of them was refused above
+        raise UserError(f"{generated}/records.jsonl: no records to extract")
     shape = verifier_shape(verifier, settings, spec)
     estimate = preflight(samples, shape["hidden_size"], settings, out)
     if shard_rank() != 0:  # another process of a sharded verifier: the same inputs, checks and forwards; rank 0 writes
@@ -377,6 +389,7 @@ def extract(verifier: Path, generated: Path, out: Path, settings: Settings, spec
         index, late, sha256 = run_workers(Job(verifier, settings, tmp, trust, tokenizer.pad_token_id or 0), samples)
         index.sort(key=lambda entry: entry["record"])
         rejected = sorted(rejected + late, key=lambda entry: entry["record"])
+        check_rejections(generated, rejected, len(records))
         if len(index) + len(rejected) != len(records):
             raise RuntimeError(f"accounting: {len(index)} stored + {len(rejected)} rejected != {len(records)} records")
         write_jsonl(tmp / "index.jsonl", index)
