@@ -24,8 +24,8 @@ from test_generate import generate, shard_file, stage_params
 from test_pipeline import FAST, SMALL, add_dataset, overrides
 
 
-def random_model(tokenizer: Path, chat_template: str | None = None, seed: int = 0, **config):
-    return verifier_model(name="tiny-base", copy_weights=True, chat_template=chat_template,
+def random_model(tokenizer: Path, chat_template: str | None = None, seed: int = 0, end_of_turn: str = "<|im_end|>", **config):
+    return verifier_model(name="tiny-base", copy_weights=True, chat_template=chat_template, end_of_turn=end_of_turn,
                           source={"kind": "random", "tokenizer": str(tokenizer), "config": {**TINY_LLAMA, **config}, "seed": seed,
                                   "dtype": "float32"})
 
@@ -34,7 +34,7 @@ def random_model(tokenizer: Path, chat_template: str | None = None, seed: int = 
 def base_verifier(tmp_path_factory, base_tokenizer_dir) -> Path:
     """A tiny random base model whose tokenizer has no template, with the base template configured."""
     out = tmp_path_factory.mktemp("base") / "verifier"
-    import_verifier(random_model(base_tokenizer_dir, BASE_TEMPLATE), out)
+    import_verifier(random_model(base_tokenizer_dir, BASE_TEMPLATE, end_of_turn=BASE_END_OF_TURN), out)
     return out
 
 
@@ -43,7 +43,8 @@ def test_the_configured_template_is_written_into_the_verifier_folder(base_verifi
     assert tokenizer.chat_template == BASE_TEMPLATE and (base_verifier / "chat_template.jinja").is_file()
     messages = [{"role": "user", "content": "Hi"}]
     assert tokenizer.decode(prompt_ids(tokenizer, messages)) == "<|im_start|>User: Hi\nAssistant: "  # BOS rendered
-    other = import_verifier(random_model(base_tokenizer_dir, BASE_TEMPLATE.replace("Assistant", "A")), tmp_path / "other")
+    other = import_verifier(random_model(base_tokenizer_dir, BASE_TEMPLATE.replace("Assistant", "A"), end_of_turn=BASE_END_OF_TURN),
+                            tmp_path / "other")
     assert other["fingerprint"]["tokenizer"] != read_meta(base_verifier)["fingerprint"]["tokenizer"]  # content-addressed
 
 
@@ -51,6 +52,22 @@ def test_no_template_and_none_configured_is_one_clear_error(base_tokenizer_dir, 
     with pytest.raises(UserError, match=r"^model.chat_template: the verifier's tokenizer has no chat template"):
         import_verifier(random_model(base_tokenizer_dir), tmp_path / "verifier")
     assert not (tmp_path / "verifier").exists()
+
+
+def test_a_stop_string_the_template_does_not_write_is_refused_by_the_verifier_stage(base_tokenizer_dir, tmp_path):
+    """A base model's template closes answers with one marker, model.stop names another: extract
+    would reject every answer that stopped on it (14 of 32 once), so the verifier stage refuses."""
+    model = random_model(base_tokenizer_dir, BASE_TEMPLATE, end_of_turn=BASE_END_OF_TURN)
+    model.stop = ["<end_of_turn>"]
+    with pytest.raises(UserError) as caught:
+        import_verifier(model, tmp_path / "verifier")
+    assert str(caught.value).startswith(
+        "model.stop: '<end_of_turn>' is not what the chat template (model.chat_template, or the tokenizer's own) writes "
+        f"after an answer ({BASE_END_OF_TURN + chr(10)!r}), so extract would reject every answer that ends with it; "), caught.value
+    assert not (tmp_path / "verifier").exists()
+    model.stop, model.end_of_turn = [BASE_END_OF_TURN], "<|im_end|>"  # SmolLM2's marker, which this template never writes
+    with pytest.raises(UserError, match=r"^model.end_of_turn: '<\|im_end\|>' is not what the chat template"):
+        import_verifier(model, tmp_path / "verifier")
 
 
 def test_local_generation_ends_at_a_stop_string(tmp_path, tiny_verifier_dir):

@@ -3,6 +3,7 @@ post-norm final states, FP8 error bound, validation, disk preflight, data-parall
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -246,7 +247,7 @@ def test_validation_rejects_planted_nan(tmp_path, tiny_verifier_dir, tiny_model_
 
     model.model.layers[0].register_forward_hook(plant_nan)
     settings = Settings.from_params(tiny_params(tiny_model_params, batch_tokens=10_000))
-    index, rejected = extract_samples(model, samples, settings, tmp_path, pad_id=2)
+    index, rejected, _ = extract_samples(model, samples, settings, tmp_path, pad_id=2)
     assert rejected == [{"id": records[0]["id"], "record": 0, "reason": "non-finite values (NaN/Inf) in aux"}]
     assert [e["record"] for e in index] == [1, 2, 3]
 
@@ -312,3 +313,45 @@ def test_background_part_write_failure_reaches_the_extractor(tmp_path):
             writer.add(sample, tensors, {"aux": 1.0, "final": 1.0})  # full at once: handed to the writer thread
             writer.add(Sample("b", 1, [4], [1], False), {"input_ids": torch.tensor([4], dtype=torch.int32)}, {"aux": 1.0, "final": 1.0})
     assert [entry["id"] for entry in writer.index] == ["a", "b"]
+
+
+def test_a_full_disk_is_one_line_and_keeps_nothing(tmp_path, tiny_verifier_dir, tiny_model_params, monkeypatch):
+    """A disk that fills mid-run (another process's writes): the part write fails as safetensors reports it."""
+    from safetensors import SafetensorError
+
+    def full_disk(tensors, path, metadata=None):  # fault injection: what safetensors raises on ENOSPC
+        Path(path).write_bytes(b"\0" * 1000)  # the bytes that fitted
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
+
+    monkeypatch.setattr("safetensors.torch.save_file", full_disk)
+    generated = write_generated(tmp_path / "generated", [conversation(i) for i in range(3)])
+    with pytest.raises(UserError) as caught:
+        extract(tiny_verifier_dir, generated, tmp_path / "out", *stage_arguments(tiny_params(tiny_model_params)))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert re.search(r"/part-000000\.safetensors: no space left on the device writing this part of \d+\.\d\d MB "
+                     r"\(\d+\.\d\d [MG]B free now\); free space .*, then re-run extract", message), message
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_a_shard_rejecting_more_than_a_tenth_of_its_records_is_refused(tmp_path, tiny_verifier_dir, tiny_model_params, monkeypatch):
+    """Answers that stopped on a string the verifier's template never writes after an answer are
+    all rejected; once that is more than 10% of the shard, extract stops in one line (before the
+    forward) instead of training on the rest. Exactly 10% passes, counted in meta.json."""
+    records = [conversation(i) for i in range(10)]
+    for record in records[:4]:
+        record["stop"] = "<end_of_turn>"  # a base model's marker; the tiny verifier's template writes <|im_end|>
+    generated = write_generated(tmp_path / "generated", records)
+    params = stage_arguments(tiny_params(tiny_model_params))
+    with monkeypatch.context() as patch:
+        patch.setattr("eagle3.extract.load_verifier", lambda *a, **k: pytest.fail("model loaded for a refused shard"))
+        with pytest.raises(UserError) as caught:
+            extract(tiny_verifier_dir, generated, tmp_path / "out", *params)
+    reason = "render: no end-of-turn marker '<end_of_turn>' after the answer"
+    assert str(caught.value) == (f"{generated}/records.jsonl: 4 of 10 records rejected, more than 10% ({{{reason!r}: 4}}); fix the "
+                                 "cause (model.stop, model.end_of_turn and the chat template, or extract.max_length) and re-run extract")
+    assert not (tmp_path / "out").exists()
+    for record in records[1:4]:
+        del record["stop"]
+    meta = extract(tiny_verifier_dir, write_generated(tmp_path / "one", records), tmp_path / "out", *params)
+    assert (meta["counts"]["rejected"], meta["counts"]["rejected_by_reason"]) == (1, {reason: 1})

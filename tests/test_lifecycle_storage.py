@@ -239,3 +239,25 @@ def test_credentials_never_reach_git(fresh_repo, local_s3):
         assert creds["secret_access_key"].encode() not in text and creds["access_key_id"].encode() not in text, path
     assert oct((repo / "storage" / "credentials.json").stat().st_mode & 0o777) == "0o600"
     assert oct((repo / ".dvc" / "config.local").stat().st_mode & 0o777) == "0o600"  # it holds the secret too
+
+
+def test_gc_removes_what_killed_runs_left_beside_the_outputs(blob_repo, local_s3):
+    from test_merge_dvc import plant_leftover
+
+    repo = blob_repo
+    local_s3(repo)
+    run(["dvc", "repro"], repo)
+    commit(repo, "seed 1")
+    run(["dvc", "push"], repo)
+    dead = plant_leftover(repo / "blobs")  # a kill -9 of the stage: its process is gone
+    writing = repo / f".index.txt.tmp-{os.getpid()}-abc123"  # a live writer's (this test's pid)
+    writing.mkdir()
+
+    listed = gc(repo, "--dry-run")
+    assert listed.returncode == 0, listed.stderr
+    assert f"would remove {dead.name} (0.0 MB), left by a killed run" in listed.stdout and writing.name not in listed.stdout
+    assert dead.exists()
+    removed = gc(repo)
+    assert removed.returncode == 0 and f"removing {dead.name}" in removed.stdout, removed.stderr
+    assert not dead.exists() and writing.exists()
+    assert "up to date" in run(["dvc", "status"], repo).stdout

@@ -37,12 +37,12 @@ def write_params(repo: Path, tiny_model_params, shards: list[str]) -> None:
     OmegaConf.save(params, repo / "params.yaml")
 
 
-def make_repo(tmp_path: Path, tiny_verifier_dir: Path, tiny_model_params) -> Path:
-    """The project's extract and merge stages over two generated shards; params list the first."""
+def make_repo(tmp_path: Path, tiny_verifier_dir: Path, tiny_model_params, stages: tuple[str, ...] = ("extract", "merge")) -> Path:
+    """The project's extract and merge stages (or ``stages``) over two generated shards; params list the first."""
     repo = tmp_path / "repo"
     repo.mkdir()
-    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
-    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {name: stages[name] for name in ("extract", "merge")}}))
+    declared = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {name: declared[name] for name in stages}}))
     # The stages' code deps (the code that runs is the installed eagle3).
     shutil.copytree(ROOT / "src", repo / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     for file in (".dvcignore", ".gitignore"):

@@ -21,12 +21,12 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
-from eagle3.common import UserError, read_json, read_jsonl, stage_main
+from eagle3.common import UserError, read_json, read_jsonl, sha256_file, stage_main, write_json
 from eagle3.drafter.export import check_drafter
 from eagle3.drafter.loss import TrainingTimeTest, VerifierHead
 from eagle3.drafter.parallel import World
 from eagle3.extract import extract, stage_arguments
-from eagle3.hidden_states.loader import DataPlan, collate, pack
+from eagle3.hidden_states.loader import DataPlan, HiddenStates, collate, pack
 from eagle3.merge import merge
 from eagle3.train import TrainConfig, TrainPaths, fit, lock_run, lr_factor, main, train, verifier_parts
 
@@ -263,12 +263,21 @@ def copy_data(tiny_data: Path, root: Path) -> Path:
     return root
 
 
+ELEMENT_BYTES = {"BF16": 2, "I32": 4}
+
+
 def part_element(part: Path, tensor: str, element: int) -> int:
-    """The file offset of element ``element`` of a bf16 tensor of a safetensors part."""
+    """The file offset of element ``element`` of a bf16 or int32 tensor of a safetensors part."""
     header_len = int.from_bytes(part.read_bytes()[:8], "little")
     header = json.loads(part.read_bytes()[8 : 8 + header_len])
-    assert header[tensor]["dtype"] == "BF16"
-    return 8 + header_len + header[tensor]["data_offsets"][0] + 2 * element
+    return 8 + header_len + header[tensor]["data_offsets"][0] + ELEMENT_BYTES[header[tensor]["dtype"]] * element
+
+
+def record_digest(part: Path) -> None:
+    """Record ``part``'s current bytes in its shard's meta.json, as a re-extraction writing them would."""
+    meta = read_json(part.parent / "meta.json")
+    meta["sha256"][part.name] = sha256_file(part)
+    write_json(part.parent / "meta.json", meta)
 
 
 def run_dirs(checkpoints: Path) -> set[str]:
@@ -276,8 +285,9 @@ def run_dirs(checkpoints: Path) -> set[str]:
 
 
 def test_run_id_follows_hidden_state_bytes(tiny_data, tiny_verifier_dir, tmp_path, caplog):
-    """Different hidden states under the same merged manifest (re-extracted, or one flipped bit)
-    never resume another run's checkpoint; restoring the original bytes resumes the original run."""
+    """Different hidden states under the same merged manifest (re-extracted: one bit differs, and
+    its shard records it) never resume another run's checkpoint; restoring the original bytes
+    resumes the original run."""
     root = copy_data(tiny_data, tmp_path)
     params = stage_params(tmp_path / "p.yaml", max_steps=2)
     args = train_paths(stage_args(root, tiny_verifier_dir, "run", params))
@@ -289,21 +299,34 @@ def test_run_id_follows_hidden_state_bytes(tiny_data, tiny_verifier_dir, tmp_pat
     with part.open("r+b") as handle:  # clear the lowest mantissa bit: finite, a hair smaller, passes the load checks
         handle.seek(at)
         handle.write(bytes([pristine[at] ^ 1]))
+    record_digest(part)
     caplog.clear()
     with caplog.at_level("INFO", logger="eagle3.train"):
         train_with(args, params)
     assert "resumed" not in caplog.text
     assert len(run_dirs(args.checkpoints)) == 2
     part.write_bytes(pristine)
+    record_digest(part)
     caplog.clear()
     with caplog.at_level("INFO", logger="eagle3.train"):
         train_with(args, params)
     assert f"{original} at step 2" in caplog.text and len(run_dirs(args.checkpoints)) == 2
 
 
+def error_line(args: list[str], monkeypatch, capsys) -> str:
+    """The one error line of ``python -m eagle3.train ARGS``, which must exit 2."""
+    monkeypatch.setattr(sys, "argv", ["eagle3.train", *args])
+    with pytest.raises(SystemExit) as exit:
+        stage_main(main)
+    assert exit.value.code == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    return line
+
+
 def test_corrupted_hidden_state_is_refused_in_one_line(tiny_data, tiny_verifier_dir, tmp_path, monkeypatch, capsys):
-    """One flipped byte pair in a part (an aux value becomes -2.35e38): train stops with one line
-    naming the part and the sample, and exits 2."""
+    """One flipped byte pair in a part (an aux value becomes -2.35e38): train stops before training
+    with one line naming the part, its recorded digest and what to do, and exits 2. Had its shard
+    recorded the damaged bytes, the read of the sample stops it, naming part and sample."""
     root = copy_data(tiny_data, tmp_path)
     row = next(r for r in read_jsonl(root / "merged" / "manifest.jsonl") if r["split"] == "val")  # every val sample is read
     part = root / "hidden" / row["shard"] / row["part"]
@@ -313,13 +336,31 @@ def test_corrupted_hidden_state_is_refused_in_one_line(tiny_data, tiny_verifier_
         handle.seek(at)
         handle.write(bytes([0x31, 0xFF]))  # bf16 0xFF31, little-endian: -2.35e38
     params = stage_params(tmp_path / "p.yaml", max_steps=2)
-    monkeypatch.setattr(sys, "argv", ["eagle3.train", *stage_args(root, tiny_verifier_dir, "run", params)])
-    with pytest.raises(SystemExit) as exit:
-        stage_main(main)
-    assert exit.value.code == 2
-    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    args = stage_args(root, tiny_verifier_dir, "run", params)
+    line = error_line(args, monkeypatch, capsys)
+    assert line.startswith(f"error: {part} has sha256 ") and "not the " in line and "extract recorded" in line, line
+    assert line.endswith(f"re-extract it (`dvc repro -f extract@{row['shard']}`) or restore it (`dvc checkout --force {part.parent}`)")
+    record_digest(part)
+    line = error_line(args, monkeypatch, capsys)
     assert f"{part}: sample {row['id']}" in line and "aux holds -2.35e+38" in line, line
     assert not (root / "run" / "drafter").exists()
+
+
+def test_a_token_id_beyond_the_vocabulary_is_refused_where_it_is_read(tiny_data, tmp_path):
+    """An input_ids flip to an id the verifier's embedding does not have (it failed 4 steps into
+    training with an IndexError): one line naming part and sample."""
+    root = copy_data(tiny_data, tmp_path)
+    dataset = HiddenStates(root / "merged", root / "hidden", "train")
+    row = dataset.rows[0]
+    part = root / "hidden" / row["shard"] / row["part"]
+    with part.open("r+b") as handle:
+        handle.seek(part_element(part, "input_ids", row["offset"] + 1))
+        handle.write((dataset.vocab_size + 5).to_bytes(4, "little"))
+    with pytest.raises(UserError) as caught:
+        dataset[0]
+    assert str(caught.value).startswith(f"{part}: sample {row['id']} (tokens {row['offset']}..{row['offset'] + row['length']}): "
+                                        f"input_ids holds token id {dataset.vocab_size + 5}, outside the verifier's vocabulary "
+                                        f"[0, {dataset.vocab_size})"), caught.value
 
 
 def test_second_trainer_on_one_run_is_refused(tiny_data, tiny_verifier_dir, tmp_path):

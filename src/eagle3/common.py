@@ -180,11 +180,22 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
 
 def remove_stale_tmp(final: Path) -> None:
     """Delete the temporary folders of ``final`` whose writing process is gone."""
-    for stale in final.parent.glob(f".{glob.escape(final.name)}.tmp-*"):
-        pid = stale.name.removeprefix(f".{final.name}.tmp-").split("-")[0]
-        if not (pid.isdigit() and _alive(int(pid))):
-            log.info("removing %s, left by a killed run", stale)
-            shutil.rmtree(stale, ignore_errors=True)
+    for stale in stale_tmp(final.parent, glob.escape(final.name)):
+        log.info("removing %s, left by a killed run", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def stale_tmp(folder: Path, name: str = "*") -> list[Path]:
+    """The ``atomic_dir`` temporaries ``.<name>.tmp-<pid>-*`` in ``folder`` whose writing process is gone.
+
+    Example: ``.000000-000032.tmp-4242-k3j2`` is stale once no process 4242 runs.
+    """
+    stale = []
+    for tmp in sorted(folder.glob(f".{name}.tmp-*")):
+        pid = tmp.name.rsplit(".tmp-", 1)[1].split("-")[0]
+        if tmp.is_dir() and not (pid.isdigit() and _alive(int(pid))):
+            stale.append(tmp)
+    return stale
 
 
 def _alive(pid: int) -> bool:

@@ -11,7 +11,8 @@ batches of similar lengths, checked, and stored in the ``eagle3.hidden_states.st
 - ``index.jsonl``: per stored sample, in record order: id, record, part, offset, length, masked, truncated,
   max_abs (the largest |value| of its aux and final, checked again when training reads it);
 - ``rejected.jsonl``: per rejected record: id, record, reason (nothing is dropped silently);
-- ``meta.json``: verifier fingerprint, tapped layers and their convention, final-state norm, dtype, counts.
+- ``meta.json``: verifier fingerprint, tapped layers and their convention, final-state norm, dtype, counts,
+  and the sha256 of every other file of the shard (train refuses a file that no longer matches).
 
 Conventions (also written to meta.json):
 - ``aux[:, i*H:(i+1)*H]`` is the residual stream *entering* decoder layer ``aux_layers[i]``, i.e.
@@ -38,9 +39,10 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from eagle3.common import UserError, atomic_dir, exit_with_launcher, read_json, read_jsonl, stage_main, write_json, write_jsonl
+from eagle3.common import (UserError, atomic_dir, exit_with_launcher, read_json, read_jsonl, sha256_file, stage_main, write_json,
+                           write_jsonl)
 from eagle3.config import stage_params
-from eagle3.hidden_states.storage import PartWriter, encode_sample, magnitudes
+from eagle3.hidden_states.storage import PartWriter, encode_sample, magnitudes, size
 from eagle3.verifiers.chat import ChatFormat, RenderError, render
 from eagle3.verifiers.loading import Placement, close_sharded, load_tokenizer, load_verifier, read_meta, shard_rank, text_config
 from eagle3.verifiers.spec import VerifierSpec, require_verifier, tapped_features
@@ -56,6 +58,7 @@ PARAMS = ("extract", "model.aux_layers", "model.final_state", "model.chat_templa
 DISK_FREE_ENV = "EAGLE3_DISK_FREE_BYTES"  # overrides the measured free space (tests, quotas)
 INDEX_BYTES_PER_SAMPLE = 256  # index.jsonl line + share of a part header
 FIXED_OVERHEAD_BYTES = 1 << 20  # meta.json, rejected.jsonl, slack
+MAX_REJECTED_SHARE = 0.10  # a shard rejecting more of its records is refused: a broken rule, not a few bad records
 LAYER_CONVENTION = "aux layer k = residual stream entering decoder layer k = HF output_hidden_states[k] (0 = embeddings)"
 
 
@@ -140,6 +143,17 @@ def prepare(records: list[dict], tokenizer, fmt: ChatFormat, max_length: int) ->
     return samples, rejected
 
 
+def check_rejections(generated: Path, rejected: list[dict], records: int) -> None:
+    """Refuse a shard that rejects more than MAX_REJECTED_SHARE of its records, in one line with the
+    reason counts: a rule the configuration breaks (e.g. a chat template that does not write the
+    stop string) must not silently cost half the data."""
+    if len(rejected) > MAX_REJECTED_SHARE * records:
+        reasons = dict(Counter(r["reason"] for r in rejected).most_common())
+        raise UserError(f"{generated}/records.jsonl: {len(rejected)} of {records} records rejected, more than "
+                        f"{MAX_REJECTED_SHARE:.0%} ({reasons}); fix the cause (model.stop, model.end_of_turn and the chat "
+                        "template, or extract.max_length) and re-run extract")
+
+
 def mask_problem(mask: list[int], truncated: bool) -> str | None:
     if not any(mask):
         return "loss_mask is all zero" + (" after truncation to extract.max_length" if truncated else "")
@@ -204,8 +218,10 @@ def check_sample(sample: Sample, stored: dict[str, torch.Tensor], largest: dict[
     return None
 
 
-def extract_samples(model, samples: list[Sample], settings: Settings, folder: Path | None, pad_id: int) -> tuple[list[dict], list[dict]]:
-    """Run, check and store ``samples`` (``folder`` None: run and check only); returns (index entries, rejections)."""
+def extract_samples(model, samples: list[Sample], settings: Settings, folder: Path | None,
+                    pad_id: int) -> tuple[list[dict], list[dict], dict[str, str]]:
+    """Run, check and store ``samples`` (``folder`` None: run and check only); returns (index entries,
+    rejections, sha256 of each part written)."""
     rejected = []
     progress = tqdm(total=sum(len(s.input_ids) for s in samples), desc="extract", unit="tok")
     with PartWriter(folder, settings.part_bytes) as writer:
@@ -220,7 +236,7 @@ def extract_samples(model, samples: list[Sample], settings: Settings, folder: Pa
                     rejected.append({"id": sample.id, "record": sample.record, "reason": reason})
             progress.update(sum(len(s.input_ids) for s in batch))
     progress.close()
-    return writer.index, rejected
+    return writer.index, rejected, writer.sha256
 
 
 # --- scale: disk preflight and data-parallel workers ----------------------------------------------
@@ -231,11 +247,6 @@ def bytes_per_token(hidden_size: int, groups: int, dtype: str) -> int:
     element = 2 if dtype == "bfloat16" else 1
     scales = 4 * (groups + 1) if dtype == "float8_e4m3fn" else 0
     return (groups + 1) * hidden_size * element + scales + 4 + 1
-
-
-def size(n: int) -> str:
-    """Bytes in GB, or in MB below 0.01 GB."""
-    return f"{n / 1e9:.2f} GB" if n >= 10**7 else f"{n / 1e6:.2f} MB"
 
 
 def disk_free(path: Path) -> tuple[int, Path]:
@@ -278,7 +289,7 @@ class Job:
     pad_id: int
 
 
-def run_worker(rank: int, job: Job, samples: list[Sample]) -> tuple[list[dict], list[dict]]:
+def run_worker(rank: int, job: Job, samples: list[Sample]) -> tuple[list[dict], list[dict], dict[str, str]]:
     torch.set_num_threads(job.settings.threads)
     settings = job.settings
     model = load_verifier(job.verifier, device_of(settings.device, rank), settings.compute_dtype, job.trust_remote_code,
@@ -289,11 +300,11 @@ def run_worker(rank: int, job: Job, samples: list[Sample]) -> tuple[list[dict], 
 def _spawned_worker(rank: int, job: Job, samples: list[Sample], result: Path) -> None:
     """Entry point of a spawned worker: its results go to a JSON file the parent reads."""
     exit_with_launcher(worker=True)  # never outlive the stage process, even a SIGKILLed one
-    index, rejected = run_worker(rank, job, samples)
-    write_json(result, {"index": index, "rejected": rejected})
+    index, rejected, sha256 = run_worker(rank, job, samples)
+    write_json(result, {"index": index, "rejected": rejected, "sha256": sha256})
 
 
-def run_workers(job: Job, samples: list[Sample]) -> tuple[list[dict], list[dict]]:
+def run_workers(job: Job, samples: list[Sample]) -> tuple[list[dict], list[dict], dict[str, str]]:
     """Extract in this process, or in ``layout.extract_workers`` spawned processes, each on a contiguous slice.
 
     A sharded verifier is one copy over the torchrun processes this one belongs to: every process
@@ -318,13 +329,14 @@ def run_workers(job: Job, samples: list[Sample]) -> tuple[list[dict], list[dict]
     failed = [rank for rank, (process, _) in enumerate(jobs) if process.exitcode != 0]
     if failed:
         raise RuntimeError(f"extract workers {failed} failed; see their logs above")
-    index, rejected = [], []
+    index, rejected, sha256 = [], [], {}
     for _, result in jobs:
         part = read_json(result)
         result.unlink()
         index += part["index"]
         rejected += part["rejected"]
-    return index, rejected
+        sha256.update(part["sha256"])
+    return index, rejected, sha256
 
 
 # --- the stage ------------------------------------------------------------------------------------
@@ -365,18 +377,19 @@ def extract(verifier: Path, generated: Path, out: Path, settings: Settings, spec
     fmt = spec.chat.for_tokenizer(tokenizer)
     records = list(read_jsonl(generated / "records.jsonl"))
     samples, rejected = prepare(records, tokenizer, fmt, settings.max_length)
-    if not samples:
-        reasons = Counter(r["reason"] for r in rejected)
-        raise UserError(f"{generated}/records.jsonl: none of {len(records)} records is usable ({dict(reasons)})")
+    check_rejections(generated, rejected, len(records))  # before the forward: most rejections are known here
+    if not samples:  # no records at all: rejecting most of them was refused above
+        raise UserError(f"{generated}/records.jsonl: no records to extract")
     shape = verifier_shape(verifier, settings, spec)
     estimate = preflight(samples, shape["hidden_size"], settings, out)
     if shard_rank() != 0:  # another process of a sharded verifier: the same inputs, checks and forwards; rank 0 writes
         run_workers(Job(verifier, settings, None, trust, tokenizer.pad_token_id or 0), samples)
         return {}
     with atomic_dir(out) as tmp:
-        index, late = run_workers(Job(verifier, settings, tmp, trust, tokenizer.pad_token_id or 0), samples)
+        index, late, sha256 = run_workers(Job(verifier, settings, tmp, trust, tokenizer.pad_token_id or 0), samples)
         index.sort(key=lambda entry: entry["record"])
         rejected = sorted(rejected + late, key=lambda entry: entry["record"])
+        check_rejections(generated, rejected, len(records))
         if len(index) + len(rejected) != len(records):
             raise RuntimeError(f"accounting: {len(index)} stored + {len(rejected)} rejected != {len(records)} records")
         write_jsonl(tmp / "index.jsonl", index)
@@ -403,6 +416,7 @@ def extract(verifier: Path, generated: Path, out: Path, settings: Settings, spec
             },
             "estimated_bytes": estimate,
             "parts": sorted({e["part"] for e in index}),
+            "sha256": {**sha256, **{name: sha256_file(tmp / name) for name in ("index.jsonl", "rejected.jsonl")}},
             "params": settings.section(),
         }
         write_json(tmp / "meta.json", meta)

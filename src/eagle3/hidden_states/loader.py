@@ -10,8 +10,10 @@ samples into fixed-size rows, and the order in which training takes them.
 Samples are token ranges of safetensors parts (format: ``eagle3.hidden_states.storage``), referenced by
 ``data/merged/manifest.jsonl``. Parts are memory-mapped with ``safetensors.safe_open`` and only
 the requested rows are read. Every sample read is checked against its shard's index (shapes,
-masked count, finite values within the magnitudes recorded at extraction): a corrupted part stops
-training with the file and sample named instead of being trained on.
+token ids within the vocabulary, masked count, finite values within the magnitudes recorded at
+extraction): a corrupted part stops training with the file and sample named instead of being
+trained on. Before training, ``check_recorded_digests`` compares every shard file with the sha256
+extract recorded, which also catches a value changed within the recorded magnitudes.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class HiddenStates(Dataset):
         if not self.rows:
             raise UserError(f"{merged}/manifest.jsonl: no samples in split {split!r}")
         self.widths = {"aux": len(self.meta["aux_layers"]) * self.meta["hidden_size"], "final": self.meta["hidden_size"]}
+        self.vocab_size = self.meta["vocab_size"]  # the verifier's: token ids beyond it are damage
         self.index = {}  # shard -> its index.jsonl entries, what each read is checked against
         for shard in sorted({row["shard"] for row in self.rows}):
             self._check_shard(shard)
@@ -57,7 +60,7 @@ class HiddenStates(Dataset):
         if any(entry.get(key) != row[key] for key in ("id", "part", "offset", "length", "masked")):
             raise UserError(f"{self.root / row['shard']}/index.jsonl: line {row['index'] + 1} is not sample {row['id']} of the "
                             "merged manifest; re-run `dvc repro` (merge)")
-        problem = load_problem(entry, sample, self.widths)
+        problem = load_problem(entry, sample, self.widths, self.vocab_size)
         if problem:
             raise UserError(f"{where}: sample {row['id']} (tokens {row['offset']}..{row['offset'] + row['length']}): {problem}; "
                             f"the file is damaged: restore it (`dvc checkout {self.root / row['shard']}`) or re-run extract")
@@ -98,6 +101,28 @@ class HiddenStates(Dataset):
         }
         self._check(row, sample)
         return sample
+
+
+def check_recorded_digests(hidden_states: Path, shards: list[str], digests: dict[str, str]) -> None:
+    """Refuse a shard file whose content is not what extract wrote (the ``sha256`` of its meta.json).
+
+    ``digests``: the sha256 of the files training reads, named ``hidden_states/<shard>/<file>`` as
+    ``train.training_inputs`` names them (it hashes every input once for the run id; nothing is
+    hashed again here). Catches damage that the per-sample checks cannot: a value changed to
+    another one within the magnitudes recorded at extraction.
+    """
+    for shard in shards:
+        folder = hidden_states / shard
+        recorded = read_json(folder / "meta.json").get("sha256")
+        if recorded is None:
+            raise UserError(f"{folder}/meta.json records no sha256 of its files (extracted by an older eagle3); "
+                            f"re-extract it: `dvc repro -f extract@{shard}`")
+        for name, expected in sorted(recorded.items()):
+            found = digests.get(f"hidden_states/{shard}/{name}")
+            if found != expected:
+                state = "is missing" if found is None else f"has sha256 {found[:12]}, not the {expected[:12]} extract recorded"
+                raise UserError(f"{folder}/{name} {state}: the shard was damaged after extraction; re-extract it "
+                                f"(`dvc repro -f extract@{shard}`) or restore it (`dvc checkout --force {folder}`)")
 
 
 def pack(lengths: list[int], capacity: int) -> list[list[int]]:

@@ -10,20 +10,23 @@ the token axis:
 A sample is the token range ``[offset, offset + length)`` of one part. Its index entry records
 ``max_abs``, the largest |value| of its decoded ``aux`` and ``final``: the loader checks every
 sample it reads against its entry (``load_problem``), so a corrupted part is refused, not trained
-on. ``PartWriter`` writes the parts and the index entries; ``read_rows`` reads a sample back. This module is a dependency of every ``extract`` stage (a change here re-extracts) and of
+on. The shard's meta.json records the sha256 of every other file of the shard (``sha256``), which
+train compares before training: damage within the recorded magnitudes is refused too. ``PartWriter`` writes the parts and the index entries; ``read_rows`` reads a sample back. This module is a dependency of every ``extract`` stage (a change here re-extracts) and of
 ``train``, which reads it.
 """
 
 from __future__ import annotations
 
+import errno
 import math
+import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagle3.common import UserError
+from eagle3.common import UserError, sha256_file
 from eagle3.config import STORAGE_DTYPES
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
@@ -70,11 +73,12 @@ def magnitudes(stored: dict[str, torch.Tensor]) -> dict[str, float]:
     return {name: float(decode_states(stored, name).abs().amax()) for name in ("aux", "final")}
 
 
-def load_problem(entry: dict, sample: dict[str, torch.Tensor], widths: dict[str, int]) -> str | None:
+def load_problem(entry: dict, sample: dict[str, torch.Tensor], widths: dict[str, int], vocab_size: int) -> str | None:
     """Why a sample read for index ``entry`` is not what extract stored, or None.
 
     ``sample``: its ``input_ids``, ``loss_mask`` and decoded ``aux``/``final`` (``decode_states``);
-    ``widths``: the expected width of ``aux`` (G*H) and ``final`` (H). Checks shapes, the
+    ``widths``: the expected width of ``aux`` (G*H) and ``final`` (H). Checks shapes, token ids
+    within the verifier's ``vocab_size`` (an embedding lookup would fail steps later), the
     masked-token count, and that the states are finite and within the magnitudes recorded at
     extraction (the same decoding, so an intact sample meets its record exactly).
     """
@@ -83,6 +87,10 @@ def load_problem(entry: dict, sample: dict[str, torch.Tensor], widths: dict[str,
     for name, shape in expected.items():
         if tuple(sample[name].shape) != shape:
             return f"{name} has shape {tuple(sample[name].shape)}, the index says {shape}"
+    ids = sample["input_ids"]
+    if length and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
+        bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
+        return f"input_ids holds token id {bad}, outside the verifier's vocabulary [0, {vocab_size})"
     if int(sample["loss_mask"].sum()) != entry["masked"]:
         return f"{int(sample['loss_mask'].sum())} masked tokens, the index says {entry['masked']}"
     if "max_abs" not in entry:
@@ -134,8 +142,9 @@ class PartWriter:
         self.pending: list[tuple[Any, dict[str, torch.Tensor], dict[str, float]]] = []
         self.pending_bytes = 0
         self.index: list[dict[str, Any]] = []
+        self.sha256: dict[str, str] = {}  # part -> sha256 of its file, as written
         self.background = ThreadPoolExecutor(1, thread_name_prefix="part-writer")
-        self.writing: Future | None = None
+        self.writing: tuple[str, Future] | None = None  # the part being written
 
     def add(self, sample: Any, stored: dict[str, torch.Tensor], largest: dict[str, float]) -> None:
         self.pending.append((sample, stored, largest))
@@ -157,12 +166,13 @@ class PartWriter:
             offset += length
         self.wait()
         if self.folder is not None:  # None: the ranks of a sharded verifier other than rank 0 write nothing
-            self.writing = self.background.submit(write_part, self.folder / name, [stored for _, stored, _ in self.pending])
+            self.writing = name, self.background.submit(write_part, self.folder / name, [stored for _, stored, _ in self.pending])
         self.pending, self.pending_bytes = [], 0
 
     def wait(self) -> None:
         if self.writing is not None:
-            self.writing.result()  # re-raises a failed write here, in the extracting thread
+            name, written = self.writing
+            self.sha256[name] = written.result()  # re-raises a failed write here, in the extracting thread
             self.writing = None
 
     def __enter__(self) -> PartWriter:
@@ -177,8 +187,33 @@ class PartWriter:
             self.background.shutdown()
 
 
-def write_part(path: Path, samples: list[dict[str, torch.Tensor]]) -> None:
-    """One safetensors part: each key's tensors of all ``samples`` concatenated along tokens."""
+def write_part(path: Path, samples: list[dict[str, torch.Tensor]]) -> str:
+    """One safetensors part: each key's tensors of all ``samples`` concatenated along tokens; returns
+    the file's sha256 (read back while it is in the page cache, in this background thread).
+
+    A full disk is bad environment, not a bug: one line with the file, the bytes and what to do
+    (the caller's ``atomic_dir`` removes the partial output).
+    """
     from safetensors.torch import save_file
 
-    save_file({key: torch.cat([stored[key] for stored in samples]) for key in samples[0]}, path)
+    tensors = {key: torch.cat([stored[key] for stored in samples]) for key in samples[0]}
+    try:
+        save_file(tensors, path)
+    except Exception as err:  # safetensors wraps the OS error in its own SafetensorError
+        if not disk_full(err):
+            raise
+        need, free = sum(t.nbytes for t in tensors.values()), shutil.disk_usage(path.parent).free
+        raise UserError(f"{path}: no space left on the device writing this part of {size(need)} ({size(free)} free now); "
+                        "free space (or store less: extract.dtype=float8_e4m3fn halves it), then re-run extract; "
+                        "nothing of this shard was kept") from None
+    return sha256_file(path)
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether a write failed for want of space: an OSError ENOSPC, or safetensors' IoError of code 28."""
+    return (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in str(err)
+
+
+def size(n: int) -> str:
+    """Bytes in GB, or in MB below 0.01 GB."""
+    return f"{n / 1e9:.2f} GB" if n >= 10**7 else f"{n / 1e6:.2f} MB"

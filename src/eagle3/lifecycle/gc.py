@@ -10,6 +10,10 @@ directory outputs expanded to their ``.dir`` manifest and every file in it, and 
 for each one. It refuses, listing what is missing and the ``dvc push`` that uploads it, unless
 all are there; then it runs DVC's own ``gc --workspace --force``, holding the repo lock from
 the check to the deletion. It never deletes anything from the remote (no ``--cloud``).
+
+First it removes what killed stages left beside their outputs (``atomic_dir``'s temporaries
+``.<output>.tmp-<pid>-*`` whose process is gone: partial hidden-state parts, gigabytes at scale),
+which no hash includes, so neither ``dvc status`` nor ``dvc gc`` ever sees them.
 """
 
 from __future__ import annotations
@@ -17,14 +21,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3.common import UserError
+from eagle3.common import UserError, stale_tmp
 
 if TYPE_CHECKING:
     from dvc.repo import Repo
@@ -171,7 +177,7 @@ def unreachable(repo: Repo, remote: str | None, err: Exception) -> str:
     where = settings.get("endpointurl") or settings.get("url")
     reason = (str(err).strip().splitlines() or [""])[0]
     return (f"remote {name!r} ({where}) cannot be asked for the kept objects ({type(err).__name__}: {reason}); "
-            "nothing was deleted; start the server (`eagle3 s3 serve --background` for the local one) or fix the "
+            "no cached object was deleted; start the server (`eagle3 s3 serve --background` for the local one) or fix the "
             "remote's settings, then run `eagle3 gc` again")
 
 
@@ -256,6 +262,22 @@ def dry_run(repo: Repo) -> None:
           if paths else "dry run: nothing was removed; `eagle3 gc` would remove nothing (the workspace uses every cached object)")
 
 
+def stale_temporaries(repo: Repo) -> list[Path]:
+    """The temporaries of killed runs in the folders of the workspace's outputs (of any shard, listed or not)."""
+    folders = sorted({Path(out.fs_path).parent for out in repo.index.outs})
+    return [tmp for folder in folders if folder.is_dir() for tmp in stale_tmp(folder)]
+
+
+def remove_temporaries(repo: Repo, dry_run: bool) -> None:
+    """Remove (``dry_run``: only list) the stale temporaries, one line each with its size."""
+    for tmp in stale_temporaries(repo):
+        size = sum(file.stat().st_size for file in tmp.rglob("*") if file.is_file())
+        verb = "would remove" if dry_run else "removing"
+        print(f"{verb} {tmp.relative_to(repo.root_dir)} ({size / 1e6:.1f} MB), left by a killed run (its process is gone)")
+        if not dry_run:
+            shutil.rmtree(tmp)
+
+
 def run_gc(args: argparse.Namespace) -> None:
     from dvc.repo import Repo, lock_repo
 
@@ -263,6 +285,7 @@ def run_gc(args: argparse.Namespace) -> None:
         logging.getLogger(name).propagate = False
     logging.getLogger("aiobotocore").setLevel(logging.WARNING)  # "Found credentials in ..." on every run
     with Repo() as repo, lock_repo(repo):  # held from the check to the deletion: no dvc command in between
+        remove_temporaries(repo, args.dry_run)
         verdict = check(repo, expand_ranges(repo, args.rev), args.all_commits, args.remote)
         problem = refusal(repo, verdict, args.remote)
         if problem:
@@ -283,5 +306,5 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        "(default: all branches and tags); the workspace is always kept")
     scope.add_argument("--all-commits", action="store_true", help="keep every commit")
     parser.add_argument("--remote", help="remote to check (default: core.remote)")
-    parser.add_argument("--dry-run", action="store_true", help="check, then list what `dvc gc -w` would remove (removing nothing)")
+    parser.add_argument("--dry-run", action="store_true", help="check, then list what `dvc gc -w` would remove and the temporaries of killed runs (removing nothing)")
     parser.set_defaults(func=run_gc)

@@ -97,6 +97,18 @@ def render(tokenizer, messages: list[dict], fmt: ChatFormat, finished: bool = Tr
     return list(encoding["input_ids"]), mask
 
 
+def text_after_answer(tokenizer) -> str:
+    """What the tokenizer's chat template writes after an answer: ``render`` ends the answer's span
+    with the first end-of-turn marker found there, so every configured marker must appear in it.
+
+    Example (ChatML): ``"<|im_end|>\\n"``.
+    """
+    answer = "Hello there."
+    probe = [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": answer}]
+    text = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=False)
+    return text[text.find(answer) + len(answer):] if answer in text else ""
+
+
 def encode_pieces(tokenizer, text: str, start: int, end: int) -> tuple[list[int], list[int]]:
     """``render``'s ids and mask for a tokenizer without offsets (Kimi-K2.5's tiktoken one is pure Python).
 

@@ -1,0 +1,50 @@
+"""Hidden states damaged after extraction are refused by ``train`` before it trains: a real
+``dvc repro -f -s train`` of the project's extract, merge and train stages in a temporary repository."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from conftest import ROOT, run
+from test_merge_dvc import SHARDS, make_repo
+from test_train import part_element
+
+
+def train_outs(repo: Path) -> list[dict]:
+    return yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["train"]["outs"]
+
+
+@pytest.mark.slow
+def test_an_in_range_flip_of_a_hidden_state_is_refused_before_training(tmp_path, tiny_verifier_dir, tiny_model_params):
+    repo = make_repo(tmp_path, tiny_verifier_dir, tiny_model_params, stages=("extract", "merge", "train"))
+    params = OmegaConf.load(repo / "params.yaml")
+    params.train = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "train" / "debug.yaml"), {"max_steps": 2})
+    OmegaConf.save(params, repo / "params.yaml")
+    run(["dvc", "repro"], repo)
+    recorded = train_outs(repo)
+
+    # One aux byte changed, the value still finite and within the magnitudes the index records
+    # (the lowest mantissa bit). The file is replaced, not written through its cache hardlink.
+    shard = repo / "data" / "hidden_states" / SHARDS[0]
+    part = sorted(shard.glob("part-*.safetensors"))[0]
+    damaged = bytearray(part.read_bytes())
+    at = next(a for a in (part_element(part, "aux", i) for i in range(64)) if damaged[a] & 1)
+    damaged[at] ^= 1
+    part.unlink()
+    part.write_bytes(bytes(damaged))
+
+    refused = run(["dvc", "repro", "-f", "-s", "train"], repo, check=False)
+    assert refused.returncode != 0
+    (line,) = [line for line in (refused.stdout + refused.stderr).splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: data/hidden_states/{SHARDS[0]}/{part.name} has sha256 "), line
+    assert line.endswith(f"re-extract it (`dvc repro -f extract@{SHARDS[0]}`) or restore it "
+                         f"(`dvc checkout --force data/hidden_states/{SHARDS[0]}`)"), line
+    assert train_outs(repo) == recorded  # dvc.lock never records a drafter trained on the damage
+
+    run(["dvc", "checkout", "--force", f"data/hidden_states/{SHARDS[0]}"], repo)  # what the line says restores it
+    run(["dvc", "repro", "-f", "-s", "train"], repo)
+    assert train_outs(repo) == recorded  # the same drafter as before the damage
