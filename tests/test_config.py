@@ -1,5 +1,6 @@
 """Hydra composition of conf/ into params.yaml, the same way `dvc exp run -S` does it."""
 
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,13 @@ def test_params_command_refuses_in_one_line_with_the_status_of_every_eagle3_comm
                              "--output", str(tmp_path / "params.yaml")], capture_output=True, text=True)
     assert result.returncode == 1 and result.stderr.splitlines() == ["error: params.yaml: train.lr = -1: must be a number > 0"]
     assert "1 from `eagle3 params` as from every `eagle3` command" in " ".join((ROOT / "README.md").read_text().split())
+
+
+def test_every_recipe_of_the_sweep_is_a_valid_change_of_the_gpu_scales(tmp_path):
+    """benchmarks/recipe_sweep.py's answer lengths and recipes override keys the 1k params have, with valid values."""
+    sweep = runpy.run_path(str(ROOT / "benchmarks" / "recipe_sweep.py"))
+    base = compose(tmp_path, "dataset=1k", "layout=gpu1")
+    for name, overrides in {**sweep["DATA"], **sweep["RECIPES"]}.items():
+        keys = {k: v for k, v in {**sweep["DATA"].get(overrides.get("data"), {}), **overrides}.items() if k != "data"}
+        assert all(OmegaConf.select(base, k) is not None for k in keys), name
+        validate(OmegaConf.merge(base, OmegaConf.from_dotlist([f"{k}={v}" for k, v in keys.items()])))
