@@ -53,7 +53,8 @@ def test_evaluate_reports_every_method_per_set_lossless(tiny_verifier_dir):
     drafter = random_drafter(verifier, 512, TINY_TAPS)
     params = project_params()
     params.evaluate = {"name": "test", "draft_tokens": 3, "max_new_tokens": 8, "sets": ["a", "b"], "max_prompts": None,
-                       "baseline": True, "batch_size": 2, "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
+                       "baseline": True, "batch_sizes": [2, 1], "repeats": 2, "chain_sweep": [2, 3],
+                       "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
     settings = Settings.from_params(params)
     sets = {"a": [encode(tokenizer, q) for q in QUESTIONS], "b": [encode(tokenizer, QUESTIONS[0])]}
     reports = evaluate(verifier, drafter, sets, settings, {2})
@@ -61,9 +62,16 @@ def test_evaluate_reports_every_method_per_set_lossless(tiny_verifier_dir):
     for name, report in reports.items():
         assert report["plain"]["prompts"] == len(sets[name]) and report["plain"]["tokens"] > 0
         for method in ("chain", "tree"):
-            assert report[method]["lossless"] == 1 and 1 <= report[method]["tau"] <= 4 and report[method]["speedup"] > 0
+            assert report[method]["lossless"] == 1 and 1 <= report[method]["tau"] <= 4
+            for size in (2, 1):  # every batch size timed twice: median and spread
+                timing = report["batch"][size][method]
+                assert timing["speedup"] > 0 and timing["speedup_spread"] >= 0 and timing["tokens_per_s_spread"] >= 0
         assert report["baseline"]["tau"] >= 1 and report["ngram"]["tau"] >= 1
+        assert report["ngram"]["tau_matched_rounds"] >= report["ngram"]["tau"] and 0 <= report["ngram"]["matched_rounds"] <= 1
     assert reports["b"]["chain"]["forwards"] < reports["a"]["chain"]["forwards"]
+    sweep = reports["a"]["chain_k"]  # the first set only
+    assert "chain_k" not in reports["b"] and set(sweep["tau"]) == {"k2", "k3"} and sweep["best"] in (2, 3)
+    assert sweep["tau"]["k3"] == reports["a"]["chain"]["tau"]  # the same chain, decoded again: the same τ
 
 
 def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, monkeypatch):
@@ -77,7 +85,8 @@ def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, mon
     (prompts_dir / "eval" / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     params = project_params()
     params.evaluate = {"name": "test", "draft_tokens": 3, "max_new_tokens": 8, "sets": ["heldout"], "max_prompts": 2,
-                       "baseline": True, "batch_size": 2, "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
+                       "baseline": True, "batch_sizes": [2, 1], "repeats": 2, "chain_sweep": [],
+                       "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
     params.layout.threads = 1
     OmegaConf.save(params, tmp_path / "params.yaml")
     out = tmp_path / "dvclive" / "evaluate"
@@ -147,8 +156,16 @@ def test_dvc_repro_evaluate_lists_tau_and_speedup_and_renders_plots(make_project
         assert plots[path][0]["type"] == "vega" and fields == {"drafter", "tree", "baseline", "ngram"}  # in one chart
 
 
-def test_throughput_benchmark_runs_on_the_cpu_with_a_tiny_shape():
-    """benchmarks/evaluate_throughput.py, whose CUDA run is the H200 measurement: its table has every method per run."""
-    out = run([sys.executable, str(ROOT / "benchmarks" / "evaluate_throughput.py"), "--device", "cpu", "--tiny"], ROOT).stdout
-    table = [line for line in out.splitlines() if line.startswith("| ") and "batch_size" not in line]
-    assert [row.split(" | ")[2] for row in table] == ["plain", "chain", "tree"] * 2
+def test_throughput_benchmark_runs_on_the_cpu_with_a_tiny_shape(tmp_path):
+    """benchmarks/evaluate_throughput.py, whose CUDA run is the H200 check: on the CPU its static layout
+    (eager) decodes exactly as the growing caches, and its table and JSON have every part."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "evaluate_throughput.py"), "--device", "cpu", "--tiny",
+               "--json", str(tmp_path / "bench.json")]
+    out = run(command, ROOT).stdout
+    table = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "method" not in line]
+    assert [(row[0], row[1], row[2]) for row in table] == [
+        *[("| graph", size, method) for size in ("1", "4") for method in ("plain", "chain", "tree")],
+        *[("| eager", "1", method) for method in ("plain", "chain", "tree")], *[("| chain_k", "1", m) for m in ("plain", "k2", "k3")]]
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert all(value == 1 for method in results["check"]["2"].values() for key, value in method.items() if key.startswith("same_"))
+    assert results["graph"]["4"]["tree"]["speedup_spread"] >= 0 and results["chain_k"]["1"]["best_k"] in (2, 3)

@@ -30,6 +30,7 @@ dvc.yaml's top-level ``plots`` draws in one chart per set.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -44,6 +45,7 @@ from tqdm import tqdm
 from eagle3.common import UserError, atomic_dir, read_json, read_jsonl, stage_main
 from eagle3.config import stage_params
 from eagle3.drafter.export import check_drafter, load_drafter
+from eagle3.drafter.graphed import DecodeGraphs
 from eagle3.drafter.speculative import (EagleProposer, TreeShape, most_frequent, ngram, prefill, replay, skinny_matmuls,
                                         speculative_decode)
 from eagle3.verifiers.chat import prompt_ids
@@ -65,7 +67,9 @@ class Settings:
 
     draft_tokens: int  # K: chain drafts per verifier forward
     tree: TreeShape | None  # SGLang's draft tree (num_steps, topk, num_draft_tokens); None: chain only
-    batch_size: int  # prompts decoded together
+    batch_sizes: tuple[int, ...]  # prompts decoded together, one timing per size; τ and outputs at the first
+    repeats: int  # timings per batch size (median and spread); one: no spread, so no speedup metric
+    chain_sweep: tuple[int, ...]  # chain K also timed, on the first set at the first batch size (the best K)
     max_new_tokens: int  # tokens generated per prompt (fewer at EOS)
     sets: tuple[str, ...]  # eval sets: data/prompts/eval/<set>.jsonl
     max_prompts: int | None  # at most this many prompts per set (file order); None: all
@@ -82,7 +86,7 @@ class Settings:
         tree = cfg.tree
         return cls(  # values validated by config.validate (stage_params), the tree's shape included
             int(cfg.draft_tokens), None if tree is None else TreeShape(int(tree.num_steps), int(tree.topk), int(tree.num_draft_tokens)),
-            int(cfg.batch_size), int(cfg.max_new_tokens), tuple(cfg.sets),
+            tuple(map(int, cfg.batch_sizes)), int(cfg.repeats), tuple(map(int, cfg.chain_sweep)), int(cfg.max_new_tokens), tuple(cfg.sets),
             None if cfg.max_prompts is None else int(cfg.max_prompts), bool(cfg.baseline),
             str(layout.device), str(layout.dtype), int(layout.threads), VerifierSpec.from_params(params.model).trust_remote_code,
             Placement.from_params(layout),
@@ -92,6 +96,13 @@ class Settings:
         """Decoding methods: plain greedy (None), the chain, and the tree when configured."""
         return {"plain": None, "chain": TreeShape.chain(self.draft_tokens), **({"tree": self.tree} if self.tree else {})}
 
+    def chain_methods(self) -> dict[str, TreeShape | None]:
+        """Plain greedy and a chain per K of ``chain_sweep``: {"plain": None, "k2": chain(2), ...}."""
+        return {"plain": None, **{f"k{k}": TreeShape.chain(k) for k in self.chain_sweep}}
+
+
+UNSTABLE_SPREAD = 0.10  # repeats whose tokens/s or speedup differ by more than this (of the median) are flagged
+
 
 @dataclass
 class Run:
@@ -99,11 +110,23 @@ class Run:
 
     outputs: list[list[int]] = field(default_factory=list)  # generated tokens per prompt
     accepted: list[int] = field(default_factory=list)  # drafts accepted per verifier forward, pooled over prompts
-    seconds: float = 0.0  # decoding time, summed over batches
+    seconds: list[float] = field(default_factory=list)  # decoding time per repeat, summed over batches
 
     @property
-    def tokens_per_s(self) -> float:
-        return sum(map(len, self.outputs)) / self.seconds
+    def rates(self) -> list[float]:
+        """Tokens/s per repeat."""
+        tokens = sum(map(len, self.outputs))
+        return [tokens / s for s in self.seconds]
+
+
+def median_spread(values: Sequence[float]) -> tuple[float, float | None]:
+    """(median, (max - min) / median) of repeated measurements; the spread is None for one.
+
+    Example: [10, 12, 11] -> (11, 0.1818...)."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return median, (ordered[-1] - ordered[0]) / median if len(ordered) > 1 else None
 
 
 # --- inputs ----------------------------------------------------------------------------------------
@@ -140,30 +163,60 @@ def batches(items: Sequence, size: int) -> list[Sequence]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def decode_all(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
-               max_new_tokens: int | None = None) -> dict[str, Run]:
-    """Every method on every batch of prompts, alternating methods per batch (fair under a varying load).
+def decode_all(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int], batch_size: int,
+               methods: Mapping[str, TreeShape | None] | None = None, repeats: int = 1, max_new_tokens: int | None = None,
+               graphs: DecodeGraphs | None = None) -> dict[str, Run]:
+    """Every method (default ``settings.methods()``) on every batch of ``batch_size`` prompts, alternating
+    methods per batch (fair under a varying load), the batch's methods ``repeats`` times in turn.
 
     The prompts of a batch are prefilled once, untimed, and every method decodes from a copy: the
-    prefill is the same work for all of them, so times and speedups are of decoding alone.
+    prefill is the same work for all of them, so times and speedups are of decoding alone. Outputs
+    and acceptance are of the first repeat (greedy decoding repeats them exactly).
+    ``graphs``: decode in static caches with captured steps (``eagle3.drafter.graphed``), every method alike.
     """
-    methods = settings.methods()
-    runs = {name: Run() for name in methods}
+    methods = methods or settings.methods()
+    runs = {name: Run(seconds=[0.0] * repeats) for name in methods}
     layer_ids = drafter.config.aux_layers
-    for batch in tqdm(batches(prompts, settings.batch_size), desc="/".join(methods), unit="batch", leave=False):
+    for batch in tqdm(batches(prompts, batch_size), desc="/".join(methods), unit="batch", leave=False):
         prefilled = prefill(verifier, batch, layer_ids)
-        for name, shape in methods.items():
-            proposer = EagleProposer(drafter, shape) if shape else None
-            start = time.perf_counter()
-            decoded = speculative_decode(verifier, proposer, batch, layer_ids, max_new_tokens or settings.max_new_tokens,
-                                         eos_ids, prefilled)
-            if str(settings.device).startswith("cuda"):
-                torch.cuda.synchronize()
-            runs[name].seconds += time.perf_counter() - start
-            for d in decoded:
-                runs[name].outputs.append(d.tokens)
-                runs[name].accepted += d.accepted
+        for repeat in range(repeats):
+            for name, shape in methods.items():
+                proposer = EagleProposer(drafter, shape, graphs) if shape else None
+                start = time.perf_counter()
+                decoded = speculative_decode(verifier, proposer, batch, layer_ids, max_new_tokens or settings.max_new_tokens,
+                                             eos_ids, prefilled, graphs)
+                if str(settings.device).startswith("cuda"):
+                    torch.cuda.synchronize()
+                runs[name].seconds[repeat] += time.perf_counter() - start
+                if repeat == 0:
+                    for d in decoded:
+                        runs[name].outputs.append(d.tokens)
+                        runs[name].accepted += d.accepted
     return runs
+
+
+def timings(runs: Mapping[str, Run]) -> dict[str, dict]:
+    """Per method, tokens/s and (against the run named ``plain``) speedup over the repeats: median and spread.
+
+    A repeat's speedup pairs it with plain decoding's same repeat (timed in turn, batch by batch),
+    so a load that changes between repeats changes both. Example, plain 10 and 12 s, chain 5 and
+    8 s for the same tokens: speedups 2.0 and 1.5 -> speedup 1.75, speedup_spread 0.286.
+    """
+    plain = runs["plain"].rates
+    report = {}
+    for name, run in runs.items():
+        rate, rate_spread = median_spread(run.rates)
+        report[name] = {"tokens_per_s": rate, "tokens_per_s_spread": rate_spread}
+        if name != "plain":
+            speedup, spread = median_spread([mine / theirs for mine, theirs in zip(run.rates, plain)])
+            report[name].update(speedup=speedup, speedup_spread=spread)
+    return report
+
+
+def disagreeing(timing: Mapping[str, dict]) -> list[str]:
+    """The measurements of ``timings`` whose repeats differ by more than UNSTABLE_SPREAD, e.g. ["tree/speedup"]."""
+    return [f"{name}/{key.removesuffix('_spread')}" for name, row in timing.items() for key, value in row.items()
+            if key.endswith("_spread") and value is not None and value > UNSTABLE_SPREAD]
 
 
 def acceptance_stats(accepted: Sequence[int], k: int) -> dict:
@@ -193,58 +246,160 @@ def most_frequent_token(outputs: Sequence[list[int]]) -> int:
 
 
 def summarize(run: Run, plain: Run, k: int) -> dict:
-    """τ, acceptance and throughput of a speculative run against the plain greedy run of the same prompts."""
+    """τ and acceptance of a speculative run, and the share of its outputs equal to the plain greedy run's."""
     lossless = sum(a == b for a, b in zip(run.outputs, plain.outputs)) / len(plain.outputs)
     if lossless < 1:
         log.warning("%.0f%% of outputs differ from plain greedy decoding (numerical ties, or a bug)", 100 * (1 - lossless))
-    return {**acceptance_stats(run.accepted, k), "tokens_per_s": run.tokens_per_s,
-            "speedup": run.tokens_per_s / plain.tokens_per_s, "lossless": lossless}
+    return {**acceptance_stats(run.accepted, k), "lossless": lossless}
 
 
 def baselines(prompts: Sequence[torch.Tensor], outputs: Sequence[list[int]], k: int) -> dict:
-    """The most-frequent-token and n-gram baselines, replayed on the plain greedy outputs."""
+    """The most-frequent-token and n-gram baselines, replayed on the plain greedy outputs.
+
+    Both ``tau`` are per sequence, over every verifier forward (comparable with the drafter's τ).
+    Prompt lookup proposes nothing where it finds no match, so it also has ``tau_matched_rounds``
+    (τ over the forwards it drafted for) and ``matched_rounds`` (their share): e.g. 10 forwards,
+    4 with a match accepting 2 each -> tau 1.8, tau_matched_rounds 3.0, matched_rounds 0.4.
+    """
     token = most_frequent_token(outputs)
     report = {}
     for name, propose in (("baseline", most_frequent(token)), ("ngram", ngram)):
         accepted = [j for ids, out in zip(prompts, outputs) for j in replay(propose, ids.tolist(), out, k)]
         report[name] = acceptance_stats(accepted, k)
     report["baseline"]["token"] = token
+    matched = [j for ids, out in zip(prompts, outputs) for j in replay(ngram, ids.tolist(), out, k, drafted_only=True)]
+    report["ngram"]["tau_matched_rounds"] = acceptance_stats(matched, k)["tau"]
+    report["ngram"]["matched_rounds"] = len(matched) / max(1, report["ngram"]["forwards"])
     return report
 
 
-def evaluate_set(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int]) -> dict:
-    """Plain vs chain vs tree decoding of ``prompts`` (and the baselines): {"plain", "chain", "tree"?, ...}."""
+def evaluate_set(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
+                 graphs: DecodeGraphs | None = None, sweep_chains: bool = False) -> dict:
+    """Plain vs chain vs tree decoding of ``prompts`` (and the baselines): {"plain", "chain", "tree"?, ...,
+    "batch": {batch size: ``timings``}, "unstable": [...], "chain_k"?: ``chain_sweep``}.
+
+    τ and outputs are decoded once, at the first batch size (they do not depend on it); every
+    batch size is timed ``repeats`` times, the first one in that same decode.
+    """
     start = time.perf_counter()
-    runs = decode_all(verifier, drafter, prompts, settings, eos_ids)
-    plain = runs.pop("plain")
-    report = {"plain": {"tokens_per_s": plain.tokens_per_s, "tokens": sum(map(len, plain.outputs)), "prompts": len(prompts)}}
-    for name, run in runs.items():
-        report[name] = summarize(run, plain, settings.methods()[name].num_steps)
+    first, *others = settings.batch_sizes
+    runs = decode_all(verifier, drafter, prompts, settings, eos_ids, first, repeats=settings.repeats, graphs=graphs)
+    plain = runs["plain"]
+    report = {"plain": {"tokens": sum(map(len, plain.outputs)), "prompts": len(prompts)}}
+    for name, shape in settings.methods().items():
+        if shape:
+            report[name] = {**summarize(runs[name], plain, shape.num_steps), **step_costs(graphs, prompts, first, shape)}
     if settings.baseline:
         report.update(baselines(prompts, plain.outputs, settings.draft_tokens))
+    report["batch"] = {first: timings(runs)}
+    for size in others:
+        report["batch"][size] = timings(decode_all(verifier, drafter, prompts, settings, eos_ids, size,
+                                                   repeats=settings.repeats, graphs=graphs))
+    if sweep_chains and settings.chain_sweep:
+        report["chain_k"] = chain_sweep(verifier, drafter, prompts, settings, eos_ids, graphs)
+    report["unstable"] = [f"batch {size}: {what}" for size, timing in report["batch"].items() for what in disagreeing(timing)]
+    report["unstable"] += [f"chain K sweep: {what}" for what in disagreeing(report.get("chain_k", {}).get("timing", {}))]
+    if report["unstable"]:
+        log.warning("repeated timings disagree by more than %d%% (%s): a varying load; these speedups do not repeat",
+                    100 * UNSTABLE_SPREAD, ", ".join(report["unstable"]))
     report["plain"]["seconds"] = time.perf_counter() - start
     return report
+
+
+def chain_sweep(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
+                graphs: DecodeGraphs | None) -> dict:
+    """Chains of every K in ``chain_sweep`` timed against plain decoding at the first batch size:
+    {"timing": ``timings``, "tau": {name: τ}, "draft_cost": {name: ...}?, "best": the K of the highest median speedup}."""
+    size = settings.batch_sizes[0]
+    methods = settings.chain_methods()
+    runs = decode_all(verifier, drafter, prompts, settings, eos_ids, size, methods, settings.repeats, graphs=graphs)
+    timing = timings(runs)
+    chains = {name: shape for name, shape in methods.items() if shape}
+    best = max(chains, key=lambda name: timing[name]["speedup"])
+    return {"timing": timing, "tau": {name: acceptance_stats(runs[name].accepted, shape.num_steps)["tau"] for name, shape in chains.items()},
+            "costs": {name: step_costs(graphs, prompts, size, shape) for name, shape in chains.items()},
+            "best": chains[best].num_steps}
+
+
+def step_costs(graphs: DecodeGraphs | None, prompts: Sequence[torch.Tensor], batch_size: int, shape: TreeShape) -> dict:
+    """With graphs: a proposal's and a verify forward's time over a 1-token verifier forward, at the first
+    batch's rows: {"draft_cost", "draft_step_cost" (per drafter step), "verify_cost"}; eager: {}.
+
+    Why beside τ: speedup ≈ τ / (verify_cost + draft_cost) against plain decoding at the same batch,
+    so the two say whether a low speedup is the drafter's acceptance or its price.
+    """
+    if graphs is None:
+        return {}
+    rows = len(batches(prompts, batch_size)[0])
+    forward = graphs.replay_seconds(("verifier", rows, 1))
+    draft = graphs.replay_seconds(("draft", shape.num_steps + 1, shape, rows))
+    verify = graphs.replay_seconds(("verifier", rows, shape.num_draft_tokens))
+    return {"draft_cost": draft / forward, "draft_step_cost": draft / forward / shape.num_steps, "verify_cost": verify / forward}
 
 
 # --- output ----------------------------------------------------------------------------------------
 
 
 def log_report(live, name: str, report: dict) -> None:
-    """Metrics ``<set>/...`` and the acceptance and τ plots of one eval set (the one place that names them)."""
+    """Metrics ``<set>/...`` and the acceptance, τ and speedup plots of one eval set (the one place that names them).
+
+    Timings are metrics only with their spread (``repeats`` > 1): a speedup measured once is not
+    comparable between runs. The headline ``speedup`` is the first batch size's; ``batch/<B>/`` has each.
+    """
     plain, chain = report["plain"], report["chain"]
-    live.log_metric(f"{name}/prompts", plain["prompts"], plot=False)
-    live.log_metric(f"{name}/tokens", plain["tokens"], plot=False)
+    for key in ("prompts", "tokens"):
+        live.log_metric(f"{name}/{key}", plain[key], plot=False)
     live.log_metric(f"{name}/seconds", round(plain["seconds"], 2), plot=False)
-    live.log_metric(f"{name}/plain_tokens_per_s", round(plain["tokens_per_s"], 3), plot=False)
-    for method, prefix in (("chain", ""), ("tree", "tree/")):
-        for key in ("tau", "speedup", "tokens_per_s", "lossless", "forwards"):
-            if method in report:
+    methods = {"chain": "", "tree": "tree/"}
+    for method, prefix in methods.items():
+        for key in ("tau", "lossless", "forwards", "draft_cost", "draft_step_cost", "verify_cost"):
+            if key in report.get(method, {}):
                 live.log_metric(f"{name}/{prefix}{key}", round(report[method][key], 4), plot=False)
     for method in ("baseline", "ngram"):
         if method in report:
             live.log_metric(f"{name}/{method}/tau", round(report[method]["tau"], 4), plot=False)
+    if "ngram" in report:
+        for key in ("tau_matched_rounds", "matched_rounds"):
+            live.log_metric(f"{name}/ngram/{key}", round(report["ngram"][key], 4), plot=False)
     if "baseline" in report:
         live.log_metric(f"{name}/baseline/token", report["baseline"]["token"], plot=False)
+    (first, timing), *_ = report["batch"].items()
+    if timing["plain"]["tokens_per_s_spread"] is not None:
+        log_timing(live, f"{name}/", timing, methods)
+        for size, timing in report["batch"].items():
+            log_timing(live, f"{name}/batch/{size}/", timing, {"chain": "chain/", "tree": "tree/"})
+        live.log_metric(f"{name}/unstable", bool(report["unstable"]), plot=False)
+    if "chain_k" in report:
+        log_chain_sweep(live, f"{name}/chain_k/", report["chain_k"])
+    log_plots(live, name, report)
+
+
+def log_timing(live, prefix: str, timing: dict, methods: Mapping[str, str]) -> None:
+    """One batch size's ``timings``: plain tokens/s, and tokens/s and speedup per method, each with its spread."""
+    for key in ("tokens_per_s", "tokens_per_s_spread"):
+        live.log_metric(f"{prefix}plain_{key}", round(timing["plain"][key], 4), plot=False)
+    for method, sub in methods.items():
+        for key in ("tokens_per_s", "tokens_per_s_spread", "speedup", "speedup_spread"):
+            if method in timing:
+                live.log_metric(f"{prefix}{sub}{key}", round(timing[method][key], 4), plot=False)
+
+
+def log_chain_sweep(live, prefix: str, sweep: dict) -> None:
+    """``chain_sweep``'s τ, costs and (with a spread) speedups per K, and the best K."""
+    for method, tau in sweep["tau"].items():
+        live.log_metric(f"{prefix}{method}/tau", round(tau, 4), plot=False)
+        for key, value in sweep["costs"][method].items():
+            live.log_metric(f"{prefix}{method}/{key}", round(value, 4), plot=False)
+        if sweep["timing"][method]["speedup_spread"] is not None:
+            for key in ("speedup", "speedup_spread"):
+                live.log_metric(f"{prefix}{method}/{key}", round(sweep["timing"][method][key], 4), plot=False)
+    if sweep["timing"]["plain"]["tokens_per_s_spread"] is not None:
+        live.log_metric(f"{prefix}best", sweep["best"], plot=False)
+
+
+def log_plots(live, name: str, report: dict) -> None:
+    """Acceptance per draft position, the τ distribution and speedup per batch size: a series per method."""
+    chain = report["chain"]
     series = {"drafter": "chain", "tree": "tree", "baseline": "baseline", "ngram": "ngram"}
     series = {column: report[method] for column, method in series.items() if method in report}
     depth = max(len(s["acceptance"]) for s in series.values())
@@ -257,31 +412,70 @@ def log_report(live, name: str, report: dict) -> None:
     live.log_plot(f"acceptance/{name}", rows, x="position", y="drafter")  # rendering is declared in dvc.yaml
     rows = [{"tau": i + 1, **{c: column(s["tau_distribution"], i) for c, s in series.items()}} for i in range(depth + 1)]
     live.log_plot(f"tau/{name}", rows, x="tau", y="drafter")
+    rows = [{"batch_size": size, **{column: timing[method]["speedup"] for column, method in (("drafter", "chain"), ("tree", "tree"))
+                                    if method in timing}} for size, timing in report["batch"].items()]
+    live.log_plot(f"speedup/{name}", rows, x="batch_size", y="drafter")
 
 
-def warm_up(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int]) -> None:
+def warm_up(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
+            graphs: DecodeGraphs | None = None, row_counts: Sequence[int] = (),
+            methods: Mapping[str, TreeShape | None] | None = None) -> None:
     """A short untimed decode of every method on the first batch, so one-off setup costs (allocator,
     kernels, first calls) are timed in no method.
 
     Its prompts are cut to their last WARMUP_PROMPT_TOKENS: a whole prompt's prefill costs more
     than the rest of the warm-up (about 1.5 s of the demo's) and sets up nothing a short one does not.
+    With ``graphs``, every batch row count in ``row_counts`` is warmed up with ``methods`` (default
+    ``settings.methods()``), each for two rounds whatever is accepted (the second captures the
+    drafter's graph): graphs are per row count and shape.
     """
-    first = [p[-WARMUP_PROMPT_TOKENS:] for p in prompts[: settings.batch_size]]
-    decode_all(verifier, drafter, first, settings, eos_ids, WARMUP_TOKENS)
+    if graphs is None:
+        first = [p[-WARMUP_PROMPT_TOKENS:] for p in prompts[: settings.batch_sizes[0]]]
+        decode_all(verifier, drafter, first, settings, eos_ids, settings.batch_sizes[0], max_new_tokens=WARMUP_TOKENS)
+        return
+    methods = methods or settings.methods()
+    tokens = min(WARMUP_TOKENS + max(shape.num_steps + 1 for shape in methods.values() if shape), settings.max_new_tokens)
+    for rows in row_counts:
+        first = [prompts[i % len(prompts)][-WARMUP_PROMPT_TOKENS:] for i in range(rows)]
+        decode_all(verifier, drafter, first, settings, eos_ids, rows, methods, max_new_tokens=tokens, graphs=graphs)
+
+
+def decode_graphs(settings: Settings, eval_sets: Mapping[str, Sequence[torch.Tensor]]) -> DecodeGraphs | None:
+    """CUDA graphs for decoding on a GPU with a whole verifier per process (as engines serve); None: eager.
+
+    Why not on the CPU: a CPU has no launch cost to save, and its measurement stays as it was.
+    """
+    if not settings.device.startswith("cuda") or settings.placement.sharded:
+        return None
+    longest = max(len(p) for prompts in eval_sets.values() for p in prompts)
+    return DecodeGraphs(longest, settings.max_new_tokens, capture=True)
+
+
+def row_counts(count: int, batch_size: int) -> list[int]:
+    """The distinct row counts of ``count`` prompts decoded ``batch_size`` at a time, e.g. 10, 4 -> [4, 2]."""
+    return sorted({len(b) for b in batches(range(count), batch_size)}, reverse=True)
 
 
 def evaluate(verifier, drafter, eval_sets: Mapping[str, Sequence[torch.Tensor]], settings: Settings,
              eos_ids: set[int]) -> dict[str, dict]:
     """The stage's work on loaded models: each set's report (``evaluate_set``), from prompts [n] each.
 
-    One warm-up on the first set comes first; the sets need none of their own.
+    One warm-up on the first set comes first; the sets need none of their own. The chain K sweep
+    (``chain_sweep``) runs on the first set.
     """
-    warm_up(verifier, drafter, next(iter(eval_sets.values())), settings, eos_ids)
+    graphs = decode_graphs(settings, eval_sets)
+    counts = sorted({n for prompts in eval_sets.values() for size in settings.batch_sizes for n in row_counts(len(prompts), size)})
+    first = next(iter(eval_sets.values()))
+    warm_up(verifier, drafter, first, settings, eos_ids, graphs, counts)
+    if graphs is not None and settings.chain_sweep:  # the sweep's chains: the first set at the first batch size
+        warm_up(verifier, drafter, first, settings, eos_ids, graphs, row_counts(len(first), settings.batch_sizes[0]),
+                settings.chain_methods())
     reports = {}
-    for name, prompts in eval_sets.items():
-        reports[name] = report = evaluate_set(verifier, drafter, prompts, settings, eos_ids)
-        log.info("%s: chain tau %.3f, speedup %.2fx; tree tau %s; baselines tau %s (most frequent), %s (ngram); "
-                 "%d prompts in %.1f s", name, report["chain"]["tau"], report["chain"]["speedup"],
+    for index, (name, prompts) in enumerate(eval_sets.items()):
+        reports[name] = report = evaluate_set(verifier, drafter, prompts, settings, eos_ids, graphs, sweep_chains=index == 0)
+        log.info("%s: chain tau %.3f, speedup %.2fx at batch %d; tree tau %s; baselines tau %s (most frequent), %s (ngram); "
+                 "%d prompts in %.1f s", name, report["chain"]["tau"], report["batch"][settings.batch_sizes[0]]["chain"]["speedup"],
+                 settings.batch_sizes[0],
                  report.get("tree", {}).get("tau", "-"), report.get("baseline", {}).get("tau", "-"),
                  report.get("ngram", {}).get("tau", "-"), len(prompts), report["plain"]["seconds"])
     return reports
