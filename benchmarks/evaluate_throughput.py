@@ -230,7 +230,7 @@ def arguments() -> argparse.Namespace:
 def main() -> None:
     args = arguments()
     settings = Settings(args.draft_tokens, TreeShape(*args.tree), tuple(args.batch_sizes), args.repeats, tuple(args.chain_sweep),
-                        args.max_new_tokens, ("bench",), None, False, args.device, args.dtype, args.threads, False, WHOLE_COPY)
+                        args.max_new_tokens, ("bench",), None, False, args.device, args.dtype, args.threads, (), False, WHOLE_COPY)
     configure_torch(settings)
     verifier, drafter, eos, tokenizer = models(args)
     for_decoding(verifier, drafter, settings)

@@ -14,8 +14,9 @@ from conftest import ROOT, project_params, run
 from eagle3.common import UserError
 from eagle3.config import validate
 from eagle3.drafter.export import verifier_facts, write_drafter
-from eagle3.drafter.speculative import EagleProposer, TreeShape, greedy_decode, speculative_decode
-from eagle3.evaluate import Settings, acceptance_stats, check_pair, evaluate, main, most_frequent_token
+from eagle3.drafter.speculative import EagleProposer, StopStrings, TreeShape, greedy_decode, speculative_decode
+from eagle3.evaluate import (Run, Settings, acceptance_stats, baselines, check_pair, disagreeing, evaluate, main, median_spread,
+                             most_frequent_token, timings)
 from eagle3.verifiers.loading import load_tokenizer, load_verifier, read_meta
 from test_speculative import QUESTIONS, K, TableDrafter, encode, greedy_tables, random_drafter
 
@@ -102,6 +103,48 @@ def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, mon
     assert metrics["tau"] == pytest.approx(1 + sum(row["drafter"] for row in acceptance), abs=1e-3)
     tau = json.loads((out / "plots" / "custom" / "tau" / "heldout.json").read_text())
     assert sum(row["drafter"] for row in tau) == pytest.approx(1)
+
+
+def test_evaluate_stops_at_the_verifier_specs_stop_strings(tiny_verifier_dir):
+    """model.stop reaches evaluate's decoding: a base model's answers end at its end-of-turn text, for
+    every method, and the baselines are replayed on those answers."""
+    torch.set_num_threads(1)
+    verifier, tokenizer = load_verifier(tiny_verifier_dir), load_tokenizer(tiny_verifier_dir)
+    prompts = [encode(tokenizer, q) for q in QUESTIONS]
+    plain = greedy_decode(verifier, prompts, 8, {2})
+    params = project_params()
+    params.model.stop = [tokenizer.decode(plain[0][2:4])]
+    params.evaluate = {"name": "test", "draft_tokens": 3, "max_new_tokens": 8, "sets": ["a"], "max_prompts": None,
+                       "baseline": True, "batch_sizes": [3], "repeats": 1, "chain_sweep": [],
+                       "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
+    settings = Settings.from_params(params)
+    assert settings.stop == tuple(params.model.stop)
+    stops = StopStrings(tokenizer, settings.stop)
+    report = evaluate(verifier, random_drafter(verifier, 512, TINY_TAPS), {"a": prompts}, settings, {2}, stops)["a"]
+    served = greedy_decode(verifier, prompts, 8, {2}, stops)
+    assert len(served[0]) <= 4 and report["plain"]["tokens"] == sum(map(len, served)) < sum(map(len, plain))
+    assert report["chain"]["lossless"] == report["tree"]["lossless"] == 1
+
+
+def test_repeated_timings_give_median_spread_and_a_flag_past_ten_percent():
+    """The timings docstring's example; a speedup is paired with plain decoding's same repeat."""
+    assert median_spread([10, 12, 11]) == (11, pytest.approx(2 / 11)) and median_spread([5.0]) == (5.0, None)
+    runs = {"plain": Run([[1] * 10], [], [10.0, 12.0]), "chain": Run([[1] * 10], [0] * 5, [5.0, 8.0]),
+            "tree": Run([[1] * 10], [0] * 5, [5.0, 5.1])}
+    timing = timings(runs)
+    assert timing["chain"]["speedup"] == pytest.approx(1.75) and timing["chain"]["speedup_spread"] == pytest.approx(0.5 / 1.75)
+    assert timing["plain"]["tokens_per_s"] == pytest.approx((1 + 10 / 12) / 2)
+    assert disagreeing(timing) == ["plain/tokens_per_s", "chain/tokens_per_s", "chain/speedup", "tree/speedup"]
+    once = timings({name: Run(run.outputs, run.accepted, run.seconds[:1]) for name, run in runs.items()})
+    assert once["chain"]["speedup_spread"] is None and disagreeing(once) == []
+
+
+def test_prompt_lookup_tau_per_sequence_and_per_matched_round():
+    """ngram/tau counts every forward (a round without a match too); tau_matched_rounds only those it drafted for."""
+    prompt, output = torch.tensor([5, 6, 7, 8]), [9, 5, 6, 7, 1, 2, 3]  # only the 5 after 9 matches (-> 6, 7, both right)
+    report = baselines([prompt], [output], 2)  # forwards at 9 (no match), 5 (6, 7 right), 1, 2 (none): [0, 2, 0, 0]
+    assert report["ngram"]["forwards"] == 4 and report["ngram"]["tau"] == pytest.approx(1.5)
+    assert report["ngram"]["tau_matched_rounds"] == pytest.approx(3) and report["ngram"]["matched_rounds"] == pytest.approx(1 / 4)
 
 
 def test_drafter_of_another_verifier_is_refused(tmp_path, tiny_verifier_dir):

@@ -24,6 +24,7 @@ from eagle3.drafter.speculative import (
     Draft,
     EagleProposer,
     HistoryProposer,
+    StopStrings,
     TreeShape,
     accept,
     commit,
@@ -413,3 +414,27 @@ def test_static_caches_decode_as_the_growing_ones(tiny, method):
         assert [d.tokens for d in static] == [d.tokens for d in eager] == greedy_decode(verifier, batch, MAX_NEW, eos)
         assert [d.accepted for d in static] == [d.accepted for d in eager]
     assert len(graphs.verifier_caches) == 1
+
+
+@pytest.mark.parametrize("layout", ["growing", "static"])
+def test_decoding_stops_after_a_stop_string_as_generation_does(tiny, tiny_verifier_dir, layout):
+    """model.stop ends an answer (a base model's end of turn), not only EOS: every method keeps the
+    tokens up to the one completing the string, and an oracle's round that runs past it counts the
+    drafts up to there, so τ is of the served text."""
+    verifier, prompts, plain = tiny
+    tokenizer = load_tokenizer(tiny_verifier_dir)
+    stop = tokenizer.decode(plain[0][5:7])
+    stops = StopStrings(tokenizer, [stop])
+
+    def served(tokens: list[int]) -> list[int]:
+        return next((tokens[:n] for n in range(1, len(tokens) + 1) if stop in tokenizer.decode(tokens[:n])), tokens)
+
+    expected = [served(tokens) for tokens in plain]
+    assert len(expected[0]) <= 7 < len(plain[0])
+    graphs = DecodeGraphs(max(map(len, prompts)), MAX_NEW, capture=False) if layout == "static" else None
+    oracle = TableDrafter(greedy_tables(verifier, prompts, MAX_NEW + K + 2), verifier.config.vocab_size)
+    for proposer in (None, EagleProposer(oracle, TreeShape.chain(K), graphs), EagleProposer(oracle, TREE, graphs)):
+        out = speculative_decode(verifier, proposer, prompts, TINY_TAPS, MAX_NEW, {2}, graphs=graphs, stops=stops)
+        assert [d.tokens for d in out] == expected and out[0].stopped
+        assert all(1 + sum(a + 1 for a in d.accepted) == len(d.tokens) for d in out)  # every kept token, once
+    assert greedy_decode(verifier, prompts, MAX_NEW, {2}, stops) == expected

@@ -46,8 +46,8 @@ from eagle3.common import UserError, atomic_dir, read_json, read_jsonl, stage_ma
 from eagle3.config import stage_params
 from eagle3.drafter.export import check_drafter, load_drafter
 from eagle3.drafter.graphed import DecodeGraphs
-from eagle3.drafter.speculative import (EagleProposer, TreeShape, most_frequent, ngram, prefill, replay, skinny_matmuls,
-                                        speculative_decode)
+from eagle3.drafter.speculative import (EagleProposer, StopStrings, TreeShape, most_frequent, ngram, prefill, replay,
+                                        skinny_matmuls, speculative_decode)
 from eagle3.verifiers.chat import prompt_ids
 from eagle3.verifiers.loading import (Placement, close_sharded, eos_token_ids, input_embedding, load_tokenizer, load_verifier,
                                       read_meta, shard_rank, text_config)
@@ -55,7 +55,8 @@ from eagle3.verifiers.spec import VerifierSpec, require_verifier
 
 log = logging.getLogger(__name__)
 
-PARAMS = ("evaluate", "layout.device", "layout.dtype", "layout.threads", "layout.verifier", "model.trust_remote_code")  # = dvc.yaml
+PARAMS = ("evaluate", "layout.device", "layout.dtype", "layout.threads", "layout.verifier", "model.stop",
+          "model.trust_remote_code")  # = dvc.yaml
 
 WARMUP_TOKENS = 2  # the untimed decode of every method before the first set: its prefill and one round (``warm_up``)
 WARMUP_PROMPT_TOKENS = 16  # of each warm-up prompt
@@ -77,18 +78,19 @@ class Settings:
     device: str
     dtype: str
     threads: int
+    stop: tuple[str, ...]  # model.stop: strings ending an answer besides EOS (decoding stops there, as generation did)
     trust_remote_code: bool
     placement: Placement  # layout.verifier: tp > 1 decodes with one copy sharded over tp torchrun processes
 
     @classmethod
     def from_params(cls, params: DictConfig) -> Settings:
-        cfg, layout = params.evaluate, params.layout
+        cfg, layout, spec = params.evaluate, params.layout, VerifierSpec.from_params(params.model)
         tree = cfg.tree
         return cls(  # values validated by config.validate (stage_params), the tree's shape included
             int(cfg.draft_tokens), None if tree is None else TreeShape(int(tree.num_steps), int(tree.topk), int(tree.num_draft_tokens)),
             tuple(map(int, cfg.batch_sizes)), int(cfg.repeats), tuple(map(int, cfg.chain_sweep)), int(cfg.max_new_tokens), tuple(cfg.sets),
             None if cfg.max_prompts is None else int(cfg.max_prompts), bool(cfg.baseline),
-            str(layout.device), str(layout.dtype), int(layout.threads), VerifierSpec.from_params(params.model).trust_remote_code,
+            str(layout.device), str(layout.dtype), int(layout.threads), spec.stop, spec.trust_remote_code,
             Placement.from_params(layout),
         )
 
@@ -165,31 +167,37 @@ def batches(items: Sequence, size: int) -> list[Sequence]:
 
 def decode_all(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int], batch_size: int,
                methods: Mapping[str, TreeShape | None] | None = None, repeats: int = 1, max_new_tokens: int | None = None,
-               graphs: DecodeGraphs | None = None) -> dict[str, Run]:
+               graphs: DecodeGraphs | None = None, stops: StopStrings | None = None) -> dict[str, Run]:
     """Every method (default ``settings.methods()``) on every batch of ``batch_size`` prompts, alternating
     methods per batch (fair under a varying load), the batch's methods ``repeats`` times in turn.
 
     The prompts of a batch are prefilled once, untimed, and every method decodes from a copy: the
     prefill is the same work for all of them, so times and speedups are of decoding alone. Outputs
     and acceptance are of the first repeat (greedy decoding repeats them exactly).
-    ``graphs``: decode in static caches with captured steps (``eagle3.drafter.graphed``), every method alike.
+    ``graphs``: decode in static caches with captured steps (``eagle3.drafter.graphed``), every method
+    alike; a last, smaller batch is filled up with copies of its last prompt (``graph_rows``), as an
+    engine pads a batch to a captured size, and only its own rows are counted. ``stops``: answers
+    also end at ``model.stop``'s strings.
     """
     methods = methods or settings.methods()
     runs = {name: Run(seconds=[0.0] * repeats) for name in methods}
     layer_ids = drafter.config.aux_layers
     for batch in tqdm(batches(prompts, batch_size), desc="/".join(methods), unit="batch", leave=False):
+        rows = len(batch)
+        if graphs is not None:
+            batch = [*batch, *[batch[-1]] * (graph_rows(len(prompts), batch_size) - rows)]
         prefilled = prefill(verifier, batch, layer_ids)
         for repeat in range(repeats):
             for name, shape in methods.items():
                 proposer = EagleProposer(drafter, shape, graphs) if shape else None
                 start = time.perf_counter()
                 decoded = speculative_decode(verifier, proposer, batch, layer_ids, max_new_tokens or settings.max_new_tokens,
-                                             eos_ids, prefilled, graphs)
+                                             eos_ids, prefilled, graphs, stops)
                 if str(settings.device).startswith("cuda"):
                     torch.cuda.synchronize()
                 runs[name].seconds[repeat] += time.perf_counter() - start
                 if repeat == 0:
-                    for d in decoded:
+                    for d in decoded[:rows]:
                         runs[name].outputs.append(d.tokens)
                         runs[name].accepted += d.accepted
     return runs
@@ -274,7 +282,7 @@ def baselines(prompts: Sequence[torch.Tensor], outputs: Sequence[list[int]], k: 
 
 
 def evaluate_set(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
-                 graphs: DecodeGraphs | None = None, sweep_chains: bool = False) -> dict:
+                 graphs: DecodeGraphs | None = None, sweep_chains: bool = False, stops: StopStrings | None = None) -> dict:
     """Plain vs chain vs tree decoding of ``prompts`` (and the baselines): {"plain", "chain", "tree"?, ...,
     "batch": {batch size: ``timings``}, "unstable": [...], "chain_k"?: ``chain_sweep``}.
 
@@ -283,7 +291,7 @@ def evaluate_set(verifier, drafter, prompts: Sequence[torch.Tensor], settings: S
     """
     start = time.perf_counter()
     first, *others = settings.batch_sizes
-    runs = decode_all(verifier, drafter, prompts, settings, eos_ids, first, repeats=settings.repeats, graphs=graphs)
+    runs = decode_all(verifier, drafter, prompts, settings, eos_ids, first, repeats=settings.repeats, graphs=graphs, stops=stops)
     plain = runs["plain"]
     report = {"plain": {"tokens": sum(map(len, plain.outputs)), "prompts": len(prompts)}}
     for name, shape in settings.methods().items():
@@ -294,9 +302,9 @@ def evaluate_set(verifier, drafter, prompts: Sequence[torch.Tensor], settings: S
     report["batch"] = {first: timings(runs)}
     for size in others:
         report["batch"][size] = timings(decode_all(verifier, drafter, prompts, settings, eos_ids, size,
-                                                   repeats=settings.repeats, graphs=graphs))
+                                                   repeats=settings.repeats, graphs=graphs, stops=stops))
     if sweep_chains and settings.chain_sweep:
-        report["chain_k"] = chain_sweep(verifier, drafter, prompts, settings, eos_ids, graphs)
+        report["chain_k"] = chain_sweep(verifier, drafter, prompts, settings, eos_ids, graphs, stops)
     report["unstable"] = [f"batch {size}: {what}" for size, timing in report["batch"].items() for what in disagreeing(timing)]
     report["unstable"] += [f"chain K sweep: {what}" for what in disagreeing(report.get("chain_k", {}).get("timing", {}))]
     if report["unstable"]:
@@ -307,12 +315,12 @@ def evaluate_set(verifier, drafter, prompts: Sequence[torch.Tensor], settings: S
 
 
 def chain_sweep(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
-                graphs: DecodeGraphs | None) -> dict:
+                graphs: DecodeGraphs | None, stops: StopStrings | None = None) -> dict:
     """Chains of every K in ``chain_sweep`` timed against plain decoding at the first batch size:
     {"timing": ``timings``, "tau": {name: τ}, "draft_cost": {name: ...}?, "best": the K of the highest median speedup}."""
     size = settings.batch_sizes[0]
     methods = settings.chain_methods()
-    runs = decode_all(verifier, drafter, prompts, settings, eos_ids, size, methods, settings.repeats, graphs=graphs)
+    runs = decode_all(verifier, drafter, prompts, settings, eos_ids, size, methods, settings.repeats, graphs=graphs, stops=stops)
     timing = timings(runs)
     chains = {name: shape for name, shape in methods.items() if shape}
     best = max(chains, key=lambda name: timing[name]["speedup"])
@@ -330,7 +338,7 @@ def step_costs(graphs: DecodeGraphs | None, prompts: Sequence[torch.Tensor], bat
     """
     if graphs is None:
         return {}
-    rows = len(batches(prompts, batch_size)[0])
+    rows = graph_rows(len(prompts), batch_size)
     forward = graphs.replay_seconds(("verifier", rows, 1))
     draft = graphs.replay_seconds(("draft", shape.num_steps + 1, shape, rows))
     verify = graphs.replay_seconds(("verifier", rows, shape.num_draft_tokens))
@@ -451,28 +459,28 @@ def decode_graphs(settings: Settings, eval_sets: Mapping[str, Sequence[torch.Ten
     return DecodeGraphs(longest, settings.max_new_tokens, capture=True)
 
 
-def row_counts(count: int, batch_size: int) -> list[int]:
-    """The distinct row counts of ``count`` prompts decoded ``batch_size`` at a time, e.g. 10, 4 -> [4, 2]."""
-    return sorted({len(b) for b in batches(range(count), batch_size)}, reverse=True)
+def graph_rows(count: int, batch_size: int) -> int:
+    """The rows of every batch of ``count`` prompts decoded ``batch_size`` at a time with graphs (captured per row count)."""
+    return min(count, batch_size)
 
 
 def evaluate(verifier, drafter, eval_sets: Mapping[str, Sequence[torch.Tensor]], settings: Settings,
-             eos_ids: set[int]) -> dict[str, dict]:
+             eos_ids: set[int], stops: StopStrings | None = None) -> dict[str, dict]:
     """The stage's work on loaded models: each set's report (``evaluate_set``), from prompts [n] each.
 
     One warm-up on the first set comes first; the sets need none of their own. The chain K sweep
     (``chain_sweep``) runs on the first set.
     """
     graphs = decode_graphs(settings, eval_sets)
-    counts = sorted({n for prompts in eval_sets.values() for size in settings.batch_sizes for n in row_counts(len(prompts), size)})
+    counts = sorted({graph_rows(len(prompts), size) for prompts in eval_sets.values() for size in settings.batch_sizes})
     first = next(iter(eval_sets.values()))
     warm_up(verifier, drafter, first, settings, eos_ids, graphs, counts)
     if graphs is not None and settings.chain_sweep:  # the sweep's chains: the first set at the first batch size
-        warm_up(verifier, drafter, first, settings, eos_ids, graphs, row_counts(len(first), settings.batch_sizes[0]),
+        warm_up(verifier, drafter, first, settings, eos_ids, graphs, [graph_rows(len(first), settings.batch_sizes[0])],
                 settings.chain_methods())
     reports = {}
     for index, (name, prompts) in enumerate(eval_sets.items()):
-        reports[name] = report = evaluate_set(verifier, drafter, prompts, settings, eos_ids, graphs, sweep_chains=index == 0)
+        reports[name] = report = evaluate_set(verifier, drafter, prompts, settings, eos_ids, graphs, index == 0, stops)
         log.info("%s: chain tau %.3f, speedup %.2fx at batch %d; tree tau %s; baselines tau %s (most frequent), %s (ngram); "
                  "%d prompts in %.1f s", name, report["chain"]["tau"], report["batch"][settings.batch_sizes[0]]["chain"]["speedup"],
                  settings.batch_sizes[0],
@@ -536,7 +544,8 @@ def main(argv: list[str]) -> None:
     verifier, drafter, tokenizer = load_models(args.verifier, args.drafter, settings)
     eval_sets = {name: [torch.tensor(prompt_ids(tokenizer, r["messages"]), device=settings.device) for r in rows]  # [n] each
                  for name, rows in records.items()}
-    reports = evaluate(verifier, drafter, eval_sets, settings, eos_token_ids(verifier, tokenizer))
+    stops = StopStrings(tokenizer, settings.stop) if settings.stop else None
+    reports = evaluate(verifier, drafter, eval_sets, settings, eos_token_ids(verifier, tokenizer), stops)
     if shard_rank() == 0:
         write_reports(args.out, reports, time.perf_counter() - started)
     close_sharded()

@@ -70,6 +70,7 @@ class Decoded:
 
     tokens: list[int]  # generated tokens after the prompt, up to and including EOS, at most max_new_tokens
     accepted: list[int] = field(default_factory=list)  # per verifier forward after prefill: drafts accepted
+    stopped: bool = False  # ended by a stop string (its last token completes it; ``StopStrings``)
 
 
 @dataclass(frozen=True)
@@ -562,6 +563,40 @@ class HistoryProposer:
 # --- decoding -------------------------------------------------------------------------------------
 
 
+class StopStrings:
+    """The end of an answer at one of ``model.stop``'s strings (a base model's end-of-turn text), as
+    generation stops there (transformers' ``stop_strings``, a server's ``stop``).
+
+    Tokens are matched as text, since a string may span tokens and one token may hold more than it.
+    The answer keeps the token that completes the string, as it keeps an EOS. Example, stop "\nUser:"
+    and tokens decoding to ["4", ".", "\n", "User", ":", " and"]: the first 5 are kept.
+    """
+
+    def __init__(self, tokenizer, strings: Sequence[str]):
+        self.tokenizer, self.strings = tokenizer, tuple(strings)
+
+    def ends(self, tokens: list[int]) -> bool:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+        return any(stop in text for stop in self.strings)
+
+    def keep(self, tokens: list[int], new: int) -> int | None:
+        """How many of ``tokens`` (the last ``new`` just generated) to keep: up to the first stop string; None: none yet."""
+        if not self.ends(tokens):
+            return None
+        return next(n for n in range(len(tokens) - new + 1, len(tokens) + 1) if self.ends(tokens[:n]))
+
+
+def end_at_stop(output: Decoded, new: int, stops: StopStrings | None) -> int:
+    """Cut ``output`` after a stop string its ``new`` last tokens complete; returns how many tokens went."""
+    keep = None if stops is None else stops.keep(output.tokens, new)
+    if keep is None:
+        return 0
+    cut = len(output.tokens) - keep
+    del output.tokens[keep:]
+    output.stopped = True
+    return cut
+
+
 def truncate(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
     """Tokens up to and including the first EOS, at most ``max_new_tokens``: what greedy decoding emits."""
     tokens = tokens[:max_new_tokens]
@@ -569,18 +604,22 @@ def truncate(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[
     return tokens[: ends[0] + 1] if ends else tokens
 
 
-def finished(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> bool:
-    return len(tokens) >= max_new_tokens or (bool(tokens) and tokens[-1] in eos_ids)
+def finished(output: Decoded, max_new_tokens: int, eos_ids: set[int]) -> bool:
+    tokens = output.tokens
+    return output.stopped or len(tokens) >= max_new_tokens or (bool(tokens) and tokens[-1] in eos_ids)
 
 
 @torch.no_grad()
 def speculative_decode(verifier, proposer, prompts: Sequence[Tensor], layer_ids: Sequence[int], max_new_tokens: int,
-                       eos_ids: set[int], prefilled: tuple[Batch, Tensor] | None = None, graphs=None) -> list[Decoded]:
+                       eos_ids: set[int], prefilled: tuple[Batch, Tensor] | None = None, graphs=None,
+                       stops: StopStrings | None = None) -> list[Decoded]:
     """Greedy decoding of ``verifier`` from each prompt [n_b], sped up by ``proposer``'s drafts (None: plain).
 
     ``prefilled``: ``prefill``'s result for these prompts, to decode several ways from one prefill
     (it is copied, never changed). ``graphs``: a ``graphed.DecodeGraphs`` to decode in its static
     caches and captured steps (the proposer made with the same one); the tokens are the same.
+    A row ends at EOS, at ``max_new_tokens`` or after a stop string (``stops``); a forward whose
+    tokens run past a stop string counts the drafts it accepted up to there.
     """
     batch, features = prefilled if prefilled else prefill(verifier, prompts, layer_ids)
     if graphs is None:
@@ -588,6 +627,8 @@ def speculative_decode(verifier, proposer, prompts: Sequence[Tensor], layer_ids:
     else:
         batch = graphs.static_batch(batch, 1 if proposer is None else proposer.shape.num_draft_tokens)
     outputs = [Decoded([int(t)]) for t in batch.root]
+    for output in outputs:
+        end_at_stop(output, 1, stops)
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=batch.root.device)
     if proposer is not None:
         proposer.start(prompts, batch, features)
@@ -604,21 +645,21 @@ def speculative_decode(verifier, proposer, prompts: Sequence[Tensor], layer_ids:
         if graphs is None:
             drop_rejected(batch, inputs.shape[1], torch.tensor(sorted(set().union(*paths)), device=greedy.device))
         for i, row_path, new in zip(live, paths, emitted):
-            if finished(outputs[i].tokens, max_new_tokens, eos_ids):
+            if finished(outputs[i], max_new_tokens, eos_ids):
                 continue  # a static batch's finished row, still riding along
             outputs[i].tokens += new
-            outputs[i].accepted.append(len(row_path) - 1)
+            outputs[i].accepted.append(len(row_path) - 1 - end_at_stop(outputs[i], len(new), stops))
         if proposer is not None:
             proposer.advance(Round(paths, emitted, features, root_positions))
         live = retire(live, outputs, batch, proposer, max_new_tokens, eos_ids)
-    return [Decoded(truncate(o.tokens, max_new_tokens, eos_ids), o.accepted) for o in outputs]
+    return [Decoded(truncate(o.tokens, max_new_tokens, eos_ids), o.accepted, o.stopped) for o in outputs]
 
 
 def retire(live: list[int], outputs: list[Decoded], batch: Batch, proposer, max_new_tokens: int, eos_ids: set[int]) -> list[int]:
     """The batch rows ``live`` (indices into ``outputs``) that still decode; the finished ones leave
     the batch and the proposer's state (``keep_rows``). A static batch (``Batch.graphs``) keeps its
     rows until all have finished: its graphs are of a fixed row count."""
-    still = [r for r, i in enumerate(live) if not finished(outputs[i].tokens, max_new_tokens, eos_ids)]
+    still = [r for r, i in enumerate(live) if not finished(outputs[i], max_new_tokens, eos_ids)]
     if batch.graphs is not None:
         return live if still else []
     if len(still) < len(live):
@@ -646,9 +687,10 @@ def no_draft(batch: Batch) -> Draft:
     return Draft(empty, empty, empty.bool())
 
 
-def greedy_decode(verifier, prompts: Sequence[Tensor], max_new_tokens: int, eos_ids: set[int]) -> list[list[int]]:
+def greedy_decode(verifier, prompts: Sequence[Tensor], max_new_tokens: int, eos_ids: set[int],
+                  stops: StopStrings | None = None) -> list[list[int]]:
     """Plain greedy decoding, one verifier forward per token (the reference and the speed baseline)."""
-    return [d.tokens for d in speculative_decode(verifier, None, prompts, (0,), max_new_tokens, eos_ids)]
+    return [d.tokens for d in speculative_decode(verifier, None, prompts, (0,), max_new_tokens, eos_ids, stops=stops)]
 
 
 def replay(propose: Callable[[list[int], int], list[int]], prompt: list[int], output: list[int], k: int,
