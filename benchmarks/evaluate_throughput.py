@@ -20,7 +20,8 @@ Parts, each in turn; one that fails prints its whole traceback and the next one 
 3. ``chain_k``: chains of K = 2..7 (--chain-sweep) with graphs at batch 1: τ, speedup, the best K.
 4. ``eager``: as 2, eagerly (--eager-batch-sizes, --eager-repeats): what the graphs save.
 
-A part is skipped once --budget seconds have passed. The JSON (--json) is rewritten after every
+A part is skipped once --budget seconds have passed, and one still running at --deadline is
+interrupted (its error recorded), so the whole run ends within about --deadline seconds. The JSON (--json) is rewritten after every
 part, so what ran survives a later failure. The table printed last has one row per mode, batch
 size and method: tokens/s and speedup (median ± spread over repeats), τ, and the proposal's and
 the verify forward's cost in 1-token verifier forwards (graphs only).
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
 import time
 import traceback
@@ -218,7 +220,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--budget", type=float, default=150, help="seconds after which the remaining parts are skipped")
+    parser.add_argument("--budget", type=float, default=130, help="seconds after which the remaining parts are skipped")
+    parser.add_argument("--deadline", type=int, default=170, help="seconds after which the running part is interrupted")
     parser.add_argument("--json", type=Path, help="write every part's results here")
     args = parser.parse_args()
     if args.tiny:
@@ -227,8 +230,14 @@ def arguments() -> argparse.Namespace:
     return args
 
 
+def interrupt(signum, frame) -> None:
+    raise TimeoutError("--deadline reached: this part was interrupted, the rest are skipped")
+
+
 def main() -> None:
     args = arguments()
+    signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(args.deadline)  # the table still prints: the running part records the error, the rest are past --budget
     settings = Settings(args.draft_tokens, TreeShape(*args.tree), tuple(args.batch_sizes), args.repeats, tuple(args.chain_sweep),
                         args.max_new_tokens, ("bench",), None, False, args.device, args.dtype, args.threads, (), False, WHOLE_COPY)
     configure_torch(settings)
@@ -253,9 +262,11 @@ def main() -> None:
     eager = dataclasses.replace(settings, repeats=args.eager_repeats)
     for size in args.eager_batch_sizes:  # last: the slowest, and what the budget cuts first
         parts.run("eager", str(size), lambda: timed(verifier, drafter, prompts, eager, eos, size, None))
+    signal.alarm(0)
     parts.write()
     print("\n" + "\n".join(table(parts.results)))
-    print(f"\n# {parts.results['seconds']} s; check: {json.dumps(parts.results.get('check'))}")
+    memory = f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if capture else ""
+    print(f"\n# {parts.results['seconds']} s{memory}; check: {json.dumps(parts.results.get('check'))}")
     if args.chain_sweep and "k2" in parts.results.get("chain_k", {}).get("1", {}):
         print(f"# best chain K at batch 1: {parts.results['chain_k']['1']['best_k']}")
     sys.exit(0)

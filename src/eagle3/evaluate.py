@@ -330,8 +330,9 @@ def chain_sweep(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Se
 
 
 def step_costs(graphs: DecodeGraphs | None, prompts: Sequence[torch.Tensor], batch_size: int, shape: TreeShape) -> dict:
-    """With graphs: a proposal's and a verify forward's time over a 1-token verifier forward, at the first
-    batch's rows: {"draft_cost", "draft_step_cost" (per drafter step), "verify_cost"}; eager: {}.
+    """With graphs: a proposal's and a verify forward's time over a 1-token verifier forward, at the
+    batches' rows, each graph replayed alone: {"draft_cost", "draft_step_cost" (per drafter step),
+    "verify_cost"}; eager: {}.
 
     Why beside τ: speedup ≈ τ / (verify_cost + draft_cost) against plain decoding at the same batch,
     so the two say whether a low speedup is the drafter's acceptance or its price.
@@ -342,6 +343,8 @@ def step_costs(graphs: DecodeGraphs | None, prompts: Sequence[torch.Tensor], bat
     forward = graphs.replay_seconds(("verifier", rows, 1))
     draft = graphs.replay_seconds(("draft", shape.num_steps + 1, shape, rows))
     verify = graphs.replay_seconds(("verifier", rows, shape.num_draft_tokens))
+    if None in (forward, draft, verify):  # every answer ended before a second round: no draft graph was needed
+        return {}
     return {"draft_cost": draft / forward, "draft_step_cost": draft / forward / shape.num_steps, "verify_cost": verify / forward}
 
 

@@ -10,8 +10,8 @@ fixed kernels on fixed addresses, so what a step reads and writes lives in preal
 
 - the verifier's KV cache (``ColumnCache``): [B, nkv, L, hd] per layer, where the forward over Q
   new columns writes at the columns ``write_at`` [Q] (S..S+Q-1, S = columns so far). Columns only
-  grow, as in the eager cache, but none is ever removed: a finished row stays in the batch (its
-  budget is spent, so it accepts nothing) and a column no row accepted stays masked. L = the
+  grow, as in the eager cache, but none is ever removed: a finished row stays in the batch (what
+  it decodes is no longer read) and a column no row accepted stays masked. L = the
   longest prompt + max_new_tokens * Q (every round adds Q columns and at least one token).
 - the drafter's context cache (``StaticDraftCache``), the same way; every context step after the
   prompt's covers num_steps + 1 rows (the longest path), its pad rows masked.
@@ -223,7 +223,7 @@ class DecodeGraphs:
 
         return self.step(("verifier", B, Q), forward)(input_ids, positions, write_at, *flat)
 
-    def replay_seconds(self, key: tuple) -> float:
+    def replay_seconds(self, key: tuple) -> float | None:
         """The time of one call of the graph ``key`` (see ``step``), e.g. ("verifier", rows, 1) or
-        ("draft", num_steps + 1, shape, rows)."""
-        return self.graphs[key].seconds()
+        ("draft", num_steps + 1, shape, rows); None if no decode has made it yet."""
+        return self.graphs[key].seconds() if key in self.graphs else None
