@@ -75,7 +75,10 @@ def test_evaluate_reports_every_method_per_set_lossless(tiny_verifier_dir):
     assert sweep["tau"]["k3"] == reports["a"]["chain"]["tau"]  # the same chain, decoded again: the same τ
 
 
-def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, monkeypatch):
+@pytest.mark.parametrize("repeats", [2, 1])
+def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, monkeypatch, repeats):
+    """Timings are metrics only with their spread: two repeats give speedups per batch size and the
+    unstable flag, one (the CPU demo's) none; τ and the plots either way."""
     verifier = load_verifier(tiny_verifier_dir)
     drafter_dir, prompts_dir = tmp_path / "drafter", tmp_path / "prompts"
     drafter_dir.mkdir()
@@ -86,7 +89,7 @@ def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, mon
     (prompts_dir / "eval" / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     params = project_params()
     params.evaluate = {"name": "test", "draft_tokens": 3, "max_new_tokens": 8, "sets": ["heldout"], "max_prompts": 2,
-                       "baseline": True, "batch_sizes": [2, 1], "repeats": 2, "chain_sweep": [],
+                       "baseline": True, "batch_sizes": [2, 1], "repeats": repeats, "chain_sweep": [],
                        "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
     params.layout.threads = 1
     OmegaConf.save(params, tmp_path / "params.yaml")
@@ -95,9 +98,17 @@ def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, mon
     main([str(tiny_verifier_dir), str(drafter_dir), str(prompts_dir), str(out), "--params", str(tmp_path / "params.yaml")])
     metrics = json.loads((out / "metrics.json").read_text())["heldout"]
     assert metrics["prompts"] == 2 and metrics["lossless"] == 1 and metrics["tree"]["lossless"] == 1
-    assert 1 <= metrics["tau"] <= 4 and metrics["speedup"] > 0 and metrics["baseline"]["tau"] >= 1
-    assert 1 <= metrics["tree"]["tau"] <= 4 and metrics["tree"]["speedup"] > 0 and metrics["ngram"]["tau"] >= 1
+    assert 1 <= metrics["tau"] <= 4 and metrics["baseline"]["tau"] >= 1 and metrics["ngram"]["tau"] >= 1
+    assert 1 <= metrics["tree"]["tau"] <= 4 and metrics["ngram"]["tau_matched_rounds"] >= metrics["ngram"]["tau"]
     assert json.loads((out / "metrics.json").read_text())["wall_seconds"] > 0
+    speedups = json.loads((out / "plots" / "custom" / "speedup" / "heldout.json").read_text())
+    assert [row["batch_size"] for row in speedups] == [2, 1] and all(row["drafter"] > 0 and row["tree"] > 0 for row in speedups)
+    if repeats == 1:
+        assert not any("speedup" in key or "tokens_per_s" in key for key in json.dumps(metrics).split('"')[1::2])
+    else:
+        assert metrics["speedup"] == pytest.approx(speedups[0]["drafter"], abs=1e-4) and metrics["speedup_spread"] >= 0 and metrics["tree"]["speedup"] > 0
+        assert metrics["unstable"] in (True, False) and metrics["plain_tokens_per_s_spread"] >= 0
+        assert set(metrics["batch"]) == {"2", "1"} and metrics["batch"]["1"]["tree"]["speedup_spread"] >= 0
     acceptance = json.loads((out / "plots" / "custom" / "acceptance" / "heldout.json").read_text())
     assert [row["position"] for row in acceptance] == [1, 2, 3]
     assert metrics["tau"] == pytest.approx(1 + sum(row["drafter"] for row in acceptance), abs=1e-3)
