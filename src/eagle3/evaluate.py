@@ -1,7 +1,7 @@
 """Stage ``evaluate``: the drafter's measured acceptance length τ and speedup, by real speculative decoding.
 
     python -m eagle3.evaluate models/verifier models/drafter data/prompts dvclive/evaluate
-    # reads params.yaml: evaluate, layout.device/dtype/threads, model.trust_remote_code
+    # reads params.yaml: evaluate, layout.device/dtype/threads/verifier, model.stop, model.trust_remote_code
 
 Why: training accuracy is a proxy; a drafter is judged by τ (tokens per verifier forward) and the
 speedup it gives, with the drafting SGLang and vLLM serve: a chain of K drafts, and SGLang's draft
@@ -9,22 +9,30 @@ tree. The drafter is loaded from its export (``load_drafter``), never from train
 broken export shows up here as τ ≈ the baselines'.
 
 For each eval set (``data/prompts/eval/<set>.jsonl``, rendered with the chat template and the
-generation prompt), the prompts are decoded ``evaluate.batch_size`` at a time (``eagle3.drafter.speculative``)
-by plain greedy decoding, chain drafting and tree drafting, alternately per batch, each timed; the
-outputs must be identical. Speedup = tokens/s over plain greedy decoding at the same batch size.
-Two baselines are replayed on the plain greedy output (exact under greedy verification, and
-free): the set's most frequent output token K times (the best context-free chain drafter), and
-prompt lookup (``ngram``, as vLLM and SGLang ship it). A drafter near the baselines' τ is broken.
+generation prompt), the prompts are decoded a batch at a time (``eagle3.drafter.speculative``) by
+plain greedy decoding, chain drafting and tree drafting, alternately per batch, ``evaluate.repeats``
+times each, for every batch size of ``evaluate.batch_sizes``; τ and the outputs (which must be
+identical) come from the first size. Speedup = tokens/s over plain greedy decoding at the same batch
+size and repeat: median and spread over repeats (``timings``). On a GPU the steps are CUDA graphs
+over static caches (``eagle3.drafter.graphed``), as engines serve; answers end at EOS,
+``max_new_tokens`` or a ``model.stop`` string. Two baselines are replayed on the plain greedy output
+(exact under greedy verification, and free): the set's most frequent output token K times (the best
+context-free chain drafter), and prompt lookup (``ngram``, as vLLM and SGLang ship it). A drafter
+near the baselines' τ is broken.
 
 Output (dvclive, ``dvcyaml=False``), written by ``log_report`` alone: ``metrics.json`` with
-``wall_seconds`` and per set ``tau``, ``speedup``, ``tokens_per_s``, ``lossless`` (fraction of
-prompts whose output equals plain greedy), ``forwards`` (the chain's), ``tree/{tau, speedup,
-tokens_per_s, lossless, forwards}``, ``baseline/{tau, token}``, ``ngram/tau``, ``plain_tokens_per_s``,
-``tokens``, ``prompts``, ``seconds``; plots ``plots/custom/acceptance/<set>.json`` (per draft
-position or tree depth k: the fraction of verifier forwards that accepted k drafts or more, hence
-τ = 1 + Σ_k acceptance_k) and ``plots/custom/tau/<set>.json`` (the distribution of τ over forwards);
-both with the series ``drafter`` (the chain), ``tree``, ``baseline`` and ``ngram``, which
-dvc.yaml's top-level ``plots`` draws in one chart per set.
+``wall_seconds`` and per set ``tau``, ``lossless`` (fraction of prompts whose output equals plain
+greedy), ``forwards`` (the chain's), ``tree/{tau, lossless, forwards}``, ``baseline/{tau, token}``,
+``ngram/{tau, tau_matched_rounds, matched_rounds}``, ``tokens``, ``prompts``, ``seconds``; with graphs
+``draft_cost``, ``draft_step_cost``, ``verify_cost`` (and the tree's) and, on the first set,
+``chain_k/k<K>/...`` and ``chain_k/best``; with repeats > 1 the timings: ``speedup``,
+``speedup_spread``, ``tokens_per_s(_spread)``, ``plain_tokens_per_s(_spread)`` (and the tree's) at
+the first batch size, the same per size under ``batch/<B>/``, and ``unstable``. Plots
+``plots/custom/acceptance/<set>.json`` (per draft position or tree depth k: the fraction of verifier
+forwards that accepted k drafts or more, hence τ = 1 + Σ_k acceptance_k),
+``plots/custom/tau/<set>.json`` (the distribution of τ over forwards), both with the series
+``drafter`` (the chain), ``tree``, ``baseline`` and ``ngram``, and ``plots/custom/speedup/<set>.json``
+(``drafter`` and ``tree`` per batch size), which dvc.yaml's top-level ``plots`` draws in one chart each.
 """
 
 from __future__ import annotations
@@ -374,9 +382,9 @@ def log_report(live, name: str, report: dict) -> None:
             live.log_metric(f"{name}/ngram/{key}", round(report["ngram"][key], 4), plot=False)
     if "baseline" in report:
         live.log_metric(f"{name}/baseline/token", report["baseline"]["token"], plot=False)
-    (first, timing), *_ = report["batch"].items()
-    if timing["plain"]["tokens_per_s_spread"] is not None:
-        log_timing(live, f"{name}/", timing, methods)
+    headline = next(iter(report["batch"].values()))  # the first batch size's
+    if headline["plain"]["tokens_per_s_spread"] is not None:
+        log_timing(live, f"{name}/", headline, methods)
         for size, timing in report["batch"].items():
             log_timing(live, f"{name}/batch/{size}/", timing, {"chain": "chain/", "tree": "tree/"})
         live.log_metric(f"{name}/unstable", bool(report["unstable"]), plot=False)
