@@ -137,6 +137,7 @@ def timed(verifier, drafter, prompts, settings: Settings, eos: set[int], batch_s
     """``evaluate``'s measurement of one batch of ``batch_size`` prompts: {method: timings + tau (+ costs)}."""
     methods = methods or settings.methods()
     batch = prompts[:batch_size]
+    settings = dataclasses.replace(settings, batch_sizes=(batch_size,))  # the eager warm-up's batch too
     start = time.perf_counter()
     warm_up(verifier, drafter, batch, settings, eos, graphs, [batch_size], methods)
     warmed = time.perf_counter()
