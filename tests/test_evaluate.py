@@ -54,7 +54,7 @@ def test_evaluate_reports_every_method_per_set_lossless(tiny_verifier_dir):
     drafter = random_drafter(verifier, 512, TINY_TAPS)
     params = project_params()
     params.evaluate = {"name": "test", "draft_tokens": 3, "max_new_tokens": 8, "sets": ["a", "b"], "max_prompts": None,
-                       "baseline": True, "batch_sizes": [2, 1], "repeats": 2, "chain_sweep": [2, 3],
+                       "baseline": True, "batch_sizes": [2, 1], "repeats": 2, "chain_sweep": [2, 3], "cuda_graphs": True,
                        "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
     settings = Settings.from_params(params)
     sets = {"a": [encode(tokenizer, q) for q in QUESTIONS], "b": [encode(tokenizer, QUESTIONS[0])]}
@@ -89,7 +89,7 @@ def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, mon
     (prompts_dir / "eval" / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     params = project_params()
     params.evaluate = {"name": "test", "draft_tokens": 3, "max_new_tokens": 8, "sets": ["heldout"], "max_prompts": 2,
-                       "baseline": True, "batch_sizes": [2, 1], "repeats": repeats, "chain_sweep": [],
+                       "baseline": True, "batch_sizes": [2, 1], "repeats": repeats, "chain_sweep": [], "cuda_graphs": True,
                        "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
     params.layout.threads = 1
     OmegaConf.save(params, tmp_path / "params.yaml")
@@ -126,7 +126,7 @@ def test_evaluate_stops_at_the_verifier_specs_stop_strings(tiny_verifier_dir):
     params = project_params()
     params.model.stop = [tokenizer.decode(plain[0][2:4])]
     params.evaluate = {"name": "test", "draft_tokens": 3, "max_new_tokens": 8, "sets": ["a"], "max_prompts": None,
-                       "baseline": True, "batch_sizes": [3], "repeats": 1, "chain_sweep": [],
+                       "baseline": True, "batch_sizes": [3], "repeats": 1, "chain_sweep": [], "cuda_graphs": True,
                        "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
     settings = Settings.from_params(params)
     assert settings.stop == tuple(params.model.stop)

@@ -171,6 +171,7 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "evaluate.batch_sizes": ((lambda v: isinstance(v, list) and bool(v) and all(_int(1)(x) for x in v)),
                              "a non-empty list of integers >= 1"),
     "evaluate.repeats": POSITIVE,
+    "evaluate.cuda_graphs": BOOL,
     "evaluate.chain_sweep": ((lambda v: isinstance(v, list) and all(_int(1)(x) for x in v)), "a list of integers >= 1 (chain K)"),
     "evaluate.max_new_tokens": POSITIVE,
     "evaluate.max_prompts": ((lambda v: v is None or _int(1)(v)), "an integer >= 1, or null for all"),

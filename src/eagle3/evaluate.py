@@ -79,6 +79,7 @@ class Settings:
     batch_sizes: tuple[int, ...]  # prompts decoded together, one timing per size; τ and outputs at the first
     repeats: int  # timings per batch size (median and spread); one: no spread, so no speedup metric
     chain_sweep: tuple[int, ...]  # chain K also timed, on the first set at the first batch size (the best K)
+    cuda_graphs: bool  # on a GPU, static caches and captured steps (``eagle3.drafter.graphed``); False: eager
     max_new_tokens: int  # tokens generated per prompt (fewer at EOS)
     sets: tuple[str, ...]  # eval sets: data/prompts/eval/<set>.jsonl
     max_prompts: int | None  # at most this many prompts per set (file order); None: all
@@ -96,7 +97,8 @@ class Settings:
         tree = cfg.tree
         return cls(  # values validated by config.validate (stage_params), the tree's shape included
             int(cfg.draft_tokens), None if tree is None else TreeShape(int(tree.num_steps), int(tree.topk), int(tree.num_draft_tokens)),
-            tuple(map(int, cfg.batch_sizes)), int(cfg.repeats), tuple(map(int, cfg.chain_sweep)), int(cfg.max_new_tokens), tuple(cfg.sets),
+            tuple(map(int, cfg.batch_sizes)), int(cfg.repeats), tuple(map(int, cfg.chain_sweep)), bool(cfg.cuda_graphs),
+            int(cfg.max_new_tokens), tuple(cfg.sets),
             None if cfg.max_prompts is None else int(cfg.max_prompts), bool(cfg.baseline),
             str(layout.device), str(layout.dtype), int(layout.threads), spec.stop, spec.trust_remote_code,
             Placement.from_params(layout),
@@ -464,7 +466,7 @@ def decode_graphs(settings: Settings, eval_sets: Mapping[str, Sequence[torch.Ten
 
     Why not on the CPU: a CPU has no launch cost to save, and its measurement stays as it was.
     """
-    if not settings.device.startswith("cuda") or settings.placement.sharded:
+    if not (settings.cuda_graphs and settings.device.startswith("cuda")) or settings.placement.sharded:
         return None
     longest = max(len(p) for prompts in eval_sets.values() for p in prompts)
     return DecodeGraphs(longest, settings.max_new_tokens, capture=True)
