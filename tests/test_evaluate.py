@@ -191,7 +191,7 @@ def test_dvc_repro_evaluate_lists_tau_and_speedup_and_renders_plots(make_project
     """The dvc.yaml block: deps and params resolve, the plots draw the drafter beside the baselines."""
     repo = make_project("evaluate.max_prompts=2", "evaluate.max_new_tokens=6", "evaluate.draft_tokens=3",
                         "evaluate.tree.num_steps=3", "evaluate.tree.topk=2", "evaluate.tree.num_draft_tokens=6",
-                        "evaluate.sets=[heldout]", "layout.threads=1")
+                        "evaluate.sets=[heldout]", "evaluate.repeats=2", "layout.threads=1")
     shutil.copytree(tiny_verifier_dir, repo / "models" / "verifier")
     verifier = load_verifier(tiny_verifier_dir)
     (repo / "models" / "drafter").mkdir()
@@ -203,11 +203,15 @@ def test_dvc_repro_evaluate_lists_tau_and_speedup_and_renders_plots(make_project
 
     run(["dvc", "repro", "-s", "evaluate"], repo)
     metrics = json.loads((repo / "dvclive" / "evaluate" / "metrics.json").read_text())["heldout"]
-    assert all(key in metrics for key in ("tau", "speedup")) and all("tau" in metrics[m] for m in ("tree", "ngram", "baseline"))
+    assert all(key in metrics for key in ("tau", "speedup", "speedup_spread", "unstable"))
+    assert all("tau" in metrics[m] for m in ("tree", "ngram", "baseline"))
     plots = json.loads(run(["dvc", "plots", "show", "--json"], repo).stdout)["data"]
     for path in ("dvclive/evaluate/plots/custom/acceptance/heldout.json", "dvclive/evaluate/plots/custom/tau/heldout.json"):
         fields = {row["field"] for row in plots[path][0]["content"]["data"]["values"]}
         assert plots[path][0]["type"] == "vega" and fields == {"drafter", "tree", "baseline", "ngram"}  # in one chart
+        assert plots[path][0]["content"]["encoding"]["color"]["field"] == "field"  # a colour per method
+    speedup = plots["dvclive/evaluate/plots/custom/speedup/heldout.json"][0]["content"]["data"]["values"]
+    assert {(row["batch_size"], row["field"]) for row in speedup} == {(32, "drafter"), (32, "tree")}
 
 
 def test_throughput_benchmark_runs_on_the_cpu_with_a_tiny_shape(tmp_path):
