@@ -132,7 +132,7 @@ class StaticDraftCache(DraftBatchCache):
         self.write_at: Tensor | None = None
         self.columns = 0
 
-    def reset(self, rows: int) -> None:
+    def reset(self) -> None:
         """A new batch: no context column holds a real row (the buffers' old keys are masked)."""
         self.columns = 0
         if self.valid is not None:
@@ -186,7 +186,7 @@ class DecodeGraphs:
         if key not in self.draft_caches:
             self.draft_caches[key] = StaticDraftCache(self.columns(shape.num_steps + 1))
         cache = self.draft_caches[key]
-        cache.reset(rows)
+        cache.reset()
         return cache
 
     def step(self, key: tuple, fn: Callable[..., tuple[Tensor, ...]]) -> StepGraph:
