@@ -42,16 +42,19 @@ import signal
 import sys
 import time
 import traceback
+import types
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3.common import read_jsonl
 from eagle3.drafter.export import load_drafter
 from eagle3.drafter.graphed import DecodeGraphs
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
-from eagle3.drafter.speculative import EagleProposer, TreeShape, prefill, speculative_decode
+from eagle3.drafter.speculative import EagleProposer, TreeShape, greedy_decode, prefill, speculative_decode
 from eagle3.evaluate import Settings, acceptance_stats, configure_torch, decode_all, for_decoding, step_costs, timings, warm_up
 from eagle3.verifiers.chat import prompt_ids
 from eagle3.verifiers.loading import WHOLE_COPY, eos_token_ids, input_embedding, load_tokenizer, load_verifier
@@ -79,6 +82,43 @@ def random_drafter(config, embed: torch.Tensor, taps: list[int]) -> Eagle3Drafte
     drafter = Eagle3Drafter(cfg, embed)
     drafter.set_draft_vocab(torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # the first Vd tokens
     return drafter
+
+
+class OracleDrafter(nn.Module):
+    """A stand-in drafter proposing the verifier's own greedy continuation: every draft is accepted.
+
+    Row b's table holds its prompt and greedy output; at RoPE position p it proposes table[b, p + 2]
+    (the alignment: (g_p, x_{p+1}) predicts x_{p+2}), the position carried in channels 0 and 1 of
+    h2 as p // 64 and p % 64 (small integers: exact in bf16).
+    Rows must stay in place, so every row runs to the same length (no EOS: a random verifier).
+    Why: with it the graphs' verify forwards accept whole chains and trees, which a random drafter
+    never exercises, and its speedup is the ceiling the step costs allow.
+    """
+
+    def __init__(self, table: torch.Tensor, vocab_size: int, taps: tuple[int, ...]):
+        super().__init__()
+        self.table, self.vocab_size = table, vocab_size  # [B, L]
+        self.config = types.SimpleNamespace(aux_layers=taps)
+        self.fc = nn.Identity()
+        self.register_buffer("d2t", torch.zeros(vocab_size, dtype=torch.long, device=table.device))  # draft vocab = target's
+
+    def step(self, input_ids, hidden, position_ids, cache, rows=None):
+        h2 = hidden.clone()
+        h2[..., 0], h2[..., 1] = (position_ids // 64).to(h2.dtype), (position_ids % 64).to(h2.dtype)
+        return h2
+
+    def logits(self, h2):
+        position = 64 * h2[..., 0].float().round().long() + h2[..., 1].float().round().long()
+        index = (position + 2).clamp(0, self.table.shape[1] - 1)  # [B, T]
+        return 10 * F.one_hot(self.table.gather(1, index), self.vocab_size).to(h2.dtype)
+
+
+def oracle_drafter(verifier, drafter, prompts, settings: Settings) -> OracleDrafter:
+    """The ``OracleDrafter`` of these prompts (their greedy continuation, past max_new_tokens by a chain)."""
+    extra = settings.max_new_tokens + max(settings.draft_tokens, *settings.chain_sweep, settings.tree.num_steps) + 2
+    rows = [torch.cat([p, torch.tensor(g, device=p.device)]) for p, g in zip(prompts, greedy_decode(verifier, prompts, extra, set()))]
+    table = torch.stack([F.pad(r, (0, max(map(len, rows)) - len(r))) for r in rows])
+    return OracleDrafter(table, input_embedding(verifier).shape[0], tuple(drafter.config.aux_layers))
 
 
 def load_prompts(args, tokenizer, vocab_size: int, count: int) -> list[torch.Tensor]:
@@ -146,7 +186,7 @@ def timed(verifier, drafter, prompts, settings: Settings, eos: set[int], batch_s
     for name, shape in methods.items():
         report[name]["tau"] = acceptance_stats(runs[name].accepted, shape.num_steps)["tau"] if shape else 1.0
         if shape:
-            report[name].update(step_costs(graphs, batch, batch_size, shape))
+            report[name].update(step_costs(graphs, drafter, batch, batch_size, shape))
     report["seconds"] = {"warm_up_and_capture": warmed - start, "timed": time.perf_counter() - warmed}
     return report
 
@@ -158,7 +198,7 @@ def table(results: dict) -> list[str]:
         return "-" if key not in row else f"{row[key]:.{digits}f}" + ("" if spread is None else f" ±{100 * spread:.0f}%")
 
     lines = ["| mode | batch | method | tokens/s | speedup | tau | draft cost | verify cost |", "|---|---|---|---|---|---|---|---|"]
-    for part in ("graph", "eager", "chain_k"):
+    for part in ("graph", "oracle", "chain_k", "eager"):
         for size, methods in results.get(part, {}).items():
             if not isinstance(methods, dict) or "error" in methods or "skipped" in methods:
                 lines.append(f"| {part} | {size} | {methods if isinstance(methods, str) else next(iter(methods.values()))} |")
@@ -204,7 +244,7 @@ def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--verifier", type=Path, help="a verifier folder (default: a random one of --shape)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
-    parser.add_argument("--tiny", action="store_true", help="--shape tiny, batches 1 and 4, 8 new tokens, CPU-sized")
+    parser.add_argument("--tiny", action="store_true", help="--shape tiny, batches 1 and 4, 16 new tokens, CPU-sized")
     parser.add_argument("--drafter", type=Path, help="exported drafter folder (default: random, verifier-shaped)")
     parser.add_argument("--taps", type=int, nargs=3, help="random drafter's taps (default: 1, L//2, L-1)")
     parser.add_argument("--prompts", type=Path, help="eval set jsonl (default: random token prompts)")
@@ -214,6 +254,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager-repeats", type=int, default=2)
     parser.add_argument("--check-rows", type=int, default=4)
+    parser.add_argument("--oracle-batch-sizes", type=int, nargs="*", default=[1, 4], help="timed with the oracle drafter (random verifier)")
     parser.add_argument("--chain-sweep", type=int, nargs="*", default=[2, 3, 4, 5, 6, 7])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--draft-tokens", type=int, default=7)
@@ -226,8 +267,9 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write every part's results here")
     args = parser.parse_args()
     if args.tiny:
-        args.shape, args.max_new_tokens, args.prompt_tokens, args.repeats, args.eager_repeats = "tiny", 8, 24, 2, 2
+        args.shape, args.max_new_tokens, args.prompt_tokens, args.repeats, args.eager_repeats = "tiny", 16, 24, 2, 2
         args.batch_sizes, args.eager_batch_sizes, args.check_rows, args.chain_sweep = [1, 4], [1], 2, [2, 3]
+        args.oracle_batch_sizes = [2]
     return args
 
 
@@ -255,11 +297,25 @@ def main() -> None:
     parts.results["setup"] = {"verifier": str(args.verifier or args.shape), "drafter": str(args.drafter or "random"),
                               "device": args.device, "dtype": args.dtype, "torch": torch.__version__, "cuda_graphs": capture,
                               "max_new_tokens": args.max_new_tokens, "chain": args.draft_tokens, "tree": args.tree}
+    oracle: dict = {}
     parts.run("check", str(args.check_rows), lambda: agreement(verifier, drafter, prompts[: args.check_rows], settings, eos, graphs))
     for size in args.batch_sizes:
         parts.run("graph", str(size), lambda: timed(verifier, drafter, prompts, settings, eos, size, graphs))
     if args.chain_sweep:
         parts.run("chain_k", "1", lambda: with_best(timed(verifier, drafter, prompts, settings, eos, 1, graphs, settings.chain_methods())))
+    if not args.verifier:  # a random verifier never ends early: the oracle's rows stay aligned
+        rows = max(args.check_rows, *args.oracle_batch_sizes)
+
+        def make_oracle() -> dict:
+            oracle["drafter"] = oracle_drafter(verifier, drafter, prompts[:rows], settings)
+            return {"rows": rows}
+
+        parts.run("oracle", "setup", make_oracle)
+        if "drafter" in oracle:
+            parts.run("oracle", f"check {args.check_rows}",
+                      lambda: agreement(verifier, oracle["drafter"], prompts[: args.check_rows], settings, eos, graphs))
+            for size in args.oracle_batch_sizes:
+                parts.run("oracle", str(size), lambda: timed(verifier, oracle["drafter"], prompts, settings, eos, size, graphs))
     eager = dataclasses.replace(settings, repeats=args.eager_repeats)
     for size in args.eager_batch_sizes:  # last: the slowest, and what the budget cuts first
         parts.run("eager", str(size), lambda: timed(verifier, drafter, prompts, eager, eos, size, None))

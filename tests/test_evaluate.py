@@ -223,7 +223,10 @@ def test_throughput_benchmark_runs_on_the_cpu_with_a_tiny_shape(tmp_path):
     table = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "method" not in line]
     assert [(row[0], row[1], row[2]) for row in table] == [
         *[("| graph", size, method) for size in ("1", "4") for method in ("plain", "chain", "tree")],
-        *[("| eager", "1", method) for method in ("plain", "chain", "tree")], *[("| chain_k", "1", m) for m in ("plain", "k2", "k3")]]
+        *[("| oracle", "2", method) for method in ("plain", "chain", "tree")],
+        *[("| chain_k", "1", m) for m in ("plain", "k2", "k3")], *[("| eager", "1", method) for method in ("plain", "chain", "tree")]]
     results = json.loads((tmp_path / "bench.json").read_text())
     assert all(value == 1 for method in results["check"]["2"].values() for key, value in method.items() if key.startswith("same_"))
     assert results["graph"]["4"]["tree"]["speedup_spread"] >= 0 and results["chain_k"]["1"]["best_k"] in (2, 3)
+    oracle = results["oracle"]["check 2"]  # a second drafter through the same graphs: its own, accepting whole chains
+    assert oracle["chain"]["tau_graph"] == oracle["chain"]["tau_eager"] > 4 and oracle["tree"]["same_accepted_as_eager"] == 1

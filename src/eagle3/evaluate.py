@@ -306,7 +306,7 @@ def evaluate_set(verifier, drafter, prompts: Sequence[torch.Tensor], settings: S
     report = {"plain": {"tokens": sum(map(len, plain.outputs)), "prompts": len(prompts)}}
     for name, shape in settings.methods().items():
         if shape:
-            report[name] = {**summarize(runs[name], plain, shape.num_steps), **step_costs(graphs, prompts, first, shape)}
+            report[name] = {**summarize(runs[name], plain, shape.num_steps), **step_costs(graphs, drafter, prompts, first, shape)}
     if settings.baseline:
         report.update(baselines(prompts, plain.outputs, settings.draft_tokens))
     report["batch"] = {first: timings(runs)}
@@ -335,11 +335,11 @@ def chain_sweep(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Se
     chains = {name: shape for name, shape in methods.items() if shape}
     best = max(chains, key=lambda name: timing[name]["speedup"])
     return {"timing": timing, "tau": {name: acceptance_stats(runs[name].accepted, shape.num_steps)["tau"] for name, shape in chains.items()},
-            "costs": {name: step_costs(graphs, prompts, size, shape) for name, shape in chains.items()},
+            "costs": {name: step_costs(graphs, drafter, prompts, size, shape) for name, shape in chains.items()},
             "best": chains[best].num_steps}
 
 
-def step_costs(graphs: DecodeGraphs | None, prompts: Sequence[torch.Tensor], batch_size: int, shape: TreeShape) -> dict:
+def step_costs(graphs: DecodeGraphs | None, drafter, prompts: Sequence[torch.Tensor], batch_size: int, shape: TreeShape) -> dict:
     """With graphs: a proposal's and a verify forward's time over a 1-token verifier forward, at the
     batches' rows, each graph replayed alone: {"draft_cost", "draft_step_cost" (per drafter step),
     "verify_cost"}; eager: {}.
@@ -350,9 +350,9 @@ def step_costs(graphs: DecodeGraphs | None, prompts: Sequence[torch.Tensor], bat
     if graphs is None:
         return {}
     rows = graph_rows(len(prompts), batch_size)
-    forward = graphs.replay_seconds(("verifier", rows, 1))
-    draft = graphs.replay_seconds(("draft", shape.num_steps + 1, shape, rows))
-    verify = graphs.replay_seconds(("verifier", rows, shape.num_draft_tokens))
+    forward = graphs.replay_seconds(graphs.verifier_key(rows, 1))
+    draft = graphs.replay_seconds(graphs.draft_key(drafter, shape, rows))
+    verify = graphs.replay_seconds(graphs.verifier_key(rows, shape.num_draft_tokens))
     if None in (forward, draft, verify):  # every answer ended before a second round: no draft graph was needed
         return {}
     return {"draft_cost": draft / forward, "draft_step_cost": draft / forward / shape.num_steps, "verify_cost": verify / forward}

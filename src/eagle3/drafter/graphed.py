@@ -16,7 +16,7 @@ fixed kernels on fixed addresses, so what a step reads and writes lives in preal
 - the drafter's context cache (``StaticDraftCache``), the same way; every context step after the
   prompt's covers num_steps + 1 rows (the longest path), its pad rows masked.
 
-One graph per (rows B, block Q) for the verifier and per (B, tree shape) for the drafter's
+One graph per (rows B, block Q) for the verifier and per (drafter, B, tree shape) for the drafter's
 ``propose`` (its context step and every tree step, one replay), captured at the first call,
 reused across batches of the same size (the buffers belong to ``DecodeGraphs``, not to one
 decode); the prefill and the drafter's first context step (the prompt's length) stay eager.
@@ -221,9 +221,18 @@ class DecodeGraphs:
             masks = flat[0] if kinds is None else dict(zip(kinds, flat))
             return decoder_forward(decoder, cache, input_ids, positions, masks, layer_ids)
 
-        return self.step(("verifier", B, Q), forward)(input_ids, positions, write_at, *flat)
+        return self.step(self.verifier_key(B, Q), forward)(input_ids, positions, write_at, *flat)
+
+    @staticmethod
+    def verifier_key(rows: int, block: int) -> tuple:
+        """The graph of the verifier's forward over ``block`` columns of ``rows`` rows."""
+        return "verifier", rows, block
+
+    @staticmethod
+    def draft_key(drafter, shape, rows: int) -> tuple:
+        """The graph of ``drafter``'s proposal of ``shape`` for ``rows`` rows (its context step of num_steps + 1 rows)."""
+        return "draft", id(drafter), shape, rows
 
     def replay_seconds(self, key: tuple) -> float | None:
-        """The time of one call of the graph ``key`` (see ``step``), e.g. ("verifier", rows, 1) or
-        ("draft", num_steps + 1, shape, rows); None if no decode has made it yet."""
+        """The time of one call of the graph ``key`` (``verifier_key``, ``draft_key``); None if no decode has made it yet."""
         return self.graphs[key].seconds() if key in self.graphs else None

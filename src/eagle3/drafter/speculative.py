@@ -452,7 +452,7 @@ class EagleProposer:
         write_at = self.cache.next_columns(self.pending[1].shape[1], self.pending[1].device)
         if first:
             return self.draft(*self.pending)
-        step = self.graphs.step(("draft", len(write_at), self.shape, self.pending[1].shape[0]), self.draft_tensors)
+        step = self.graphs.step(self.graphs.draft_key(self.drafter, self.shape, len(self.pending[1])), self.draft_tensors)
         tokens, parents, valid, depth, ancestors = step(*self.pending, write_at)
         draft = Draft(tokens, parents, valid)
         draft.__dict__["structure"] = depth, ancestors  # computed in the graph (``Draft.structure``'s cached value)
