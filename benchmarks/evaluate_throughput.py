@@ -1,9 +1,9 @@
 """GPU check of ``evaluate``'s decoding: CUDA-graph vs eager outputs, and tokens/s and speedup per batch size.
 
-    # one H200, a random SmolLM2-shaped verifier and drafter (about 2 minutes, at most --budget seconds)
-    python benchmarks/evaluate_throughput.py --shape smollm2 --device cuda --dtype bfloat16 --json bench.json
+    # one H200, a random SmolLM2-shaped verifier and drafter (about 2 minutes, at most --deadline seconds)
+    PYTHONPATH=src python benchmarks/evaluate_throughput.py --shape smollm2 --device cuda --dtype bfloat16 --json bench.json
     # a real verifier (and drafter, eval set) instead of random ones
-    python benchmarks/evaluate_throughput.py --verifier models/verifier --drafter models/drafter \\
+    PYTHONPATH=src python benchmarks/evaluate_throughput.py --verifier models/verifier --drafter models/drafter \\
         --prompts data/prompts/eval/heldout.jsonl --device cuda --dtype bfloat16 --json bench.json
     python benchmarks/evaluate_throughput.py --device cpu --tiny       # a tiny shape in seconds (tested)
 
@@ -17,12 +17,15 @@ Parts, each in turn; one that fails prints its whole traceback and the next one 
    greedy, a chain of --draft-tokens and SGLang's tree, with ``eagle3.evaluate``'s own loop
    (``warm_up``, then ``decode_all`` with --repeats alternating timings) and statistics
    (``timings``: median and spread; ``step_costs``).
-3. ``chain_k``: chains of K = 2..7 (--chain-sweep) with graphs at batch 1: τ, speedup, the best K.
-4. ``eager``: as 2, eagerly (--eager-batch-sizes, --eager-repeats): what the graphs save.
+3. ``oracle`` (random verifier only): ``OracleDrafter``, the verifier's own greedy continuation,
+   as 1 (its chains and trees accepted whole through the graphs) and as 2 at --oracle-batch-sizes
+   (the speedup ceiling of these step costs).
+4. ``chain_k``: chains of K = 2..7 (--chain-sweep) with graphs at batch 1: τ, speedup, the best K.
+5. ``eager``: as 2, eagerly (--eager-batch-sizes, --eager-repeats): what the graphs save.
 
 A part is skipped once --budget seconds have passed, and one still running at --deadline is
-interrupted (its error recorded), so the whole run ends within about --deadline seconds. The JSON (--json) is rewritten after every
-part, so what ran survives a later failure. The table printed last has one row per mode, batch
+interrupted (its error recorded), so the whole run ends within about --deadline seconds. The JSON
+(--json) is rewritten after every part, so what ran survives a later failure. The table printed last has one row per mode, batch
 size and method: tokens/s and speedup (median ± spread over repeats), τ, and the proposal's and
 the verify forward's cost in 1-token verifier forwards (graphs only).
 
