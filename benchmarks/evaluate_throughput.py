@@ -113,7 +113,8 @@ class OracleDrafter(nn.Module):
     def logits(self, h2):
         position = 64 * h2[..., 0].float().round().long() + h2[..., 1].float().round().long()
         index = (position + 2).clamp(0, self.table.shape[1] - 1)  # [B, T]
-        return 10 * F.one_hot(self.table.gather(1, index), self.vocab_size).to(h2.dtype)
+        tokens = self.table.gather(1, index)[..., None]  # scatter, not one_hot: no host check inside a graph capture
+        return h2.new_zeros(*tokens.shape[:-1], self.vocab_size).scatter_(-1, tokens, 10.0)
 
 
 def oracle_drafter(verifier, drafter, prompts, settings: Settings) -> OracleDrafter:
