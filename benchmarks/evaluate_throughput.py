@@ -285,7 +285,7 @@ def main() -> None:
     args = arguments()
     signal.signal(signal.SIGALRM, interrupt)
     signal.alarm(args.deadline)  # the table still prints: the running part records the error, the rest are past --budget
-    settings = Settings(args.draft_tokens, TreeShape(*args.tree), tuple(args.batch_sizes), args.repeats, tuple(args.chain_sweep), True,
+    settings = Settings(args.draft_tokens, TreeShape(*args.tree), tuple(args.batch_sizes), args.repeats, None, tuple(args.chain_sweep), True,
                         args.max_new_tokens, ("bench",), None, False, args.device, args.dtype, args.threads, (), False, WHOLE_COPY)
     configure_torch(settings)
     verifier, drafter, eos, tokenizer = models(args)

@@ -172,6 +172,7 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
                              "a non-empty list of integers >= 1"),
     "evaluate.repeats": POSITIVE,
     "evaluate.cuda_graphs": BOOL,
+    "evaluate.timed_prompts": ((lambda v: v is None or _int(1)(v)), "an integer >= 1, or null for all"),
     "evaluate.chain_sweep": ((lambda v: isinstance(v, list) and all(_int(1)(x) for x in v)), "a list of integers >= 1 (chain K)"),
     "evaluate.max_new_tokens": POSITIVE,
     "evaluate.max_prompts": ((lambda v: v is None or _int(1)(v)), "an integer >= 1, or null for all"),

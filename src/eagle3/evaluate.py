@@ -78,6 +78,7 @@ class Settings:
     tree: TreeShape | None  # SGLang's draft tree (num_steps, topk, num_draft_tokens); None: chain only
     batch_sizes: tuple[int, ...]  # prompts decoded together, one timing per size; τ and outputs at the first
     repeats: int  # timings per batch size (median and spread); one: no spread, so no speedup metric
+    timed_prompts: int | None  # timings on the first this many prompts of a set (at least the largest batch); None: all
     chain_sweep: tuple[int, ...]  # chain K also timed, on the first set at the first batch size (the best K)
     cuda_graphs: bool  # on a GPU, static caches and captured steps (``eagle3.drafter.graphed``); False: eager
     max_new_tokens: int  # tokens generated per prompt (fewer at EOS)
@@ -97,7 +98,8 @@ class Settings:
         tree = cfg.tree
         return cls(  # values validated by config.validate (stage_params), the tree's shape included
             int(cfg.draft_tokens), None if tree is None else TreeShape(int(tree.num_steps), int(tree.topk), int(tree.num_draft_tokens)),
-            tuple(map(int, cfg.batch_sizes)), int(cfg.repeats), tuple(map(int, cfg.chain_sweep)), bool(cfg.cuda_graphs),
+            tuple(map(int, cfg.batch_sizes)), int(cfg.repeats), None if cfg.timed_prompts is None else int(cfg.timed_prompts),
+            tuple(map(int, cfg.chain_sweep)), bool(cfg.cuda_graphs),
             int(cfg.max_new_tokens), tuple(cfg.sets),
             None if cfg.max_prompts is None else int(cfg.max_prompts), bool(cfg.baseline),
             str(layout.device), str(layout.dtype), int(layout.threads), spec.stop, spec.trust_remote_code,
@@ -296,25 +298,32 @@ def evaluate_set(verifier, drafter, prompts: Sequence[torch.Tensor], settings: S
     """Plain vs chain vs tree decoding of ``prompts`` (and the baselines): {"plain", "chain", "tree"?, ...,
     "batch": {batch size: ``timings``}, "unstable": [...], "chain_k"?: ``chain_sweep``}.
 
-    τ and outputs are decoded once, at the first batch size (they do not depend on it); every
-    batch size is timed ``repeats`` times, the first one in that same decode.
+    τ and outputs are decoded once, at the largest batch size (they do not depend on it; it is the
+    fastest); every batch size is timed ``repeats`` times on the ``timed`` prompts. Where those are
+    all the prompts, the largest size's timing is that same decode (the demo: one decode in all).
     """
     start = time.perf_counter()
-    first, *others = settings.batch_sizes
-    runs = decode_all(verifier, drafter, prompts, settings, eos_ids, first, repeats=settings.repeats, graphs=graphs, stops=stops)
+    largest, timed = max(settings.batch_sizes), timed_prompts(prompts, settings)
+    whole = len(timed) == len(prompts)
+    runs = decode_all(verifier, drafter, prompts, settings, eos_ids, largest, repeats=settings.repeats if whole else 1,
+                      graphs=graphs, stops=stops)
     plain = runs["plain"]
-    report = {"plain": {"tokens": sum(map(len, plain.outputs)), "prompts": len(prompts)}}
+    report = {"plain": {"tokens": sum(map(len, plain.outputs)), "prompts": len(prompts), "timed_prompts": len(timed)}}
     for name, shape in settings.methods().items():
         if shape:
-            report[name] = {**summarize(runs[name], plain, shape.num_steps), **step_costs(graphs, drafter, prompts, first, shape)}
+            report[name] = summarize(runs[name], plain, shape.num_steps)
     if settings.baseline:
         report.update(baselines(prompts, plain.outputs, settings.draft_tokens))
-    report["batch"] = {first: timings(runs)}
-    for size in others:
-        report["batch"][size] = timings(decode_all(verifier, drafter, prompts, settings, eos_ids, size,
-                                                   repeats=settings.repeats, graphs=graphs, stops=stops))
+    report["batch"] = {}
+    for size in settings.batch_sizes:
+        report["batch"][size] = timings(runs if whole and size == largest else
+                                        decode_all(verifier, drafter, timed, settings, eos_ids, size, repeats=settings.repeats,
+                                                   graphs=graphs, stops=stops))
+    for name, shape in settings.methods().items():
+        if shape:
+            report[name].update(step_costs(graphs, drafter, timed, settings.batch_sizes[0], shape))
     if sweep_chains and settings.chain_sweep:
-        report["chain_k"] = chain_sweep(verifier, drafter, prompts, settings, eos_ids, graphs, stops)
+        report["chain_k"] = chain_sweep(verifier, drafter, timed, settings, eos_ids, graphs, stops)
     report["unstable"] = [f"batch {size}: {what}" for size, timing in report["batch"].items() for what in disagreeing(timing)]
     report["unstable"] += [f"chain K sweep: {what}" for what in disagreeing(report.get("chain_k", {}).get("timing", {}))]
     if report["unstable"]:
@@ -322,6 +331,14 @@ def evaluate_set(verifier, drafter, prompts: Sequence[torch.Tensor], settings: S
                     100 * UNSTABLE_SPREAD, ", ".join(report["unstable"]))
     report["plain"]["seconds"] = time.perf_counter() - start
     return report
+
+
+def timed_prompts(prompts: Sequence[torch.Tensor], settings: Settings) -> Sequence[torch.Tensor]:
+    """The prompts every batch size is timed on: the first ``timed_prompts`` (at least a batch of the
+    largest size), or all of them (None). Example: 500 prompts, timed_prompts 64, sizes [1, 128] -> 128."""
+    if settings.timed_prompts is None:
+        return prompts
+    return prompts[: max(settings.timed_prompts, *settings.batch_sizes)]
 
 
 def chain_sweep(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
@@ -368,7 +385,7 @@ def log_report(live, name: str, report: dict) -> None:
     comparable between runs. The headline ``speedup`` is the first batch size's; ``batch/<B>/`` has each.
     """
     plain, chain = report["plain"], report["chain"]
-    for key in ("prompts", "tokens"):
+    for key in ("prompts", "tokens", "timed_prompts"):
         live.log_metric(f"{name}/{key}", plain[key], plot=False)
     live.log_metric(f"{name}/seconds", round(plain["seconds"], 2), plot=False)
     methods = {"chain": "", "tree": "tree/"}
@@ -485,12 +502,13 @@ def evaluate(verifier, drafter, eval_sets: Mapping[str, Sequence[torch.Tensor]],
     (``chain_sweep``) runs on the first set.
     """
     graphs = decode_graphs(settings, eval_sets)
-    counts = sorted({graph_rows(len(prompts), size) for prompts in eval_sets.values() for size in settings.batch_sizes})
+    counts = sorted({graph_rows(len(timed_prompts(prompts, settings)), size) for prompts in eval_sets.values()
+                     for size in settings.batch_sizes} | {graph_rows(len(prompts), max(settings.batch_sizes)) for prompts in eval_sets.values()})
     first = next(iter(eval_sets.values()))
     warm_up(verifier, drafter, first, settings, eos_ids, graphs, counts)
     if graphs is not None and settings.chain_sweep:  # the sweep's chains: the first set at the first batch size
-        warm_up(verifier, drafter, first, settings, eos_ids, graphs, [graph_rows(len(first), settings.batch_sizes[0])],
-                settings.chain_methods())
+        rows = graph_rows(len(timed_prompts(first, settings)), settings.batch_sizes[0])
+        warm_up(verifier, drafter, first, settings, eos_ids, graphs, [rows], settings.chain_methods())
     reports = {}
     for index, (name, prompts) in enumerate(eval_sets.items()):
         reports[name] = report = evaluate_set(verifier, drafter, prompts, settings, eos_ids, graphs, index == 0, stops)
