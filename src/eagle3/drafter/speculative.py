@@ -42,6 +42,10 @@ d_3]; y_0 == d_1, y_1 != d_2, so the output grows by [d_1, y_1]; columns of x_5 
 those of d_2, d_3 stay invalid; the next context step covers rows 5, 6 = (g(x_5), d_1), (g(d_1), y_1)
 at positions 5, 6, and the drafts continue at positions 7, 8, ...
 
+A row ends at EOS, at max_new_tokens, or after one of ``model.stop``'s strings (``StopStrings``).
+On a GPU, ``eagle3.drafter.graphed`` runs the same loop over static caches with CUDA-graph-captured
+steps (``graphs=``): rows then stay in the batch and rejected columns stay masked, not removed.
+
 The drafter interface is that of ``Eagle3Drafter``: ``fc`` (features [B, T, 3H] -> hidden),
 ``step(input_ids, hidden, position_ids, cache, rows) -> h2``, ``logits(h2) -> [..., Vd]`` and ``d2t``.
 History-only proposers (the baselines: ``most_frequent``, ``ngram``) propose from the tokens alone.
