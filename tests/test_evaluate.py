@@ -46,6 +46,19 @@ def test_impossible_tree_is_one_clear_error_when_params_compose(tree, message):
         validate(params)
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("batch_sizes", [], "evaluate.batch_sizes = \\[\\]: must be a non-empty list of integers >= 1"),
+    ("repeats", 0, "evaluate.repeats = 0: must be an integer >= 1"),
+    ("chain_sweep", [0, 3], "evaluate.chain_sweep = \\[0, 3\\]: must be a list of integers >= 1"),
+    ("timed_prompts", 0, "evaluate.timed_prompts = 0: must be an integer >= 1, or null"),
+])
+def test_impossible_timing_settings_are_one_clear_error(key, value, message):
+    params = project_params()
+    params.evaluate[key] = value
+    with pytest.raises(UserError, match=message):
+        validate(params)
+
+
 def test_evaluate_reports_every_method_per_set_lossless(tiny_verifier_dir):
     """The typed core on loaded models, no files: chain, tree and both baselines per set, outputs as plain greedy."""
     torch.set_num_threads(1)
