@@ -14,8 +14,9 @@ from conftest import ROOT, project_params, run
 from eagle3.common import UserError
 from eagle3.config import validate
 from eagle3.drafter.export import verifier_facts, write_drafter
-from eagle3.drafter.speculative import EagleProposer, TreeShape, greedy_decode, speculative_decode
-from eagle3.evaluate import Settings, acceptance_stats, check_pair, evaluate, main, most_frequent_token
+from eagle3.drafter.speculative import EagleProposer, StopStrings, TreeShape, greedy_decode, speculative_decode
+from eagle3.evaluate import (Run, Settings, acceptance_stats, baselines, check_pair, disagreeing, evaluate, main, median_spread,
+                             most_frequent_token, timings)
 from eagle3.verifiers.loading import load_tokenizer, load_verifier, tokenizer_fingerprint
 from test_speculative import QUESTIONS, K, TableDrafter, encode, greedy_tables, random_drafter
 
@@ -45,6 +46,19 @@ def test_impossible_tree_is_one_clear_error_when_params_compose(tree, message):
         validate(params)
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("batch_sizes", [], "evaluate.batch_sizes = \\[\\]: must be a non-empty list of integers >= 1"),
+    ("repeats", 0, "evaluate.repeats = 0: must be an integer >= 1"),
+    ("chain_sweep", [0, 3], "evaluate.chain_sweep = \\[0, 3\\]: must be a list of integers >= 1"),
+    ("timed_prompts", 0, "evaluate.timed_prompts = 0: must be an integer >= 1, or null"),
+])
+def test_impossible_timing_settings_are_one_clear_error(key, value, message):
+    params = project_params()
+    params.evaluate[key] = value
+    with pytest.raises(UserError, match=message):
+        validate(params)
+
+
 def test_evaluate_reports_every_method_per_set_lossless(tiny_verifier_dir):
     """The typed core on loaded models, no files: chain, tree and both baselines per set, outputs as plain greedy."""
     torch.set_num_threads(1)
@@ -53,7 +67,8 @@ def test_evaluate_reports_every_method_per_set_lossless(tiny_verifier_dir):
     drafter = random_drafter(verifier, 512, TINY_TAPS)
     params = project_params()
     params.evaluate = {"name": "test", "draft_tokens": 3, "max_new_tokens": 8, "sets": ["a", "b"], "max_prompts": None,
-                       "baseline": True, "batch_size": 2, "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
+                       "baseline": True, "batch_sizes": [2, 1], "repeats": 2, "timed_prompts": 2, "chain_sweep": [2, 3],
+                       "cuda_graphs": True, "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
     settings = Settings.from_params(params)
     sets = {"a": [encode(tokenizer, q) for q in QUESTIONS], "b": [encode(tokenizer, QUESTIONS[0])]}
     reports = evaluate(verifier, drafter, sets, settings, {2})
@@ -61,12 +76,23 @@ def test_evaluate_reports_every_method_per_set_lossless(tiny_verifier_dir):
     for name, report in reports.items():
         assert report["plain"]["prompts"] == len(sets[name]) and report["plain"]["tokens"] > 0
         for method in ("chain", "tree"):
-            assert report[method]["lossless"] == 1 and 1 <= report[method]["tau"] <= 4 and report[method]["speedup"] > 0
+            assert report[method]["lossless"] == 1 and 1 <= report[method]["tau"] <= 4
+            for size in (2, 1):  # every batch size timed twice: median and spread
+                timing = report["batch"][size][method]
+                assert timing["speedup"] > 0 and timing["speedup_spread"] >= 0 and timing["tokens_per_s_spread"] >= 0
         assert report["baseline"]["tau"] >= 1 and report["ngram"]["tau"] >= 1
+        assert report["ngram"]["tau_matched_rounds"] >= report["ngram"]["tau"] and 0 <= report["ngram"]["matched_rounds"] <= 1
     assert reports["b"]["chain"]["forwards"] < reports["a"]["chain"]["forwards"]
+    assert reports["a"]["plain"]["timed_prompts"] == 2 and reports["b"]["plain"]["timed_prompts"] == 1  # τ: all 3 prompts
+    sweep = reports["a"]["chain_k"]  # the first set only, on its timed prompts
+    assert "chain_k" not in reports["b"] and set(sweep["tau"]) == {"k2", "k3"} and sweep["best"] in (2, 3)
+    assert sweep["tau"]["k3"] >= 1 and reports["a"]["chain"]["forwards"] > 0
 
 
-def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, monkeypatch):
+@pytest.mark.parametrize("repeats", [2, 1])
+def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, monkeypatch, repeats):
+    """Timings are metrics only with their spread: two repeats give speedups per batch size and the
+    unstable flag, one (the CPU demo's) none; τ and the plots either way."""
     verifier = load_verifier(tiny_verifier_dir)
     drafter_dir, prompts_dir = tmp_path / "drafter", tmp_path / "prompts"
     drafter_dir.mkdir()
@@ -77,7 +103,8 @@ def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, mon
     (prompts_dir / "eval" / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     params = project_params()
     params.evaluate = {"name": "test", "draft_tokens": 3, "max_new_tokens": 8, "sets": ["heldout"], "max_prompts": 2,
-                       "baseline": True, "batch_size": 2, "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
+                       "baseline": True, "batch_sizes": [2, 1], "repeats": repeats, "timed_prompts": None, "chain_sweep": [],
+                       "cuda_graphs": True, "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
     params.layout.threads = 1
     OmegaConf.save(params, tmp_path / "params.yaml")
     out = tmp_path / "dvclive" / "evaluate"
@@ -85,14 +112,64 @@ def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, mon
     main([str(tiny_verifier_dir), str(drafter_dir), str(prompts_dir), str(out), "--params", str(tmp_path / "params.yaml")])
     metrics = json.loads((out / "metrics.json").read_text())["heldout"]
     assert metrics["prompts"] == 2 and metrics["lossless"] == 1 and metrics["tree"]["lossless"] == 1
-    assert 1 <= metrics["tau"] <= 4 and metrics["speedup"] > 0 and metrics["baseline"]["tau"] >= 1
-    assert 1 <= metrics["tree"]["tau"] <= 4 and metrics["tree"]["speedup"] > 0 and metrics["ngram"]["tau"] >= 1
+    assert 1 <= metrics["tau"] <= 4 and metrics["baseline"]["tau"] >= 1 and metrics["ngram"]["tau"] >= 1
+    assert 1 <= metrics["tree"]["tau"] <= 4 and metrics["ngram"]["tau_matched_rounds"] >= metrics["ngram"]["tau"]
     assert json.loads((out / "metrics.json").read_text())["wall_seconds"] > 0
+    speedups = json.loads((out / "plots" / "custom" / "speedup" / "heldout.json").read_text())
+    assert [row["batch_size"] for row in speedups] == [2, 1] and all(row["drafter"] > 0 and row["tree"] > 0 for row in speedups)
+    if repeats == 1:
+        assert not any("speedup" in key or "tokens_per_s" in key for key in json.dumps(metrics).split('"')[1::2])
+    else:
+        assert metrics["speedup"] == pytest.approx(speedups[0]["drafter"], abs=1e-4) and metrics["speedup_spread"] >= 0 and metrics["tree"]["speedup"] > 0
+        assert metrics["unstable"] in (True, False) and metrics["plain_tokens_per_s_spread"] >= 0
+        assert set(metrics["batch"]) == {"2", "1"} and metrics["batch"]["1"]["tree"]["speedup_spread"] >= 0
     acceptance = json.loads((out / "plots" / "custom" / "acceptance" / "heldout.json").read_text())
     assert [row["position"] for row in acceptance] == [1, 2, 3]
     assert metrics["tau"] == pytest.approx(1 + sum(row["drafter"] for row in acceptance), abs=1e-3)
     tau = json.loads((out / "plots" / "custom" / "tau" / "heldout.json").read_text())
     assert sum(row["drafter"] for row in tau) == pytest.approx(1)
+
+
+def test_evaluate_stops_at_the_verifier_specs_stop_strings(tiny_verifier_dir):
+    """model.stop reaches evaluate's decoding: a base model's answers end at its end-of-turn text, for
+    every method, and the baselines are replayed on those answers."""
+    torch.set_num_threads(1)
+    verifier, tokenizer = load_verifier(tiny_verifier_dir), load_tokenizer(tiny_verifier_dir)
+    prompts = [encode(tokenizer, q) for q in QUESTIONS]
+    plain = greedy_decode(verifier, prompts, 8, {2})
+    params = project_params()
+    params.model.stop = [tokenizer.decode(plain[0][2:4])]
+    params.evaluate = {"name": "test", "draft_tokens": 3, "max_new_tokens": 8, "sets": ["a"], "max_prompts": None,
+                       "baseline": True, "batch_sizes": [3], "repeats": 1, "timed_prompts": None, "chain_sweep": [],
+                       "cuda_graphs": True, "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
+    settings = Settings.from_params(params)
+    assert settings.stop == tuple(params.model.stop)
+    stops = StopStrings(tokenizer, settings.stop)
+    report = evaluate(verifier, random_drafter(verifier, 512, TINY_TAPS), {"a": prompts}, settings, {2}, stops)["a"]
+    served = greedy_decode(verifier, prompts, 8, {2}, stops)
+    assert len(served[0]) <= 4 and report["plain"]["tokens"] == sum(map(len, served)) < sum(map(len, plain))
+    assert report["chain"]["lossless"] == report["tree"]["lossless"] == 1
+
+
+def test_repeated_timings_give_median_spread_and_a_flag_past_ten_percent():
+    """The timings docstring's example; a speedup is paired with plain decoding's same repeat."""
+    assert median_spread([10, 12, 11]) == (11, pytest.approx(2 / 11)) and median_spread([5.0]) == (5.0, None)
+    runs = {"plain": Run([[1] * 10], [], [10.0, 12.0]), "chain": Run([[1] * 10], [0] * 5, [5.0, 8.0]),
+            "tree": Run([[1] * 10], [0] * 5, [5.0, 5.1])}
+    timing = timings(runs)
+    assert timing["chain"]["speedup"] == pytest.approx(1.75) and timing["chain"]["speedup_spread"] == pytest.approx(0.5 / 1.75)
+    assert timing["plain"]["tokens_per_s"] == pytest.approx((1 + 10 / 12) / 2)
+    assert disagreeing(timing) == ["plain/tokens_per_s", "chain/tokens_per_s", "chain/speedup", "tree/speedup"]
+    once = timings({name: Run(run.outputs, run.accepted, run.seconds[:1]) for name, run in runs.items()})
+    assert once["chain"]["speedup_spread"] is None and disagreeing(once) == []
+
+
+def test_prompt_lookup_tau_per_sequence_and_per_matched_round():
+    """ngram/tau counts every forward (a round without a match too); tau_matched_rounds only those it drafted for."""
+    prompt, output = torch.tensor([5, 6, 7, 8]), [9, 5, 6, 7, 1, 2, 3]  # only the 5 after 9 matches (-> 6, 7, both right)
+    report = baselines([prompt], [output], 2)  # forwards at 9 (no match), 5 (6, 7 right), 1, 2 (none): [0, 2, 0, 0]
+    assert report["ngram"]["forwards"] == 4 and report["ngram"]["tau"] == pytest.approx(1.5)
+    assert report["ngram"]["tau_matched_rounds"] == pytest.approx(3) and report["ngram"]["matched_rounds"] == pytest.approx(1 / 4)
 
 
 def test_drafter_of_another_verifier_is_refused(tmp_path, tiny_verifier_dir):
@@ -128,7 +205,7 @@ def test_dvc_repro_evaluate_lists_tau_and_speedup_and_renders_plots(make_project
     """The dvc.yaml block: deps and params resolve, the plots draw the drafter beside the baselines."""
     repo = make_project("evaluate.max_prompts=2", "evaluate.max_new_tokens=6", "evaluate.draft_tokens=3",
                         "evaluate.tree.num_steps=3", "evaluate.tree.topk=2", "evaluate.tree.num_draft_tokens=6",
-                        "evaluate.sets=[heldout]", "layout.threads=1")
+                        "evaluate.sets=[heldout]", "evaluate.repeats=2", "layout.threads=1")
     shutil.copytree(tiny_verifier_dir, repo / "models" / "verifier")
     verifier = load_verifier(tiny_verifier_dir)
     (repo / "models" / "drafter").mkdir()
@@ -140,18 +217,33 @@ def test_dvc_repro_evaluate_lists_tau_and_speedup_and_renders_plots(make_project
 
     run(["dvc", "repro", "-s", "evaluate"], repo)
     metrics = json.loads((repo / "dvclive" / "evaluate" / "metrics.json").read_text())["heldout"]
-    assert all(key in metrics for key in ("tau", "speedup")) and all("tau" in metrics[m] for m in ("tree", "ngram", "baseline"))
+    assert all(key in metrics for key in ("tau", "speedup", "speedup_spread", "unstable"))
+    assert all("tau" in metrics[m] for m in ("tree", "ngram", "baseline"))
     plots = json.loads(run(["dvc", "plots", "show", "--json"], repo).stdout)["data"]
     for path in ("dvclive/evaluate/plots/custom/acceptance/heldout.json", "dvclive/evaluate/plots/custom/tau/heldout.json"):
         fields = {row["field"] for row in plots[path][0]["content"]["data"]["values"]}
         assert plots[path][0]["type"] == "vega" and fields == {"drafter", "tree", "baseline", "ngram"}  # in one chart
+        assert plots[path][0]["content"]["encoding"]["color"]["field"] == "field"  # a colour per method
+    speedup = plots["dvclive/evaluate/plots/custom/speedup/heldout.json"][0]["content"]["data"]["values"]
+    assert {(row["batch_size"], row["field"]) for row in speedup} == {(32, "drafter"), (32, "tree")}
 
 
-def test_throughput_benchmark_runs_on_the_cpu_with_a_tiny_shape():
-    """benchmarks/evaluate_throughput.py, whose CUDA run is the H200 measurement: its table has every method per run."""
-    out = run([sys.executable, str(ROOT / "benchmarks" / "evaluate_throughput.py"), "--device", "cpu", "--tiny"], ROOT).stdout
-    table = [line for line in out.splitlines() if line.startswith("| ") and "batch_size" not in line]
-    assert [row.split(" | ")[2] for row in table] == ["plain", "chain", "tree"] * 2
+def test_throughput_benchmark_runs_on_the_cpu_with_a_tiny_shape(tmp_path):
+    """benchmarks/evaluate_throughput.py, whose CUDA run is the H200 check: on the CPU its static layout
+    (eager) decodes exactly as the growing caches, and its table and JSON have every part."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "evaluate_throughput.py"), "--device", "cpu", "--tiny",
+               "--json", str(tmp_path / "bench.json")]
+    out = run(command, ROOT).stdout
+    table = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "method" not in line]
+    assert [(row[0], row[1], row[2]) for row in table] == [
+        *[("| graph", size, method) for size in ("1", "4") for method in ("plain", "chain", "tree")],
+        *[("| oracle", "2", method) for method in ("plain", "chain", "tree")],
+        *[("| chain_k", "1", m) for m in ("plain", "k2", "k3")], *[("| eager", "1", method) for method in ("plain", "chain", "tree")]]
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert all(value == 1 for method in results["check"]["2"].values() for key, value in method.items() if key.startswith("same_"))
+    assert results["graph"]["4"]["tree"]["speedup_spread"] >= 0 and results["chain_k"]["1"]["best_k"] in (2, 3)
+    oracle = results["oracle"]["check 2"]  # a second drafter through the same graphs: its own, accepting whole chains
+    assert oracle["chain"]["tau_graph"] == oracle["chain"]["tau_eager"] > 4 and oracle["tree"]["same_accepted_as_eager"] == 1
 
 
 def reimported_elsewhere(verifier_dir, out):

@@ -17,12 +17,14 @@ from torch import nn
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from eagle3.config import tree_shape_problem
+from eagle3.drafter.graphed import DecodeGraphs
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.speculative import (
     SKINNY_ROWS,
     Draft,
     EagleProposer,
     HistoryProposer,
+    StopStrings,
     TreeShape,
     accept,
     commit,
@@ -393,3 +395,46 @@ def test_sliding_window_verifier_past_its_window(sliding_verifier, shape):
     assert [d.tokens for d in out] == expected
     accepted = [j for d in out for j in d.accepted]
     assert 0 < max(accepted) and min(accepted) < K
+
+
+@pytest.mark.parametrize("method", ["plain", "chain", "tree"])
+def test_static_caches_decode_as_the_growing_ones(tiny, method):
+    """The CUDA-graph layout run eagerly (``DecodeGraphs(capture=False)``): preallocated caches,
+    rows and columns that never leave, fixed-width drafter context steps; over two batches of the
+    same size (buffers reused) and a prompt stopping early, every output and τ is the eager one's."""
+    verifier, prompts, plain = tiny
+    eos = {next(t for i, t in enumerate(plain[1][2:10], 2) if t not in plain[1][:i] and t not in plain[0])}
+    drafter = random_drafter(verifier, 512, TINY_TAPS)
+    shape = {"plain": None, "chain": TreeShape.chain(K), "tree": TREE}[method]
+    graphs = DecodeGraphs(max(map(len, prompts)), MAX_NEW, capture=False)
+    for batch in (prompts[:2], prompts[1:]):
+        eager = decode(verifier, shape and EagleProposer(drafter, shape), batch, eos=eos)
+        static = speculative_decode(verifier, shape and EagleProposer(drafter, shape, graphs), batch, TINY_TAPS,
+                                    MAX_NEW, eos, graphs=graphs)
+        assert [d.tokens for d in static] == [d.tokens for d in eager] == greedy_decode(verifier, batch, MAX_NEW, eos)
+        assert [d.accepted for d in static] == [d.accepted for d in eager]
+    assert len(graphs.verifier_caches) == 1
+
+
+@pytest.mark.parametrize("layout", ["growing", "static"])
+def test_decoding_stops_after_a_stop_string_as_generation_does(tiny, tiny_verifier_dir, layout):
+    """model.stop ends an answer (a base model's end of turn), not only EOS: every method keeps the
+    tokens up to the one completing the string, and an oracle's round that runs past it counts the
+    drafts up to there, so τ is of the served text."""
+    verifier, prompts, plain = tiny
+    tokenizer = load_tokenizer(tiny_verifier_dir)
+    stop = tokenizer.decode(plain[0][5:7])
+    stops = StopStrings(tokenizer, [stop])
+
+    def served(tokens: list[int]) -> list[int]:
+        return next((tokens[:n] for n in range(1, len(tokens) + 1) if stop in tokenizer.decode(tokens[:n])), tokens)
+
+    expected = [served(tokens) for tokens in plain]
+    assert len(expected[0]) <= 7 < len(plain[0])
+    graphs = DecodeGraphs(max(map(len, prompts)), MAX_NEW, capture=False) if layout == "static" else None
+    oracle = TableDrafter(greedy_tables(verifier, prompts, MAX_NEW + K + 2), verifier.config.vocab_size)
+    for proposer in (None, EagleProposer(oracle, TreeShape.chain(K), graphs), EagleProposer(oracle, TREE, graphs)):
+        out = speculative_decode(verifier, proposer, prompts, TINY_TAPS, MAX_NEW, {2}, graphs=graphs, stops=stops)
+        assert [d.tokens for d in out] == expected and out[0].stopped
+        assert all(1 + sum(a + 1 for a in d.accepted) == len(d.tokens) for d in out)  # every kept token, once
+    assert greedy_decode(verifier, prompts, MAX_NEW, {2}, stops) == expected

@@ -13,16 +13,18 @@ TRAIN = {"best": {"acc_0": 0.412345, "sim_accept_len": 0.91, "loss": 3.0, "acc_1
 MERGE = {"hidden_state_bytes": 1_000_000, "records": 28, "train_records": 25, "masked_tokens": 1234}
 EVALUATE = {
     "wall_seconds": 12.5,
-    "heldout": {"tau": 1.523456, "speedup": 0.5, "prompts": 4, "lossless": 1.0, "tree": {"tau": 1.9, "speedup": 0.6, "forwards": 9},
-                "baseline": {"tau": 1.19, "token": 28}, "ngram": {"tau": 1.3}},
-    "humaneval": {"tau": 1.2, "speedup": 0.4, "prompts": 2, "baseline": {"tau": 1.1, "token": 79}},
+    "heldout": {"tau": 1.523456, "speedup": 0.5, "speedup_spread": 0.031234, "unstable": False, "prompts": 4, "lossless": 1.0,
+                "tree": {"tau": 1.9, "speedup": 0.6, "speedup_spread": 0.2, "forwards": 9}, "baseline": {"tau": 1.19, "token": 28},
+                "ngram": {"tau": 1.3, "tau_matched_rounds": 2.5}, "batch": {"1": {"chain": {"speedup": 0.5}}}},
+    "humaneval": {"tau": 1.2, "prompts": 2, "baseline": {"tau": 1.1, "token": 79}},  # timed once: no speedup
 }
 
 
-def test_headline_keeps_tau_speedup_baselines_and_training_facts():
+def test_headline_keeps_tau_speedup_with_spread_baselines_and_training_facts():
     assert headline(TRAIN, MERGE, EVALUATE) == {
-        "heldout": {"tau": 1.5235, "speedup": 0.5, "tree_tau": 1.9, "tree_speedup": 0.6, "baseline_tau": 1.19, "ngram_tau": 1.3},
-        "humaneval": {"tau": 1.2, "speedup": 0.4, "baseline_tau": 1.1},
+        "heldout": {"tau": 1.5235, "speedup": 0.5, "speedup_spread": 0.0312, "unstable": 0, "tree_tau": 1.9, "tree_speedup": 0.6,
+                    "tree_speedup_spread": 0.2, "baseline_tau": 1.19, "ngram_tau": 1.3},
+        "humaneval": {"tau": 1.2, "baseline_tau": 1.1},
         "val": {"acc_0": 0.4123, "sim_accept_len": 0.91},
         "tokens_trained": 5120,
         "steps": 60,

@@ -10,9 +10,10 @@ metric: what runs are compared by.
 
 ``metrics/summary.json``:
 
-- per eval set: ``tau`` and ``speedup`` of the drafter's chain, and ``<method>_tau`` (and
-  ``<method>_speedup`` where measured) of every method reported beside it: ``tree`` drafting,
-  the ``baseline`` (most frequent token) and ``ngram`` (prompt lookup);
+- per eval set: ``tau`` of the drafter's chain and ``<method>_tau`` of every method reported
+  beside it: ``tree`` drafting, the ``baseline`` (most frequent token) and ``ngram`` (prompt
+  lookup); where evaluate timed with repeats, ``speedup`` and ``speedup_spread`` (and the tree's)
+  at its first batch size, and ``unstable`` (1: repeats disagreed by more than 10%);
 - ``val``: ``acc_0`` and ``sim_accept_len`` of the best validation (the exported weights);
 - ``tokens_trained`` (padding excluded), ``steps`` (optimizer steps), ``samples`` (training
   samples), ``answer_tokens_mean`` (loss-masked tokens per sample) and ``hidden_state_bytes``.
@@ -36,17 +37,20 @@ DIGITS = 4  # rounding of ratios: differences below it are noise at the demo's s
 
 
 def eval_set_headline(report: dict[str, Any]) -> dict[str, float]:
-    """``tau``, ``speedup``, ``<method>_tau`` and ``<method>_speedup`` of one eval set of evaluate's metrics.
+    """``tau``, ``<method>_tau`` and, where timed with a spread, ``speedup``, ``speedup_spread``,
+    ``<method>_speedup``, ``<method>_speedup_spread`` and ``unstable`` of one eval set of evaluate's metrics.
 
-    Example: {"tau": 2.1, "speedup": 1.4, "prompts": 4, "tree": {"tau": 2.5, "speedup": 1.5, "forwards": 9},
-    "baseline": {"tau": 1.2, "token": 28}} -> {"tau": 2.1, "speedup": 1.4, "tree_tau": 2.5,
-    "tree_speedup": 1.5, "baseline_tau": 1.2}.
+    Example: {"tau": 2.1, "speedup": 1.4, "speedup_spread": 0.02, "unstable": false, "prompts": 4,
+    "tree": {"tau": 2.5, "speedup": 1.5, "speedup_spread": 0.03, "forwards": 9}, "baseline": {"tau": 1.2,
+    "token": 28}} -> {"tau": 2.1, "speedup": 1.4, "speedup_spread": 0.02, "unstable": 0, "tree_tau": 2.5,
+    "tree_speedup": 1.5, "tree_speedup_spread": 0.03, "baseline_tau": 1.2}.
     """
-    row = {"tau": report["tau"], "speedup": report["speedup"]}
+    keys = ("tau", "speedup", "speedup_spread")
+    row = {key: report[key] for key in (*keys, "unstable") if key in report}
     for method, value in report.items():
-        if isinstance(value, dict):
-            row.update({f"{method}_{key}": value[key] for key in ("tau", "speedup") if key in value})
-    return {key: round(value, DIGITS) for key, value in row.items()}
+        if isinstance(value, dict) and method not in ("batch", "chain_k"):
+            row.update({f"{method}_{key}": value[key] for key in keys if key in value})
+    return {key: round(float(value), DIGITS) if key != "unstable" else int(value) for key, value in row.items()}
 
 
 def headline(train: dict[str, Any], merge: dict[str, Any], evaluate: dict[str, Any]) -> dict[str, Any]:

@@ -42,6 +42,10 @@ d_3]; y_0 == d_1, y_1 != d_2, so the output grows by [d_1, y_1]; columns of x_5 
 those of d_2, d_3 stay invalid; the next context step covers rows 5, 6 = (g(x_5), d_1), (g(d_1), y_1)
 at positions 5, 6, and the drafts continue at positions 7, 8, ...
 
+A row ends at EOS, at max_new_tokens, or after one of ``model.stop``'s strings (``StopStrings``).
+On a GPU, ``eagle3.drafter.graphed`` runs the same loop over static caches with CUDA-graph-captured
+steps (``graphs=``): rows then stay in the batch and rejected columns stay masked, not removed.
+
 The drafter interface is that of ``Eagle3Drafter``: ``fc`` (features [B, T, 3H] -> hidden),
 ``step(input_ids, hidden, position_ids, cache, rows) -> h2``, ``logits(h2) -> [..., Vd]`` and ``d2t``.
 History-only proposers (the baselines: ``most_frequent``, ``ngram``) propose from the tokens alone.
@@ -70,6 +74,7 @@ class Decoded:
 
     tokens: list[int]  # generated tokens after the prompt, up to and including EOS, at most max_new_tokens
     accepted: list[int] = field(default_factory=list)  # per verifier forward after prefill: drafts accepted
+    stopped: bool = False  # ended by a stop string (its last token completes it; ``StopStrings``)
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,7 @@ class Batch:
     positions: Tensor  # [B, S] position of each column in its row's sequence
     root: Tensor  # [B] the last verified token, input of the next forward
     length: Tensor  # [B] the root's position
+    graphs: object = None  # ``graphed.DecodeGraphs`` when the cache is its static one (rows and columns never leave)
 
 
 @dataclass
@@ -216,10 +222,19 @@ def forward_verifier(verifier, batch: Batch, input_ids: Tensor, positions: Tenso
     decoder = verifier.base_model
     dtype = verifier.get_input_embeddings().weight.dtype
     masks = attention_masks(verifier.config, see_cache, batch.positions, block, positions, dtype)
-    out = decoder(input_ids=input_ids, position_ids=positions, attention_mask=masks, output_hidden_states=True,
-                  **cache_kwargs(decoder, batch.cache))
+    if batch.graphs is not None:
+        hidden, features = batch.graphs.verifier_forward(decoder, batch.cache, input_ids, positions, masks, layer_ids)
+    else:
+        hidden, features = decoder_forward(decoder, batch.cache, input_ids, positions, masks, layer_ids)
     batch.valid = torch.cat([batch.valid, torch.zeros_like(input_ids, dtype=torch.bool)], 1)
     batch.positions = torch.cat([batch.positions, positions], 1)
+    return hidden, features
+
+
+def decoder_forward(decoder, cache, input_ids: Tensor, positions: Tensor, masks, layer_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """The verifier's decoder over input_ids [B, Q] on ``cache``: (last hidden states [B, Q, H], features [B, Q, 3H])."""
+    out = decoder(input_ids=input_ids, position_ids=positions, attention_mask=masks, output_hidden_states=True,
+                  **cache_kwargs(decoder, cache))
     return out.last_hidden_state, tapped_features(out.hidden_states, layer_ids)
 
 
@@ -406,19 +421,21 @@ class DraftBatchCache(KVCache):
 class EagleProposer:
     """Chain or tree drafts of an EAGLE-3 drafter (SGLang's algorithm; see the module docstring)."""
 
-    def __init__(self, drafter: nn.Module, shape: TreeShape):
-        self.drafter, self.shape = drafter, shape
+    def __init__(self, drafter: nn.Module, shape: TreeShape, graphs=None):
+        """``graphs``: a ``graphed.DecodeGraphs`` to draft in its static cache, every round's context step
+        of num_steps + 1 rows (the longest path), as one captured graph after the prompt's."""
+        self.drafter, self.shape, self.graphs = drafter, shape, graphs
 
     def start(self, prompts: Sequence[Tensor], batch: Batch, features: Tensor) -> None:
         """The prompt rows t = (g_t, x_{t+1}); the padded prefill layout, x_n = each row's root."""
         n = features.shape[1]
         ids = torch.stack([F.pad(p, (n - len(p), 0)) for p in prompts])  # [B, n]
-        self.cache = DraftBatchCache()
+        self.cache = DraftBatchCache() if self.graphs is None else self.graphs.draft_cache(len(prompts), self.shape)
         self.pending = (features, torch.cat([ids[:, 1:], batch.root[:, None]], 1), batch.positions[:, :n], batch.valid[:, :n])
 
     def advance(self, round_: Round) -> None:
         """Next context rows: the path's inputs with their features, each followed by the next emitted token."""
-        width = max(len(p) for p in round_.paths)
+        width = max(len(p) for p in round_.paths) if self.graphs is None else self.shape.num_steps + 1
         B = len(round_.paths)
         device = round_.features.device
         index = torch.tensor([p + [p[-1]] * (width - len(p)) for p in round_.paths], device=device)  # [B, width]
@@ -433,8 +450,28 @@ class EagleProposer:
 
     @torch.no_grad()
     def propose(self) -> Draft:
+        if self.graphs is None:
+            return self.draft(*self.pending)
+        first = self.cache.columns == 0  # the prompt's context step: its length differs per batch, eager
+        write_at = self.cache.next_columns(self.pending[1].shape[1], self.pending[1].device)
+        if first:
+            return self.draft(*self.pending)
+        step = self.graphs.step(self.graphs.draft_key(self.drafter, self.shape, len(self.pending[1])), self.draft_tensors)
+        tokens, parents, valid, depth, ancestors = step(*self.pending, write_at)
+        draft = Draft(tokens, parents, valid)
+        draft.__dict__["structure"] = depth, ancestors  # computed in the graph (``Draft.structure``'s cached value)
+        return draft
+
+    def draft_tensors(self, features: Tensor, next_ids: Tensor, positions: Tensor, valid: Tensor,
+                      write_at: Tensor) -> tuple[Tensor, ...]:
+        """``draft`` as the tensors a captured graph returns: (tokens, parents, valid, depth, ancestors)."""
+        self.cache.write_at = write_at
+        draft = self.draft(features, next_ids, positions, valid)
+        return (draft.tokens, draft.parents, draft.valid, *draft.structure)
+
+    def draft(self, features: Tensor, next_ids: Tensor, positions: Tensor, valid: Tensor) -> Draft:
+        """The context step over the pending rows, then the tree's steps: the draft of every row."""
         drafter, (k, steps) = self.drafter, (self.shape.topk, self.shape.num_steps)
-        features, next_ids, positions, valid = self.pending
         self.cache.incoming = valid
         h2 = drafter.step(next_ids, drafter.fc(features), positions, self.cache)  # [B, T, H]
         B, _, H = h2.shape
@@ -530,6 +567,40 @@ class HistoryProposer:
 # --- decoding -------------------------------------------------------------------------------------
 
 
+class StopStrings:
+    """The end of an answer at one of ``model.stop``'s strings (a base model's end-of-turn text), as
+    generation stops there (transformers' ``stop_strings``, a server's ``stop``).
+
+    Tokens are matched as text, since a string may span tokens and one token may hold more than it.
+    The answer keeps the token that completes the string, as it keeps an EOS. Example, stop "\nUser:"
+    and tokens decoding to ["4", ".", "\n", "User", ":", " and"]: the first 5 are kept.
+    """
+
+    def __init__(self, tokenizer, strings: Sequence[str]):
+        self.tokenizer, self.strings = tokenizer, tuple(strings)
+
+    def ends(self, tokens: list[int]) -> bool:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+        return any(stop in text for stop in self.strings)
+
+    def keep(self, tokens: list[int], new: int) -> int | None:
+        """How many of ``tokens`` (the last ``new`` just generated) to keep: up to the first stop string; None: none yet."""
+        if not self.ends(tokens):
+            return None
+        return next(n for n in range(len(tokens) - new + 1, len(tokens) + 1) if self.ends(tokens[:n]))
+
+
+def end_at_stop(output: Decoded, new: int, stops: StopStrings | None) -> int:
+    """Cut ``output`` after a stop string its ``new`` last tokens complete; returns how many tokens went."""
+    keep = None if stops is None else stops.keep(output.tokens, new)
+    if keep is None:
+        return 0
+    cut = len(output.tokens) - keep
+    del output.tokens[keep:]
+    output.stopped = True
+    return cut
+
+
 def truncate(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
     """Tokens up to and including the first EOS, at most ``max_new_tokens``: what greedy decoding emits."""
     tokens = tokens[:max_new_tokens]
@@ -537,20 +608,31 @@ def truncate(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[
     return tokens[: ends[0] + 1] if ends else tokens
 
 
-def finished(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> bool:
-    return len(tokens) >= max_new_tokens or (bool(tokens) and tokens[-1] in eos_ids)
+def finished(output: Decoded, max_new_tokens: int, eos_ids: set[int]) -> bool:
+    tokens = output.tokens
+    return output.stopped or len(tokens) >= max_new_tokens or (bool(tokens) and tokens[-1] in eos_ids)
 
 
 @torch.no_grad()
 def speculative_decode(verifier, proposer, prompts: Sequence[Tensor], layer_ids: Sequence[int], max_new_tokens: int,
-                       eos_ids: set[int], prefilled: tuple[Batch, Tensor] | None = None) -> list[Decoded]:
+                       eos_ids: set[int], prefilled: tuple[Batch, Tensor] | None = None, graphs=None,
+                       stops: StopStrings | None = None) -> list[Decoded]:
     """Greedy decoding of ``verifier`` from each prompt [n_b], sped up by ``proposer``'s drafts (None: plain).
 
     ``prefilled``: ``prefill``'s result for these prompts, to decode several ways from one prefill
-    (it is copied, never changed).
+    (it is copied, never changed). ``graphs``: a ``graphed.DecodeGraphs`` to decode in its static
+    caches and captured steps (the proposer made with the same one); the tokens are the same.
+    A row ends at EOS, at ``max_new_tokens`` or after a stop string (``stops``); a forward whose
+    tokens run past a stop string counts the drafts it accepted up to there.
     """
-    batch, features = copy.deepcopy(prefilled) if prefilled else prefill(verifier, prompts, layer_ids)
+    batch, features = prefilled if prefilled else prefill(verifier, prompts, layer_ids)
+    if graphs is None:
+        batch = copy.deepcopy(batch) if prefilled else batch
+    else:
+        batch = graphs.static_batch(batch, 1 if proposer is None else proposer.shape.num_draft_tokens)
     outputs = [Decoded([int(t)]) for t in batch.root]
+    for output in outputs:
+        end_at_stop(output, 1, stops)
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=batch.root.device)
     if proposer is not None:
         proposer.start(prompts, batch, features)
@@ -564,20 +646,26 @@ def speculative_decode(verifier, proposer, prompts: Sequence[Tensor], layer_ids:
         path = accept(draft, greedy, budgets, eos)  # [B, Q]
         commit(batch, path, greedy)
         paths, emitted = read_round(inputs, path, batch.root)
-        drop_rejected(batch, inputs.shape[1], torch.tensor(sorted(set().union(*paths)), device=greedy.device))
+        if graphs is None:
+            drop_rejected(batch, inputs.shape[1], torch.tensor(sorted(set().union(*paths)), device=greedy.device))
         for i, row_path, new in zip(live, paths, emitted):
+            if finished(outputs[i], max_new_tokens, eos_ids):
+                continue  # a static batch's finished row, still riding along
             outputs[i].tokens += new
-            outputs[i].accepted.append(len(row_path) - 1)
+            outputs[i].accepted.append(len(row_path) - 1 - end_at_stop(outputs[i], len(new), stops))
         if proposer is not None:
             proposer.advance(Round(paths, emitted, features, root_positions))
         live = retire(live, outputs, batch, proposer, max_new_tokens, eos_ids)
-    return [Decoded(truncate(o.tokens, max_new_tokens, eos_ids), o.accepted) for o in outputs]
+    return [Decoded(truncate(o.tokens, max_new_tokens, eos_ids), o.accepted, o.stopped) for o in outputs]
 
 
 def retire(live: list[int], outputs: list[Decoded], batch: Batch, proposer, max_new_tokens: int, eos_ids: set[int]) -> list[int]:
     """The batch rows ``live`` (indices into ``outputs``) that still decode; the finished ones leave
-    the batch and the proposer's state (``keep_rows``)."""
-    still = [r for r, i in enumerate(live) if not finished(outputs[i].tokens, max_new_tokens, eos_ids)]
+    the batch and the proposer's state (``keep_rows``). A static batch (``Batch.graphs``) keeps its
+    rows until all have finished: its graphs are of a fixed row count."""
+    still = [r for r, i in enumerate(live) if not finished(outputs[i], max_new_tokens, eos_ids)]
+    if batch.graphs is not None:
+        return live if still else []
     if len(still) < len(live):
         rows = torch.tensor(still, dtype=torch.long, device=batch.root.device)
         keep_rows(batch, rows)
@@ -603,13 +691,16 @@ def no_draft(batch: Batch) -> Draft:
     return Draft(empty, empty, empty.bool())
 
 
-def greedy_decode(verifier, prompts: Sequence[Tensor], max_new_tokens: int, eos_ids: set[int]) -> list[list[int]]:
+def greedy_decode(verifier, prompts: Sequence[Tensor], max_new_tokens: int, eos_ids: set[int],
+                  stops: StopStrings | None = None) -> list[list[int]]:
     """Plain greedy decoding, one verifier forward per token (the reference and the speed baseline)."""
-    return [d.tokens for d in speculative_decode(verifier, None, prompts, (0,), max_new_tokens, eos_ids)]
+    return [d.tokens for d in speculative_decode(verifier, None, prompts, (0,), max_new_tokens, eos_ids, stops=stops)]
 
 
-def replay(propose: Callable[[list[int], int], list[int]], prompt: list[int], output: list[int], k: int) -> list[int]:
-    """Drafts accepted per verifier forward had a history proposer decoded ``output`` (the plain greedy output).
+def replay(propose: Callable[[list[int], int], list[int]], prompt: list[int], output: list[int], k: int,
+           drafted_only: bool = False) -> list[int]:
+    """Drafts accepted per verifier forward had a history proposer decoded ``output`` (the plain greedy output);
+    ``drafted_only``: of the forwards it proposed drafts for (prompt lookup finds no match in some).
 
     Exact without running the verifier: under greedy verification every forward's greedy tokens are
     the output's, and decoding stops accepting at the output's end (its budget or EOS), as
@@ -622,6 +713,7 @@ def replay(propose: Callable[[list[int], int], list[int]], prompt: list[int], ou
         j = 0
         while j < len(drafts) and done + j < len(output) - 1 and drafts[j] == output[done + j]:
             j += 1
-        accepted.append(j)
+        if drafts or not drafted_only:
+            accepted.append(j)
         done += j + 1
     return accepted
