@@ -296,9 +296,9 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: 
     total = cfg.max_steps or plan.steps(cfg.epochs)
     warmup = warmup_steps(cfg.warmup_fraction, total)
     if world.main:
-        log.info("%d optimizer steps of %d tokens (%d rows of %d per process: %d micro-batches of %d, %d processes), %d of "
-                 "warmup", total, cfg.batch_tokens, batching.batch_size * batching.grad_accum, cfg.pack_tokens,
-                 batching.grad_accum, batching.batch_size, world.size, warmup)
+        log.info("%d optimizer steps of %d tokens, %d of them warmup; per process and step: %d x %d packed rows of %d "
+                 "tokens (micro-batches x rows), %d processes", total, cfg.batch_tokens, warmup, batching.grad_accum,
+                 batching.batch_size, cfg.pack_tokens, world.size)
         warn_if_undertrained(total, cfg)
     model = parallel.wrap(ttt, world, cfg.fsdp)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
