@@ -172,7 +172,7 @@ def test_requests_go_round_robin_over_base_urls(tmp_path, tiny_verifier_dir, sta
 
 
 def test_sglang_command_from_layout_and_model(tmp_path):
-    params = stage_params(tmp_path, "backend=sglang", "layout=gpu8", "model=kimi-k2.5")
+    params = stage_params(tmp_path, "backend=sglang", "layout=gpu8", "model=kimi-k2.5", "train.batch_tokens=6144")  # 8 rows: one per GPU
     assert launch_command(params.backend, Path("/models/kimi"), VerifierSpec.from_params(params.model)) == [
         "python", "-m", "sglang.launch_server", "--model-path", "/models/kimi", "--host", "127.0.0.1",
         "--port", "30000", "--tp", "8", "--dp", "1", "--reasoning-parser", "kimi_k2", "--trust-remote-code",
