@@ -45,6 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's eagle3, installed or not
+
 SHAPES = {  # random-weights verifiers, by the name of the model whose shape they have
     "smollm2-135m": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
                      "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
@@ -52,7 +54,8 @@ SHAPES = {  # random-weights verifiers, by the name of the model whose shape the
                      "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2},
 }
 MODES = ["after", "before", "generate", "generate_batch"]  # in the order they run: the budget goes to the first
-SLOW = {"before", "generate", "generate_batch"}  # on --slow-count prompts, answers capped at --slow-max-new-tokens
+AFTER_SHARE = 0.55  # of the budget for `after`, the mode the benchmark is for; the others split the rest
+SLOW = {"before", "generate", "generate_batch", "slots_eager"}  # on --slow-count prompts, answers capped at --slow-max-new-tokens
 
 Answers = dict[str, list[int]]  # request id -> generated tokens up to and including the stop token
 
@@ -99,14 +102,32 @@ def shard_prompts(verifier: Path, shard: Path, count: int) -> list[list[int]]:
     return [prompt_ids(tokenizer, p["messages"]) for p in read_prompts(shard)[:count]]
 
 
-def timed_passes(one_pass, runs: int) -> tuple[dict, Answers]:
-    """Tokens/s of the first pass and the median of ``runs`` more (each pass: seconds, tokens, answers); the first pass's answers."""
+def timed_passes(one_pass, runs: int, deadline: float) -> tuple[dict, Answers]:
+    """Tokens/s of the first pass and the median of ``runs`` more (each pass: seconds, tokens, answers), as many
+    as fit before ``deadline`` (time.monotonic()); the first pass's answers."""
     first_s, tokens, answers = one_pass()
-    warm = [one_pass()[0] for _ in range(runs)]
+    warm = []
+    while len(warm) < runs and time.monotonic() + 1.2 * first_s < deadline:
+        warm.append(one_pass()[0])
     figures = {"tokens": tokens, "first_s": round(first_s, 2), "first_tok_s": round(tokens / first_s, 1),
                "warm_s": round(statistics.median(warm), 2) if warm else None,
                "warm_tok_s": round(tokens / statistics.median(warm), 1) if warm else None}
     return figures, answers
+
+
+def progress(start: float, answers: Answers, every_s: float = 10.0):
+    """A ``done`` callback printing a partial figure every ``every_s`` s: what a stopped mode still reports."""
+    last = [start]
+
+    def done(request, answer) -> None:
+        now = time.perf_counter()
+        if now - last[0] >= every_s:
+            last[0] = now
+            tokens = sum(map(len, answers.values()))
+            print(json.dumps({"mode": "partial", "answers": len(answers), "tokens": tokens, "seconds": round(now - start, 1),
+                              "tok_s": round(tokens / (now - start), 1)}), flush=True)
+
+    return done
 
 
 def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, graphs: bool):
@@ -135,11 +156,20 @@ def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, grap
     def one_pass():
         answers.clear()
         start = time.perf_counter()
-        backend.run(requests, set(), lambda request, answer: None)
+        backend.run(requests, set(), progress(start, answers))
         synchronize(spec["device"])
         return time.perf_counter() - start, sum(map(len, answers.values())), dict(answers)
 
     return one_pass, lambda: {"slot_decoding": backend.slot_decoding, "graph_replays": backend.graph_replays}
+
+
+def slots_eager_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int):
+    """``after`` without graph capture (each step eager): run only when ``after`` failed, to tell a capture
+    failure from a slot decoding one."""
+    from eagle3.backends.slots import SlotDecoder
+
+    SlotDecoder.capture = lambda self: None
+    return backend_pass(spec, prompts, max_new_tokens, graphs=True)
 
 
 def greedy_model(spec: dict, max_new_tokens: int):
@@ -239,10 +269,14 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def worker(spec_path: Path, mode: str, answers_path: Path) -> None:
-    """One mode in this (fresh) process: print its JSON line, write its first pass's answers."""
+def worker(spec_path: Path, mode: str, answers_path: Path, seconds: float) -> None:
+    """One mode in this (fresh) process with ``seconds`` to run: print its JSON line, write its first pass's answers."""
+    import logging
+
     import torch
 
+    deadline = time.monotonic() + seconds
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the slot decoder's per-group lines
     spec = json.loads(spec_path.read_text())
     torch.set_num_threads(spec["threads"])
     slow = mode in SLOW
@@ -251,13 +285,14 @@ def worker(spec_path: Path, mode: str, answers_path: Path) -> None:
     start = time.perf_counter()
     one_pass, extras = {
         "after": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=True),
+        "slots_eager": lambda: slots_eager_pass(spec, prompts, max_new_tokens),
         "before": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=False),
         "generate": lambda: generate_pass(spec, prompts, max_new_tokens),
         "generate_batch": lambda: generate_batch_pass(spec, prompts, max_new_tokens),
         "openai": lambda: (openai_pass(spec), dict),
     }[mode]()
     load_s = time.perf_counter() - start
-    figures, answers = timed_passes(one_pass, spec["runs"])
+    figures, answers = timed_passes(one_pass, spec["runs"], deadline)
     answers_path.write_text(json.dumps(answers))
     row = {"mode": mode, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "load_s": round(load_s, 2),
            **figures, **extras()}
@@ -297,7 +332,7 @@ def main() -> None:
     parser.add_argument("--verifier", type=Path, help="verifier folder (models/verifier); not with --random-shape")
     parser.add_argument("--prompts", type=Path, help="a prompt shard (data/prompts/shards/X.jsonl)")
     parser.add_argument("--random-shape", choices=sorted(SHAPES), help="random weights of this shape, random token prompts")
-    parser.add_argument("--modes", nargs="+", choices=[*MODES, "openai"], default=MODES)
+    parser.add_argument("--modes", nargs="+", choices=[*MODES, "openai", "slots_eager"], default=MODES)
     parser.add_argument("--count", type=int, default=1000, help="prompts of `after` (and openai)")
     parser.add_argument("--max-new-tokens", type=int, default=2048, help="answer cap of `after` (and openai)")
     parser.add_argument("--slow-count", type=int, default=128, help="prompts of the eager modes")
@@ -316,9 +351,10 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--answers", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--seconds", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.spec, args.worker, args.answers)
+        worker(args.spec, args.worker, args.answers, args.seconds)
         return
     if bool(args.random_shape) == bool(args.verifier and args.prompts):
         parser.error("give either --verifier and --prompts, or --random-shape")
@@ -339,13 +375,21 @@ def main() -> None:
         settings = {k: v for k, v in spec.items() if k not in ("prompt_ids", "base_url", "concurrency")}
         report = {"commit": commit(), "command": " ".join(sys.argv), "shape": args.random_shape,
                   "prompt_tokens": sum(map(len, prompt_ids[: args.count])), **settings, **environment(args.device),
-                  "budget_s": args.budget_s, "modes": []}
+                  "budget_s": args.budget_s, "modes": [],
+                  "note": f"eager modes ({', '.join(sorted(SLOW))}) ran on the first {args.slow_count} prompts, answers capped at "
+                          f"{args.slow_max_new_tokens} tokens, to fit the budget; after on {args.count}, up to {args.max_new_tokens}; "
+                          "slots_eager runs only when after fails"}
         answers: dict[str, Answers] = {}
-        for mode in args.modes:
+        modes = list(args.modes)
+        while modes:
+            mode = modes.pop(0)
             left = args.budget_s - (time.monotonic() - started)
-            row, answers[mode] = run_mode(mode, Path(tmp), left)
+            share = AFTER_SHARE if mode == "after" and modes else 1 / (len(modes) + 1)  # the rest split what is left
+            row, answers[mode] = run_mode(mode, Path(tmp), left * share)
             report["modes"].append(row)
-            if "after" in answers and "before" in answers:
+            if mode == "after" and row.get("error", "").startswith("failed"):
+                modes.insert(0, "slots_eager")
+            if answers.get("after") and answers.get("before"):
                 report["agreement"] = agreement(answers["after"], answers["before"], args.slow_max_new_tokens)
             report["total_s"] = round(time.monotonic() - started, 1)
             if args.json:
@@ -371,17 +415,20 @@ def run_mode(mode: str, folder: Path, seconds_left: float) -> tuple[dict, Answer
     """One mode in a fresh interpreter (its traceback, if any, goes to stderr); a mode that fails or
     runs past ``seconds_left`` is reported, the others still run."""
     answers_path = folder / f"{mode}.answers.json"
-    command = [sys.executable, __file__, "--worker", mode, "--spec", str(folder / "spec.json"), "--answers", str(answers_path)]
+    command = [sys.executable, __file__, "--worker", mode, "--spec", str(folder / "spec.json"), "--answers", str(answers_path),
+               "--seconds", str(seconds_left)]
     if seconds_left < 5:
         row = {"mode": mode, "error": "skipped: no budget left"}
     else:
         try:
             result = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=seconds_left)
-            lines = [line for line in result.stdout.splitlines() if line.startswith('{"mode"')]
-            row = json.loads(lines[-1]) if lines and not result.returncode else {
-                "mode": mode, "error": f"failed (exit {result.returncode}): traceback above"}
-        except subprocess.TimeoutExpired:
-            row = {"mode": mode, "error": f"stopped at the budget ({seconds_left:.0f} s left when it started)"}
+            lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"mode"')]
+            row = lines[-1] if lines and not result.returncode else {
+                "mode": mode, "error": f"failed (exit {result.returncode}): traceback above", "last": lines[-1:]}
+        except subprocess.TimeoutExpired as stopped:
+            output = stopped.stdout.decode() if isinstance(stopped.stdout, bytes) else stopped.stdout or ""
+            lines = [json.loads(line) for line in output.splitlines() if line.startswith('{"mode"')]
+            row = {"mode": mode, "error": f"stopped at its share of the budget ({seconds_left:.0f} s)", "last": lines[-1:]}
     print(json.dumps(row), flush=True)
     return row, json.loads(answers_path.read_text()) if answers_path.is_file() and "error" not in row else {}
 

@@ -30,6 +30,7 @@ steps run eagerly.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -158,6 +159,11 @@ def slot_attention(model, cache: SlotCache) -> Iterator[None]:
         yield
     finally:
         model.config._attn_implementation = before
+        AttentionInterface.register(ATTENTION, detached)  # lets go of the cache
+
+
+def detached(module, *args, **kwargs):
+    raise RuntimeError(f"{ATTENTION} attention called outside slot decoding")
 
 
 def prefill_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -322,10 +328,10 @@ def decode_groups(model, groups: Sequence[Group], max_new_tokens: int, eos_ids: 
     """Decode every group (one cache at a time); returns the graph replays (0 without CUDA)."""
     replays = 0
     for group in groups:
+        start = time.perf_counter()
         decoder = SlotDecoder(model, group, max_new_tokens, eos_ids, pad_id)
         decoder.decode(group.requests, finished)
         replays += decoder.replays
-        log.info("slots: %d requests over %d rows x %d positions, %d graph replays",
-                 len(group.requests), group.slots, group.length, decoder.replays)
-        del decoder
+        log.info("slots: %d requests over %d rows x %d positions in %.1f s, %d graph replays",
+                 len(group.requests), group.slots, group.length, time.perf_counter() - start, decoder.replays)
     return replays
