@@ -296,6 +296,8 @@ def worker(spec_path: Path, mode: str, answers_path: Path, seconds: float) -> No
     answers_path.write_text(json.dumps(answers))
     row = {"mode": mode, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "load_s": round(load_s, 2),
            **figures, **extras()}
+    if torch.cuda.is_available() and spec["device"].startswith("cuda"):
+        row["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     print(json.dumps(row), flush=True)
 
 
