@@ -346,7 +346,7 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=1_500_000, help="backend.batch_tokens (KV-cache tokens)")
     parser.add_argument("--pad-multiple", type=int, default=64, help="backend.pad_multiple (eager modes)")
     parser.add_argument("--runs", type=int, default=1, help="warm passes after the first (median)")
-    parser.add_argument("--budget-s", type=float, default=230, help="stop a mode that would end later than this")
+    parser.add_argument("--budget-s", type=float, default=225, help="stop a mode that would end later than this")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="openai")
     parser.add_argument("--concurrency", type=int, default=4, help="openai")
