@@ -42,6 +42,7 @@ from transformers import AttentionInterface
 
 from eagle3.backends import Request
 from eagle3.backends.local import left_pad, padded_width
+from eagle3.common import UserError
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ class SlotCache:
 
     def attend(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """query [n, heads, q, D], key/value [n, kv_heads, q, D] (after RoPE) -> ([n, q, heads, D], None)."""
+        self.check(kwargs)
         self.calls += 1
         keys, values = self.layer(module.layer_idx, key)
         if self.prefill is not None:
@@ -137,6 +139,14 @@ class SlotCache:
         grouped = query.reshape(n, kv_heads, -1, head_dim)  # q is 1: a kv head's query heads act as its queries
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=attention_mask, scale=scaling)
         return out.reshape(n, -1, 1, head_dim).transpose(1, 2), None  # [n, 1, heads, D]
+
+    def check(self, options: dict) -> None:
+        """Refuse what this plain causal attention would silently get wrong (Gemma's softcap, gpt-oss's sinks,
+        a sliding window shorter than the cache)."""
+        window = options.get("sliding_window")
+        if options.get("softcap") or options.get("s_aux") is not None or (window and window < self.length):
+            raise UserError("params.yaml: backend.cuda_graphs: the verifier's attention needs softcapping, sinks or a sliding window, which slot "
+                               "decoding lacks; set it to false")
 
     def attend_prefill(self, query, key, value, mask, scaling, keys, values) -> torch.Tensor:
         n, kv_heads, width, head_dim = key.shape
@@ -259,8 +269,8 @@ class SlotDecoder:
         finally:
             self.cache.prefill = None
         if not self.cache.calls:
-            raise RuntimeError(f"{type(self.model).__name__} does not attend through transformers' AttentionInterface; "
-                               "set backend.cuda_graphs to false")
+            raise UserError(f"params.yaml: backend.cuda_graphs: {type(self.model).__name__} does not attend through "
+                            "transformers' AttentionInterface; set it to false")
         first = logits[:, -1].argmax(-1)  # [n]
         self.tokens[rows], self.positions[rows], self.counts[rows], self.out[rows, 0] = first, lengths, 1, first
         self.done[rows] = (first[:, None] == self.eos[None, :]).any(-1) | (self.max_new_tokens <= 1)
