@@ -145,8 +145,8 @@ class SlotCache:
         a sliding window shorter than the cache)."""
         window = options.get("sliding_window")
         if options.get("softcap") or options.get("s_aux") is not None or (window and window < self.length):
-            raise UserError("params.yaml: backend.cuda_graphs: the verifier's attention needs softcapping, sinks or a sliding window, which slot "
-                               "decoding lacks; set it to false")
+            raise UserError("params.yaml: backend.cuda_graphs: the verifier's attention needs softcapping, sinks or "
+                            "a sliding window, which slot decoding lacks; set it to false")
 
     def attend_prefill(self, query, key, value, mask, scaling, keys, values) -> torch.Tensor:
         n, kv_heads, width, head_dim = key.shape
