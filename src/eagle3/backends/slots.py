@@ -205,6 +205,8 @@ class SlotDecoder:
         self.cache = SlotCache(group.slots, group.length, self.positions)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # slot count -> the captured step
         self.replays = 0
+        self.row_steps = 0  # rows x steps run, live or not: generated tokens / row_steps is the rows' use
+        self.generated = 0
 
     def step(self, n: int) -> None:
         """One decode step of rows [:n]: every live row feeds its token and appends the greedy next one."""
@@ -228,6 +230,7 @@ class SlotDecoder:
         positions += live  # a finished row stays at its last position (rewriting it is harmless)
 
     def run_step(self, n: int) -> None:
+        self.row_steps += n
         graph = self.graphs.get(n)
         if graph is None:
             self.step(n)
@@ -294,6 +297,7 @@ class SlotDecoder:
         counts, tokens = self.counts[index].tolist(), self.out[index].tolist()
         for row, count, row_tokens in zip(rows, counts, tokens):
             finished(owners[row], row_tokens[:count])
+            self.generated += count
             owners[row] = None
 
     def shrink(self, owners: list[Request | None], n: int) -> int:
@@ -342,6 +346,7 @@ def decode_groups(model, groups: Sequence[Group], max_new_tokens: int, eos_ids: 
         decoder = SlotDecoder(model, group, max_new_tokens, eos_ids, pad_id)
         decoder.decode(group.requests, finished)
         replays += decoder.replays
-        log.info("slots: %d requests over %d rows x %d positions in %.1f s, %d graph replays",
-                 len(group.requests), group.slots, group.length, time.perf_counter() - start, decoder.replays)
+        log.info("slots: %d requests over %d rows x %d positions in %.1f s: %d tokens, %d graph replays, rows %.0f%% used",
+                 len(group.requests), group.slots, group.length, time.perf_counter() - start, decoder.generated,
+                 decoder.replays, 100 * decoder.generated / max(decoder.row_steps, 1))
     return replays
