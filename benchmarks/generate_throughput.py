@@ -13,6 +13,8 @@ random token prompts of shard-like lengths and a random-weights model of that sh
 temporary folder: it never stops early, so every mode does the same work):
 
 - ``after``: the ``local`` backend now: on CUDA, slot decoding with CUDA graphs (backends/slots.py);
+- ``after_varlen``: the same with the experimental decode attention that reads each row's used keys
+  only (flash attention's varlen kernel; ``after`` reads whole rows, masked);
 - ``before``: the ``local`` backend's eager path (``backend.cuda_graphs: false``: transformers
   ``generate`` on sorted, left-padded batches, cuDNN SDPA off), what CUDA ran before;
 - ``generate``: plain transformers ``generate`` on the same sorted, left-padded batches;
@@ -23,7 +25,7 @@ The eager modes are host-bound (every step pays ~30 ms of launches, however few 
 the first ``--slow-count`` prompts with answers capped at ``--slow-max-new-tokens``, which only
 flatters them (fewer idle rows) and keeps the whole run inside ``--budget-s``; ``after`` runs on
 ``--count`` prompts, answers up to ``--max-new-tokens``. Greedy agreement: the share of the prompts
-both ``after`` and ``before`` answered whose tokens are identical (up to the shorter cap).
+two modes both answered whose tokens are identical (up to the shorter cap), for the PAIRS.
 
 Each mode runs in its own fresh process (a cold start is per process: whatever runs first in a
 process would pay it for the others); one that fails prints its traceback and the others still
@@ -53,8 +55,9 @@ SHAPES = {  # random-weights verifiers, by the name of the model whose shape the
                      "max_position_embeddings": 8192, "rope_theta": 100000.0, "tie_word_embeddings": True,
                      "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2},
 }
-MODES = ["after", "before", "generate", "generate_batch"]  # in the order they run: the budget goes to the first
-AFTER_SHARE = 0.55  # of the budget for `after`, the mode the benchmark is for; the others split the rest
+MODES = ["after", "after_varlen", "before", "generate", "generate_batch"]  # in the order they run
+SHARES = {"after": 0.4, "after_varlen": 0.45}  # of the budget left when they start; the others split what is left
+PAIRS = [("after", "before"), ("after_varlen", "before"), ("after_varlen", "after")]  # greedy agreement between modes
 SLOW = {"before", "generate", "generate_batch", "slots_eager"}  # on --slow-count prompts, answers capped at --slow-max-new-tokens
 
 Answers = dict[str, list[int]]  # request id -> generated tokens up to and including the stop token
@@ -130,8 +133,9 @@ def progress(start: float, answers: Answers, every_s: float = 10.0):
     return done
 
 
-def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, graphs: bool):
-    """One pass of the ``local`` backend as the stage builds it (``graphs``: backend.cuda_graphs)."""
+def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, graphs: bool, varlen: bool = False):
+    """One pass of the ``local`` backend as the stage builds it (``graphs``: backend.cuda_graphs; ``varlen``:
+    its experimental decode attention over each row's used keys only)."""
     from omegaconf import OmegaConf
 
     from eagle3.backends import Generation, Request
@@ -143,6 +147,7 @@ def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, grap
     gen = Generation("bench", max_new_tokens, temperature=0.0, top_p=1.0, seed=0, think_tags=None,
                      context=1 << 30, stop=(), trust_remote_code=False)  # context: the prompts are token ids, never skipped
     backend = LocalBackend(cfg, Path(spec["verifier"]), gen)
+    backend.varlen_decode = varlen
     requests = [Request(str(i), str(i), [], ids, 0) for i, ids in enumerate(prompts)]
     answers: Answers = {}
     to_answer = backend.to_answer
@@ -285,6 +290,7 @@ def worker(spec_path: Path, mode: str, answers_path: Path, seconds: float) -> No
     start = time.perf_counter()
     one_pass, extras = {
         "after": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=True),
+        "after_varlen": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=True, varlen=True),
         "slots_eager": lambda: slots_eager_pass(spec, prompts, max_new_tokens),
         "before": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=False),
         "generate": lambda: generate_pass(spec, prompts, max_new_tokens),
@@ -335,8 +341,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path, help="a prompt shard (data/prompts/shards/X.jsonl)")
     parser.add_argument("--random-shape", choices=sorted(SHAPES), help="random weights of this shape, random token prompts")
     parser.add_argument("--modes", nargs="+", choices=[*MODES, "openai", "slots_eager"], default=MODES)
-    parser.add_argument("--count", type=int, default=1000, help="prompts of `after` (and openai)")
-    parser.add_argument("--max-new-tokens", type=int, default=2048, help="answer cap of `after` (and openai)")
+    parser.add_argument("--count", type=int, default=1000, help="prompts of `after`, `after_varlen` (and openai)")
+    parser.add_argument("--max-new-tokens", type=int, default=2048, help="their answer cap")
     parser.add_argument("--slow-count", type=int, default=128, help="prompts of the eager modes")
     parser.add_argument("--slow-max-new-tokens", type=int, default=512, help="answer cap of the eager modes")
     parser.add_argument("--device", default="cpu")
@@ -379,20 +385,22 @@ def main() -> None:
                   "prompt_tokens": sum(map(len, prompt_ids[: args.count])), **settings, **environment(args.device),
                   "budget_s": args.budget_s, "modes": [],
                   "note": f"eager modes ({', '.join(sorted(SLOW))}) ran on the first {args.slow_count} prompts, answers capped at "
-                          f"{args.slow_max_new_tokens} tokens, to fit the budget; after on {args.count}, up to {args.max_new_tokens}; "
+                          f"{args.slow_max_new_tokens} tokens, to fit the budget; after and after_varlen on {args.count}, up to {args.max_new_tokens}; "
                           "slots_eager runs only when after fails"}
         answers: dict[str, Answers] = {}
         modes = list(args.modes)
         while modes:
             mode = modes.pop(0)
             left = args.budget_s - (time.monotonic() - started)
-            share = AFTER_SHARE if mode == "after" and modes else 1 / (len(modes) + 1)  # the rest split what is left
+            share = SHARES.get(mode, 0) if modes else 1.0
+            share = max(share, 1 / (len(modes) + 1))
             row, answers[mode] = run_mode(mode, Path(tmp), left * share)
             report["modes"].append(row)
             if mode == "after" and row.get("error", "").startswith("failed"):
                 modes.insert(0, "slots_eager")
-            if answers.get("after") and answers.get("before"):
-                report["agreement"] = agreement(answers["after"], answers["before"], args.slow_max_new_tokens)
+            report["agreement"] = {
+                f"{a}/{b}": agreement(answers[a], answers[b], args.slow_max_new_tokens if b in SLOW else args.max_new_tokens)
+                for a, b in PAIRS if answers.get(a) and answers.get(b)}
             report["total_s"] = round(time.monotonic() - started, 1)
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -407,9 +415,8 @@ def print_table(report: dict) -> None:
               f"{row.get('first_s', '-'):>9}{row.get('first_tok_s', '-'):>13}{row.get('warm_tok_s') or '-':>12}"
               + (f"  {row['error']}" if "error" in row else "")
               + (f"  graph replays {row['graph_replays']}" if row.get("graph_replays") else ""))
-    if "agreement" in report:
-        a = report["agreement"]
-        print(f"greedy agreement after/before: {a['identical']}/{a['prompts']} identical ({a['identical_share']})")
+    for pair, a in report.get("agreement", {}).items():
+        print(f"greedy agreement {pair}: {a['identical']}/{a['prompts']} identical ({a['identical_share']})")
     print(f"total {report.get('total_s')} s")
 
 

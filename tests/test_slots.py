@@ -36,12 +36,13 @@ def answers(local: LocalBackend, requests: list[Request]) -> dict:
     return found
 
 
-def slot_answers(local: LocalBackend, requests: list[Request], batch_size: int) -> dict:
+def slot_answers(local: LocalBackend, requests: list[Request], batch_size: int, varlen: bool) -> dict:
     """Slot decoding on the backend's device, graphs or not (without CUDA the steps run eagerly)."""
     found, max_new_tokens = {}, local.generation.max_new_tokens
     with torch.inference_mode():
         decode_groups(local.model, group_requests(requests, max_new_tokens, batch_size, None), max_new_tokens,
-                      sorted(local.eos_ids), local.pad_id, lambda r, tokens: found.__setitem__(r.id, local.to_answer(r, tokens)))
+                      sorted(local.eos_ids), local.pad_id, lambda r, tokens: found.__setitem__(r.id, local.to_answer(r, tokens)),
+                      varlen)
     return found
 
 
@@ -53,9 +54,10 @@ def test_groups_follow_prompt_width_and_small_groups_join_the_next():
     assert [g.slots for g in group_requests(requests, 100, 8, 400)] == [2, 1]  # 400 // 164 rows, then 400 // 420: one
 
 
-def test_slot_decoding_gives_generate_answers_on_the_cpu(tiny_verifier_dir):
+@pytest.mark.parametrize("varlen", [False, True], ids=["sdpa", "varlen"])
+def test_slot_decoding_gives_generate_answers_on_the_cpu(tiny_verifier_dir, varlen):
     """fp32: rows refilled as others finish (3 slots, 11 prompts, a common token as a second EOS) and two
-    width groups give every answer of the eager path."""
+    width groups give every answer of the eager path, in either cache layout."""
     local = backend(tiny_verifier_dir, "cpu", "float32", 12, graphs=True)
     assert not local.slot_decoding  # the CPU keeps generate
     requests = random_requests()
@@ -63,7 +65,7 @@ def test_slot_decoding_gives_generate_answers_on_the_cpu(tiny_verifier_dir):
     local.eos_ids = {*local.eos_ids, common[0][0]}  # answers now end at different steps
     eager = answers(local, requests)
     assert {a.finish_reason for a in eager.values()} == {"stop", "length"}
-    assert slot_answers(local, requests, batch_size=3) == eager
+    assert slot_answers(local, requests, batch_size=3, varlen=varlen) == eager
 
 
 def test_cpu_answers_are_byte_identical_with_cuda_graphs_on_or_off(tmp_path, tiny_verifier_dir):
@@ -77,11 +79,13 @@ def test_cpu_answers_are_byte_identical_with_cuda_graphs_on_or_off(tmp_path, tin
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_decoding_replays_graphs_and_agrees_with_eager_generate(tiny_verifier_dir):
+@pytest.mark.parametrize("varlen", [False, True], ids=["sdpa", "varlen"])
+def test_cuda_graph_decoding_replays_graphs_and_agrees_with_eager_generate(tiny_verifier_dir, varlen):
     """bf16 on CUDA: greedy answers equal the eager path's but near-ties (most prompts), and steps are graph replays."""
     requests = random_requests(LENGTHS * 3)
     eager = answers(backend(tiny_verifier_dir, "cuda", "bfloat16", 32, graphs=False), requests)
     graphs = backend(tiny_verifier_dir, "cuda", "bfloat16", 32, graphs=True, batch_size=8)
+    graphs.varlen_decode = varlen
     assert graphs.slot_decoding
     fast = answers(graphs, requests)
     assert graphs.graph_replays >= 32

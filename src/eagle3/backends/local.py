@@ -101,6 +101,8 @@ class SeededSampling(LogitsProcessor):
 
 
 class LocalBackend:
+    varlen_decode = False  # slot decoding reads each row's used keys only (flash varlen; experimental: benchmarks set it)
+
     def __init__(self, cfg: DictConfig, verifier: Path, generation: Generation):
         torch.set_num_threads(int(cfg.threads))
         if str(cfg.device).startswith("cuda"):
@@ -142,7 +144,8 @@ class LocalBackend:
         max_new_tokens = self.generation.max_new_tokens
         groups = group_requests(requests, max_new_tokens, self.batch_size, self.batch_tokens)
         self.graph_replays += decode_groups(self.model, groups, max_new_tokens, sorted(self.eos_ids), self.pad_id,
-                                            lambda request, tokens: done(request, self.to_answer(request, tokens)))
+                                            lambda request, tokens: done(request, self.to_answer(request, tokens)),
+                                            self.varlen_decode)
 
     @torch.inference_mode()
     def answer_batch(self, batch: Sequence[Request]) -> list[Answer]:

@@ -101,15 +101,18 @@ class Prefill:
 
 
 class SlotCache:
-    """Keys and values of every layer, [slots, kv_heads, length, head_dim] each, allocated on first write.
+    """Keys and values of every layer, allocated on first write: [slots, kv_heads, length, head_dim] each,
+    or with ``varlen`` [slots, length, kv_heads, head_dim] (the packed layout flash attention reads).
 
     ``attend`` is the attention function: during a prefill (``prefill`` set) it attends within the
     prompts and copies their keys/values into their rows; otherwise (a decode step, one token per
-    row) it writes each row's key/value at ``positions[row]`` and attends over the row's cache.
+    row) it writes each row's key/value at ``positions[row]`` and attends over the row's cache:
+    the whole row, masked past the position (SDPA), or with ``varlen`` only its used keys (flash
+    attention's varlen kernel, which reads a row's keys up to ``positions[row]`` and no further).
     """
 
-    def __init__(self, slots: int, length: int, positions: torch.Tensor):
-        self.slots, self.length = slots, length
+    def __init__(self, slots: int, length: int, positions: torch.Tensor, varlen: bool = False):
+        self.slots, self.length, self.varlen = slots, length, varlen
         self.positions = positions  # [slots] each row's position in a decode step (the decoder's tensor)
         self.rows = torch.arange(slots, device=positions.device)
         self.keys: dict[int, torch.Tensor] = {}
@@ -120,7 +123,8 @@ class SlotCache:
     def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache of layer ``index``, zeroed at first (masked positions must be finite: 0 x NaN is NaN)."""
         if index not in self.keys:
-            shape = (self.slots, like.shape[1], self.length, like.shape[3])  # [slots, kv_heads, length, head_dim]
+            kv_heads, head_dim = like.shape[1], like.shape[3]
+            shape = (self.slots, self.length, kv_heads, head_dim) if self.varlen else (self.slots, kv_heads, self.length, head_dim)
             self.keys[index] = torch.zeros(shape, dtype=like.dtype, device=like.device)
             self.values[index] = torch.zeros(shape, dtype=like.dtype, device=like.device)
         return self.keys[index], self.values[index]
@@ -134,7 +138,11 @@ class SlotCache:
             return self.attend_prefill(query, key, value, attention_mask, scaling, keys, values), None
         n, kv_heads, _, head_dim = key.shape
         keys, values, rows, positions = keys[:n], values[:n], self.rows[:n], self.positions[:n]
-        keys[rows, :, positions] = key[:, :, 0]  # [n, kv_heads, D] at each row's position
+        if self.varlen:
+            keys[rows, positions] = key[:, :, 0]  # [n, kv_heads, D] at each row's position
+            values[rows, positions] = value[:, :, 0]
+            return varlen_attention(query[:, :, 0], keys, values, positions + 1, scaling)[:, None], None  # [n, 1, heads, D]
+        keys[rows, :, positions] = key[:, :, 0]
         values[rows, :, positions] = value[:, :, 0]
         grouped = query.reshape(n, kv_heads, -1, head_dim)  # q is 1: a kv head's query heads act as its queries
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=attention_mask, scale=scaling)
@@ -154,9 +162,30 @@ class SlotCache:
         out = F.scaled_dot_product_attention(query, key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1),
                                              attn_mask=mask, scale=scaling)
         index = self.prefill.shift[:, None, :, None].expand(n, kv_heads, width, head_dim)
-        keys[self.prefill.slots, :, :width] = key.gather(2, index)  # position j of row b = column shift[b, j]
-        values[self.prefill.slots, :, :width] = value.gather(2, index)
+        rolled_keys, rolled_values = key.gather(2, index), value.gather(2, index)  # position j of row b = column shift[b, j]
+        if self.varlen:
+            keys[self.prefill.slots, :width] = rolled_keys.transpose(1, 2)  # [n, T, kv_heads, D]
+            values[self.prefill.slots, :width] = rolled_values.transpose(1, 2)
+        else:
+            keys[self.prefill.slots, :, :width] = rolled_keys
+            values[self.prefill.slots, :, :width] = rolled_values
         return out.transpose(1, 2)  # [n, T, heads, D]
+
+
+def varlen_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, used: torch.Tensor, scale) -> torch.Tensor:
+    """One query per row over the row's first ``used[row]`` keys: query [n, heads, D], keys/values
+    [n, length, kv_heads, D] -> [n, heads, D]. CUDA: flash attention's varlen kernel (row b's keys
+    start at b x length and it reads ``used[b]`` of them); elsewhere (tests) the same, masked."""
+    n, length, kv_heads, head_dim = keys.shape
+    if query.is_cuda:
+        starts = torch.arange(n + 1, dtype=torch.int32, device=query.device)
+        return torch.ops.aten._flash_attention_forward(
+            query.contiguous(), keys.flatten(0, 1), values.flatten(0, 1), starts, starts * length, 1, length, 0.0, False, False,
+            scale=scale, seqused_k=used.to(torch.int32))[0]
+    mask = (torch.arange(length, device=keys.device)[None] < used[:, None])[:, None, None, :]  # [n, 1, 1, length]
+    grouped = query.reshape(n, kv_heads, -1, head_dim)  # [n, kv_heads, heads per kv head, D]
+    out = F.scaled_dot_product_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale)
+    return out.reshape(n, -1, head_dim)
 
 
 @contextmanager
@@ -192,7 +221,7 @@ class SlotDecoder:
     """Greedy answers to one ``Group``: ``decode(requests, finished)`` calls ``finished(request, tokens)``
     per request (tokens: up to max_new_tokens, the stop token included)."""
 
-    def __init__(self, model, group: Group, max_new_tokens: int, eos_ids: Sequence[int], pad_id: int):
+    def __init__(self, model, group: Group, max_new_tokens: int, eos_ids: Sequence[int], pad_id: int, varlen: bool = False):
         device = model.device
         self.model, self.slots, self.max_new_tokens, self.pad_id = model, group.slots, max_new_tokens, pad_id
         self.tokens = torch.zeros(group.slots, dtype=torch.long, device=device)  # [slots] the token each row feeds next
@@ -202,7 +231,7 @@ class SlotDecoder:
         self.out = torch.zeros(group.slots, max_new_tokens, dtype=torch.long, device=device)  # [slots, N] generated
         self.columns = torch.arange(group.length, device=device)
         self.eos = torch.tensor(sorted(eos_ids), device=device)
-        self.cache = SlotCache(group.slots, group.length, self.positions)
+        self.cache = SlotCache(group.slots, group.length, self.positions, varlen)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # slot count -> the captured step
         self.replays = 0
         self.row_steps = 0  # rows x steps run, live or not: generated tokens / row_steps is the rows' use
@@ -338,12 +367,12 @@ class SlotDecoder:
 
 
 def decode_groups(model, groups: Sequence[Group], max_new_tokens: int, eos_ids: Sequence[int], pad_id: int,
-                  finished: Finished) -> int:
-    """Decode every group (one cache at a time); returns the graph replays (0 without CUDA)."""
+                  finished: Finished, varlen: bool = False) -> int:
+    """Decode every group (one cache at a time; ``varlen``: see SlotCache); returns the graph replays (0 without CUDA)."""
     replays = 0
     for group in groups:
         start = time.perf_counter()
-        decoder = SlotDecoder(model, group, max_new_tokens, eos_ids, pad_id)
+        decoder = SlotDecoder(model, group, max_new_tokens, eos_ids, pad_id, varlen)
         decoder.decode(group.requests, finished)
         replays += decoder.replays
         log.info("slots: %d requests over %d rows x %d positions in %.1f s: %d tokens, %d graph replays, rows %.0f%% used",
