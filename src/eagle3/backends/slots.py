@@ -17,7 +17,10 @@ How, in the verifier's own modules (any family whose attention goes through tran
 - every ``SYNC_STEPS`` steps the host reads which rows finished (its only sync), hands their tokens
   over, and refills free rows once enough are free (a prefill is an eager forward: batched so its
   launches are paid rarely); with no prompt left, live rows move to the front and the graph over
-  fewer slots runs (the drain of the longest answers).
+  fewer slots runs (the drain of the longest answers);
+- a decode step's attention reads whole rows, masked past each row's position (SDPA): with long
+  caps most of what it reads is unused. ``varlen`` (experimental, off by default) packs the cache
+  as flash attention's varlen kernel wants it and reads each row's used keys only.
 
 Requests are grouped by prompt width (``group_requests``): a group's cache is as long as its widest
 prompt + max_new_tokens and has as many rows as ``batch_size`` and ``batch_tokens`` allow.
