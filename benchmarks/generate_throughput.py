@@ -165,7 +165,42 @@ def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, grap
         synchronize(spec["device"])
         return time.perf_counter() - start, sum(map(len, answers.values())), dict(answers)
 
-    return one_pass, lambda: {"slot_decoding": backend.slot_decoding, "graph_replays": backend.graph_replays}
+    def extras() -> dict:
+        found = {"slot_decoding": backend.slot_decoding, "graph_replays": backend.graph_replays}
+        if backend.slot_decoding:
+            found["step_ms"] = step_ms(backend, spec["batch_size"], 256 + max_new_tokens, varlen)
+        return found
+
+    return one_pass, extras
+
+
+def step_ms(backend, slots: int, length: int, varlen: bool, steps: int = 50) -> dict:
+    """Milliseconds per replay of the captured decode step over ``slots`` rows of a ``length`` cache, every row
+    at position length / 2 (what the whole-row attention reads does not depend on it; varlen's does)."""
+    import traceback
+
+    import torch
+
+    from eagle3.backends.slots import Group, SlotDecoder, slot_attention
+
+    key = f"{slots}x{length}"
+    try:
+        decoder = SlotDecoder(backend.model, Group([], slots, length), backend.generation.max_new_tokens,
+                              sorted(backend.eos_ids), backend.pad_id, varlen)
+        with torch.inference_mode(), slot_attention(backend.model, decoder.cache):
+            decoder.capture()
+            decoder.positions.fill_(length // 2)
+            graph = decoder.graphs[slots]
+            graph.replay()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(steps):
+                graph.replay()
+            torch.cuda.synchronize()
+        return {key: round((time.perf_counter() - start) / steps * 1000, 2)}
+    except Exception:  # a probe, not the measurement: report and go on
+        traceback.print_exc()
+        return {key: "failed (traceback above)"}
 
 
 def slots_eager_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int):
