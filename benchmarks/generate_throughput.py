@@ -449,7 +449,8 @@ def print_table(report: dict) -> None:
         print(f"{row['mode']:<16}{row.get('prompts', '-'):>8}{row.get('max_new_tokens', '-'):>8}{row.get('tokens', '-'):>10}"
               f"{row.get('first_s', '-'):>9}{row.get('first_tok_s', '-'):>13}{row.get('warm_tok_s') or '-':>12}"
               + (f"  {row['error']}" if "error" in row else "")
-              + (f"  graph replays {row['graph_replays']}" if row.get("graph_replays") else ""))
+              + (f"  graph replays {row['graph_replays']}" if row.get("graph_replays") else "")
+              + "".join(f"  step {shape}: {ms} ms" for shape, ms in row.get("step_ms", {}).items()))
     for pair, a in report.get("agreement", {}).items():
         print(f"greedy agreement {pair}: {a['identical']}/{a['prompts']} identical ({a['identical_share']})")
     print(f"total {report.get('total_s')} s")
