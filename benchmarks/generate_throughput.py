@@ -19,7 +19,9 @@ temporary folder: it never stops early, so every mode does the same work):
   ``generate`` on sorted, left-padded batches, cuDNN SDPA off), what CUDA ran before;
 - ``generate``: plain transformers ``generate`` on the same sorted, left-padded batches;
 - ``generate_batch``: transformers' continuous batching (paged attention) over all prompts;
-- ``openai``: the stage's core (``generate_shard``) against an OpenAI-compatible server.
+- ``openai``: the stage's core (``generate_shard``) against an OpenAI-compatible server;
+- ``ties``: not a speed: where ``after`` and ``before`` first differ, the gap between the two tokens'
+  logits (an eager forward of the common prefix): near-ties have small gaps.
 
 The eager modes are host-bound (every step pays ~30 ms of launches, however few rows): they run on
 the first ``--slow-count`` prompts with answers capped at ``--slow-max-new-tokens``, which only
@@ -55,10 +57,10 @@ SHAPES = {  # random-weights verifiers, by the name of the model whose shape the
                      "max_position_embeddings": 8192, "rope_theta": 100000.0, "tie_word_embeddings": True,
                      "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2},
 }
-MODES = ["after", "after_varlen", "before", "generate", "generate_batch"]  # in the order they run
+MODES = ["after", "after_varlen", "before", "ties", "generate", "generate_batch"]  # in the order they run
 SHARES = {"after": 0.4, "after_varlen": 0.45}  # of the budget left when they start; the others split what is left
 PAIRS = [("after", "before"), ("after_varlen", "before"), ("after_varlen", "after")]  # greedy agreement between modes
-SLOW = {"before", "generate", "generate_batch", "slots_eager"}  # on --slow-count prompts, answers capped at --slow-max-new-tokens
+SLOW = {"before", "generate", "generate_batch", "slots_eager", "ties"}  # on --slow-count prompts, answers capped at --slow-max-new-tokens
 
 Answers = dict[str, list[int]]  # request id -> generated tokens up to and including the stop token
 
@@ -203,6 +205,36 @@ def step_ms(backend, slots: int, length: int, varlen: bool, steps: int = 50) -> 
         return {key: "failed (traceback above)"}
 
 
+def tie_gaps(spec: dict, folder: Path) -> dict:
+    """Where ``after`` and ``before`` answers first differ, how far apart the two tokens' logits are for the
+    verifier (an eager forward of prompt + common prefix): a near-tie has a small gap, a bug a large one."""
+    import torch
+
+    from eagle3.backends.local import left_pad
+    from eagle3.verifiers.loading import load_verifier
+
+    after, before = (json.loads((folder / f"{mode}.answers.json").read_text()) for mode in ("after", "before"))
+    cap, cases = spec["slow_max_new_tokens"], []
+    for key in sorted(after.keys() & before.keys(), key=int):
+        a, b = after[key][:cap], before[key][:cap]
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if at is not None:
+            cases.append((spec["prompt_ids"][int(key)] + a[:at], a[at], b[at]))
+    model = load_verifier(spec["verifier"], spec["device"], spec["dtype"])
+    gaps = []
+    with torch.inference_mode():
+        for start in range(0, len(cases), 16):
+            chunk = cases[start : start + 16]
+            input_ids, mask = left_pad([c[0] for c in chunk], 0)
+            input_ids, mask = input_ids.to(model.device), mask.to(model.device)
+            logits = model(input_ids=input_ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                           logits_to_keep=1).logits[:, -1].float()  # [n, V]
+            gaps += [abs(row[a] - row[b]).item() for row, (_, a, b) in zip(logits, chunk)]
+    gaps.sort()
+    return {"differing": len(gaps), "gap_median": round(statistics.median(gaps), 3) if gaps else None,
+            "gap_max": round(gaps[-1], 3) if gaps else None, "gaps": [round(g, 3) for g in gaps]}
+
+
 def slots_eager_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int):
     """``after`` without graph capture (each step eager): run only when ``after`` failed, to tell a capture
     failure from a slot decoding one."""
@@ -319,6 +351,9 @@ def worker(spec_path: Path, mode: str, answers_path: Path, seconds: float) -> No
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the slot decoder's per-group lines
     spec = json.loads(spec_path.read_text())
     torch.set_num_threads(spec["threads"])
+    if mode == "ties":
+        print(json.dumps({"mode": mode, **tie_gaps(spec, spec_path.parent)}), flush=True)
+        return
     slow = mode in SLOW
     prompts = spec["prompt_ids"][: spec["slow_count"] if slow else spec["count"]]
     max_new_tokens = spec["slow_max_new_tokens"] if slow else spec["max_new_tokens"]
@@ -429,7 +464,10 @@ def main() -> None:
             left = args.budget_s - (time.monotonic() - started)
             share = SHARES.get(mode, 0) if modes else 1.0
             share = max(share, 1 / (len(modes) + 1))
-            row, answers[mode] = run_mode(mode, Path(tmp), left * share)
+            if mode == "ties" and not (answers.get("after") and answers.get("before")):
+                row, answers[mode] = {"mode": mode, "error": "skipped: needs the answers of after and before"}, {}
+            else:
+                row, answers[mode] = run_mode(mode, Path(tmp), left * share)
             report["modes"].append(row)
             if mode == "after" and row.get("error", "").startswith("failed"):
                 modes.insert(0, "slots_eager")
@@ -450,7 +488,9 @@ def print_table(report: dict) -> None:
               f"{row.get('first_s', '-'):>9}{row.get('first_tok_s', '-'):>13}{row.get('warm_tok_s') or '-':>12}"
               + (f"  {row['error']}" if "error" in row else "")
               + (f"  graph replays {row['graph_replays']}" if row.get("graph_replays") else "")
-              + "".join(f"  step {shape}: {ms} ms" for shape, ms in row.get("step_ms", {}).items()))
+              + "".join(f"  step {shape}: {ms} ms" for shape, ms in row.get("step_ms", {}).items())
+              + (f"  {row['differing']} first differences, logit gap median {row['gap_median']}, max {row['gap_max']}"
+                 if "differing" in row else ""))
     for pair, a in report.get("agreement", {}).items():
         print(f"greedy agreement {pair}: {a['identical']}/{a['prompts']} identical ({a['identical_share']})")
     print(f"total {report.get('total_s')} s")
