@@ -1,33 +1,47 @@
 """Benchmark of the ``generate`` stage: generated tokens/s of the ways to answer one set of prompts.
 
-    python benchmarks/generate_throughput.py --verifier models/verifier \\
-        --prompts data/prompts/shards/000032-001000.jsonl --device cuda --count 256 --batch-size 128
+    python benchmarks/generate_throughput.py --verifier models/verifier --prompts data/prompts/shards/000032-001000.jsonl \\
+        --device cuda --count 1000 --max-new-tokens 2048 --json benchmarks/results/generate.json     # one H200, < 240 s
     python benchmarks/generate_throughput.py --random-shape smollm2-135m --device cuda --count 256   # no data at all
     python benchmarks/generate_throughput.py --verifier models/verifier --prompts data/prompts/shards/000000-000032.jsonl \\
-        --count 16 --batch-size 16 --max-new-tokens 64 --threads 1                                   # the CPU
+        --count 16 --slow-count 16 --batch-size 16 --max-new-tokens 64 --threads 1                   # the CPU
     python benchmarks/generate_throughput.py --verifier models/verifier --prompts data/prompts/shards/000000-000032.jsonl \\
         --modes openai --base-url http://127.0.0.1:8000/v1 --concurrency 4
 
-Modes, all on the same prompts (the first ``--count`` of the shard under the chat template, or
-with ``--random-shape`` random token prompts of shard-like lengths and a random-weights model of
-that shape, written to a temporary folder: it never stops early, so every mode does the same work):
+Modes, on the same prompts (the shard's first ones under the chat template, or with ``--random-shape``
+random token prompts of shard-like lengths and a random-weights model of that shape, written to a
+temporary folder: it never stops early, so every mode does the same work):
 
-- ``before``: the ``local`` backend as it was: cuDNN SDPA on, ``batch_size`` rows per batch;
-- ``after``: the ``local`` backend now: cuDNN SDPA off on CUDA, ``--batch-tokens``, ``--pad-multiple``;
+- ``after``: the ``local`` backend now: on CUDA, slot decoding with CUDA graphs (backends/slots.py);
+- ``after_varlen``: the same with the experimental decode attention that reads each row's used keys
+  only (flash attention's varlen kernel; ``after`` reads whole rows, masked);
+- ``before``: the ``local`` backend's eager path (``backend.cuda_graphs: false``: transformers
+  ``generate`` on sorted, left-padded batches, cuDNN SDPA off), what CUDA ran before;
 - ``generate``: plain transformers ``generate`` on the same sorted, left-padded batches;
 - ``generate_batch``: transformers' continuous batching (paged attention) over all prompts;
-- ``openai``: the stage's core (``generate_shard``) against an OpenAI-compatible server.
+- ``openai``: the stage's core (``generate_shard``) against an OpenAI-compatible server;
+- ``ties``: not a speed: where ``after`` and ``before`` first differ, the gap between the two tokens'
+  logits (an eager forward of the common prefix): near-ties have small gaps.
+
+The eager modes are host-bound (every step pays ~30 ms of launches, however few rows): they run on
+the first ``--slow-count`` prompts with answers capped at ``--slow-max-new-tokens``, which only
+flatters them (fewer idle rows) and keeps the whole run inside ``--budget-s``; ``after`` runs on
+``--count`` prompts, answers up to ``--max-new-tokens``. Greedy agreement: the share of the prompts
+two modes both answered whose tokens are identical (up to the shorter cap), for the PAIRS.
 
 Each mode runs in its own fresh process (a cold start is per process: whatever runs first in a
-process would pay it for the others). ``first`` is the first pass of that process, which is what
-a ``dvc repro`` of a shard experiences; ``warm`` is the median of ``--runs`` further passes, once
-every shape has been seen. Prints one JSON line per mode, then a table. Model loading is excluded.
+process would pay it for the others); one that fails prints its traceback and the others still
+run; one that would overrun the budget is stopped. ``first`` is the first pass of that process
+(what a ``dvc repro`` of a shard experiences: graph capture included); ``warm`` is the median of
+``--runs`` further passes. Model loading is excluded. Prints one JSON line per mode, then a table;
+``--json`` also writes all of it (commit, command, settings, modes) to a file, after every mode.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import subprocess
 import sys
@@ -35,13 +49,20 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's eagle3, installed or not
+
 SHAPES = {  # random-weights verifiers, by the name of the model whose shape they have
     "smollm2-135m": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
                      "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
                      "max_position_embeddings": 8192, "rope_theta": 100000.0, "tie_word_embeddings": True,
                      "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2},
 }
-MODES = ["before", "after", "generate", "generate_batch"]
+MODES = ["after", "after_varlen", "before", "ties", "generate", "generate_batch"]  # in the order they run
+SHARES = {"after": 0.4, "after_varlen": 0.45}  # of the budget left when they start; the others split what is left
+PAIRS = [("after", "before"), ("after_varlen", "before"), ("after_varlen", "after")]  # greedy agreement between modes
+SLOW = {"before", "generate", "generate_batch", "slots_eager", "ties"}  # on --slow-count prompts, answers capped at --slow-max-new-tokens
+
+Answers = dict[str, list[int]]  # request id -> generated tokens up to and including the stop token
 
 
 def random_verifier(shape: str, folder: Path, device: str) -> Path:
@@ -86,44 +107,144 @@ def shard_prompts(verifier: Path, shard: Path, count: int) -> list[list[int]]:
     return [prompt_ids(tokenizer, p["messages"]) for p in read_prompts(shard)[:count]]
 
 
-def median_passes(one_pass, runs: int) -> dict:
-    """Tokens/s of the first pass and the median of ``runs`` more (each pass: seconds, tokens)."""
-    first_s, tokens = one_pass()
-    warm = [one_pass() for _ in range(runs)]
-    return {"tokens": tokens, "first_tok_s": round(tokens / first_s, 1),
-            "warm_tok_s": round(statistics.median(t / s for s, t in warm), 1) if warm else None}
+def timed_passes(one_pass, runs: int, deadline: float) -> tuple[dict, Answers]:
+    """Tokens/s of the first pass and the median of ``runs`` more (each pass: seconds, tokens, answers), as many
+    as fit before ``deadline`` (time.monotonic()); the first pass's answers."""
+    first_s, tokens, answers = one_pass()
+    warm = []
+    while len(warm) < runs and time.monotonic() + 1.2 * first_s < deadline:
+        warm.append(one_pass()[0])
+    figures = {"tokens": tokens, "first_s": round(first_s, 2), "first_tok_s": round(tokens / first_s, 1),
+               "warm_s": round(statistics.median(warm), 2) if warm else None,
+               "warm_tok_s": round(tokens / statistics.median(warm), 1) if warm else None}
+    return figures, answers
 
 
-def backend_pass(spec: dict, prompts: list[list[int]], old: bool):
-    """One pass of the ``local`` backend; ``old``: the behaviour before cuDNN SDPA was switched off
-    and batches were token-budgeted."""
-    import torch
+def progress(start: float, answers: Answers, every_s: float = 10.0):
+    """A ``done`` callback printing a partial figure every ``every_s`` s: what a stopped mode still reports."""
+    last = [start]
+
+    def done(request, answer) -> None:
+        now = time.perf_counter()
+        if now - last[0] >= every_s:
+            last[0] = now
+            tokens = sum(map(len, answers.values()))
+            print(json.dumps({"mode": "partial", "answers": len(answers), "tokens": tokens, "seconds": round(now - start, 1),
+                              "tok_s": round(tokens / (now - start), 1)}), flush=True)
+
+    return done
+
+
+def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, graphs: bool, varlen: bool = False):
+    """One pass of the ``local`` backend as the stage builds it (``graphs``: backend.cuda_graphs; ``varlen``:
+    its experimental decode attention over each row's used keys only)."""
     from omegaconf import OmegaConf
 
     from eagle3.backends import Generation, Request
     from eagle3.backends.local import LocalBackend
 
     cfg = OmegaConf.create({"device": spec["device"], "dtype": spec["dtype"], "threads": spec["threads"],
-                            "batch_size": spec["batch_size"], "batch_tokens": None if old else spec["batch_tokens"],
-                            "pad_multiple": 1 if old else spec["pad_multiple"]})
-    gen = Generation("bench", spec["max_new_tokens"], temperature=0.0, top_p=1.0, seed=0, think_tags=None,
+                            "batch_size": spec["batch_size"], "batch_tokens": spec["batch_tokens"],
+                            "pad_multiple": spec["pad_multiple"], "cuda_graphs": graphs})
+    gen = Generation("bench", max_new_tokens, temperature=0.0, top_p=1.0, seed=0, think_tags=None,
                      context=1 << 30, stop=(), trust_remote_code=False)  # context: the prompts are token ids, never skipped
     backend = LocalBackend(cfg, Path(spec["verifier"]), gen)
-    if old and spec["device"].startswith("cuda"):
-        torch.backends.cuda.enable_cudnn_sdp(True)
+    backend.varlen_decode = varlen
     requests = [Request(str(i), str(i), [], ids, 0) for i, ids in enumerate(prompts)]
+    answers: Answers = {}
+    to_answer = backend.to_answer
+
+    def recording(request, tokens):  # the raw tokens of each answer, for the agreement check
+        answers[request.id] = tokens[: count_until_stop(tokens, backend.eos_ids)]
+        return to_answer(request, tokens)
+
+    backend.to_answer = recording
 
     def one_pass():
-        counted = []
+        answers.clear()
         start = time.perf_counter()
-        backend.run(requests, set(), lambda request, answer: counted.append(answer.completion_tokens))
+        backend.run(requests, set(), progress(start, answers))
         synchronize(spec["device"])
-        return time.perf_counter() - start, sum(counted)
+        return time.perf_counter() - start, sum(map(len, answers.values())), dict(answers)
 
-    return one_pass
+    def extras() -> dict:
+        found = {"slot_decoding": backend.slot_decoding, "graph_replays": backend.graph_replays}
+        if backend.slot_decoding:
+            found["step_ms"] = step_ms(backend, spec["batch_size"], 256 + max_new_tokens, varlen)
+        return found
+
+    return one_pass, extras
 
 
-def greedy_model(spec: dict):
+def step_ms(backend, slots: int, length: int, varlen: bool, steps: int = 50) -> dict:
+    """Milliseconds per replay of the captured decode step over ``slots`` rows of a ``length`` cache, every row
+    at position length / 2 (what the whole-row attention reads does not depend on it; varlen's does)."""
+    import traceback
+
+    import torch
+
+    from eagle3.backends.slots import Group, SlotDecoder, slot_attention
+
+    key = f"{slots}x{length}"
+    try:
+        decoder = SlotDecoder(backend.model, Group([], slots, length), backend.generation.max_new_tokens,
+                              sorted(backend.eos_ids), backend.pad_id, varlen)
+        with torch.inference_mode(), slot_attention(backend.model, decoder.cache):
+            decoder.capture()
+            decoder.positions.fill_(length // 2)
+            graph = decoder.graphs[slots]
+            graph.replay()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(steps):
+                graph.replay()
+            torch.cuda.synchronize()
+        return {key: round((time.perf_counter() - start) / steps * 1000, 2)}
+    except Exception:  # a probe, not the measurement: report and go on
+        traceback.print_exc()
+        return {key: "failed (traceback above)"}
+
+
+def tie_gaps(spec: dict, folder: Path) -> dict:
+    """Where ``after`` and ``before`` answers first differ, how far apart the two tokens' logits are for the
+    verifier (an eager forward of prompt + common prefix): a near-tie has a small gap, a bug a large one."""
+    import torch
+
+    from eagle3.backends.local import left_pad
+    from eagle3.verifiers.loading import load_verifier
+
+    after, before = (json.loads((folder / f"{mode}.answers.json").read_text()) for mode in ("after", "before"))
+    cap, cases = spec["slow_max_new_tokens"], []
+    for key in sorted(after.keys() & before.keys(), key=int):
+        a, b = after[key][:cap], before[key][:cap]
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if at is not None:
+            cases.append((spec["prompt_ids"][int(key)] + a[:at], a[at], b[at]))
+    model = load_verifier(spec["verifier"], spec["device"], spec["dtype"])
+    gaps = []
+    with torch.inference_mode():
+        for start in range(0, len(cases), 16):
+            chunk = cases[start : start + 16]
+            input_ids, mask = left_pad([c[0] for c in chunk], 0)
+            input_ids, mask = input_ids.to(model.device), mask.to(model.device)
+            logits = model(input_ids=input_ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                           logits_to_keep=1).logits[:, -1].float()  # [n, V]
+            gaps += [abs(row[a] - row[b]).item() for row, (_, a, b) in zip(logits, chunk)]
+    gaps.sort()
+    return {"differing": len(gaps), "gap_median": round(statistics.median(gaps), 3) if gaps else None,
+            "gap_max": round(gaps[-1], 3) if gaps else None, "gaps": [round(g, 3) for g in gaps]}
+
+
+def slots_eager_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int):
+    """``after`` without graph capture (each step eager): run only when ``after`` failed, to tell a capture
+    failure from a slot decoding one."""
+    from eagle3.backends.slots import SlotDecoder
+
+    SlotDecoder.capture = lambda self: None
+    return backend_pass(spec, prompts, max_new_tokens, graphs=True)
+
+
+def greedy_model(spec: dict, max_new_tokens: int):
     """(the verifier, its stop ids, a greedy GenerationConfig) for the plain transformers modes."""
     from transformers import GenerationConfig
 
@@ -132,47 +253,50 @@ def greedy_model(spec: dict):
     model = load_verifier(spec["verifier"], spec["device"], spec["dtype"])
     eos = model.generation_config.eos_token_id
     eos = eos if isinstance(eos, list) else [eos]
-    config = GenerationConfig(max_new_tokens=spec["max_new_tokens"], do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
     return model, eos, config
 
 
-def generate_pass(spec: dict, prompts: list[list[int]]):
+def generate_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int):
     """One pass of plain ``generate`` on the backend's batches (sorted by length, left padded)."""
     import torch
 
     from eagle3.backends import Request
     from eagle3.backends.local import left_pad, plan_batches
 
-    model, eos, config = greedy_model(spec)
-    batches = plan_batches([Request(str(i), str(i), [], ids, 0) for i, ids in enumerate(prompts)], spec["batch_size"])
+    model, eos, config = greedy_model(spec, max_new_tokens)
+    batches = plan_batches([Request(str(i), str(i), [], ids, 0) for i, ids in enumerate(prompts)], spec["batch_size"],
+                           spec["batch_tokens"], max_new_tokens, spec["pad_multiple"])
 
     @torch.inference_mode()
     def one_pass():
-        tokens = 0
+        answers: Answers = {}
         start = time.perf_counter()
         for batch in batches:
-            input_ids, mask = left_pad([r.prompt_ids for r in batch], eos[0])
+            input_ids, mask = left_pad([r.prompt_ids for r in batch], eos[0], spec["pad_multiple"])
             out = model.generate(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device),
                                  generation_config=config)
-            tokens += sum(count_until_stop(row, eos) for row in out[:, input_ids.shape[1]:].tolist())
+            for request, row in zip(batch, out[:, input_ids.shape[1]:].tolist()):
+                answers[request.id] = row[: count_until_stop(row, eos)]
         synchronize(spec["device"])
-        return time.perf_counter() - start, tokens
+        return time.perf_counter() - start, sum(map(len, answers.values())), answers
 
-    return one_pass
+    return one_pass, dict
 
 
-def generate_batch_pass(spec: dict, prompts: list[list[int]]):
+def generate_batch_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int):
     """One pass of transformers' continuous batching over all prompts at once."""
-    model, eos, config = greedy_model(spec)
+    model, eos, config = greedy_model(spec, max_new_tokens)
 
     def one_pass():
         start = time.perf_counter()
         outputs = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
         synchronize(spec["device"])
         seconds = time.perf_counter() - start
-        return seconds, sum(count_until_stop(o.generated_tokens, eos) for o in outputs.values())
+        answers = {key: list(o.generated_tokens)[: count_until_stop(list(o.generated_tokens), eos)] for key, o in outputs.items()}
+        return seconds, sum(map(len, answers.values())), answers
 
-    return one_pass
+    return one_pass, dict
 
 
 def openai_pass(spec: dict):
@@ -200,12 +324,12 @@ def openai_pass(spec: dict):
         backend = make_backend(params.backend, Path(spec["verifier"]), generation, model)
         start = time.perf_counter()
         shard = generate_shard("bench", prompts, backend, tokenizer, generation, record_params, "bench", journal)
-        return time.perf_counter() - start, shard.stats["completion_tokens"]
+        return time.perf_counter() - start, shard.stats["completion_tokens"], {}  # no token ids from a server
 
     return one_pass
 
 
-def count_until_stop(tokens: list[int], eos: list[int]) -> int:
+def count_until_stop(tokens: list[int], eos) -> int:
     """Generated tokens up to and including the first stop token, as the backend counts them."""
     return next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
 
@@ -217,21 +341,68 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def worker(spec_path: Path, mode: str) -> None:
-    """One mode in this (fresh) process: print its JSON line."""
+def worker(spec_path: Path, mode: str, answers_path: Path, seconds: float) -> None:
+    """One mode in this (fresh) process with ``seconds`` to run: print its JSON line, write its first pass's answers."""
+    import logging
+
     import torch
 
+    deadline = time.monotonic() + seconds
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the slot decoder's per-group lines
     spec = json.loads(spec_path.read_text())
     torch.set_num_threads(spec["threads"])
-    prompts = spec["prompt_ids"]
-    one_pass = {
-        "before": lambda: backend_pass(spec, prompts, old=True),
-        "after": lambda: backend_pass(spec, prompts, old=False),
-        "generate": lambda: generate_pass(spec, prompts),
-        "generate_batch": lambda: generate_batch_pass(spec, prompts),
-        "openai": lambda: openai_pass(spec),
+    if mode == "ties":
+        print(json.dumps({"mode": mode, **tie_gaps(spec, spec_path.parent)}), flush=True)
+        return
+    slow = mode in SLOW
+    prompts = spec["prompt_ids"][: spec["slow_count"] if slow else spec["count"]]
+    max_new_tokens = spec["slow_max_new_tokens"] if slow else spec["max_new_tokens"]
+    start = time.perf_counter()
+    one_pass, extras = {
+        "after": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=True),
+        "after_varlen": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=True, varlen=True),
+        "slots_eager": lambda: slots_eager_pass(spec, prompts, max_new_tokens),
+        "before": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=False),
+        "generate": lambda: generate_pass(spec, prompts, max_new_tokens),
+        "generate_batch": lambda: generate_batch_pass(spec, prompts, max_new_tokens),
+        "openai": lambda: (openai_pass(spec), dict),
     }[mode]()
-    print(json.dumps({"mode": mode, **median_passes(one_pass, spec["runs"])}), flush=True)
+    load_s = time.perf_counter() - start
+    figures, answers = timed_passes(one_pass, spec["runs"], deadline)
+    answers_path.write_text(json.dumps(answers))
+    row = {"mode": mode, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "load_s": round(load_s, 2),
+           **figures, **extras()}
+    if torch.cuda.is_available() and spec["device"].startswith("cuda"):
+        row["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    print(json.dumps(row), flush=True)
+
+
+def agreement(after: Answers, before: Answers, cap: int) -> dict:
+    """How many prompts answered by both have the same greedy tokens, compared up to ``cap`` tokens."""
+    common = sorted(after.keys() & before.keys(), key=int)
+    same = [after[k][:cap] == before[k][:cap] for k in common]
+    diverge = [next(i for i, (a, b) in enumerate(zip(after[k][:cap] + [-1], before[k][:cap] + [-2])) if a != b)
+               for k, ok in zip(common, same) if not ok]
+    return {"prompts": len(common), "identical": sum(same), "identical_share": round(sum(same) / max(len(common), 1), 3),
+            "first_difference_at": sorted(diverge)}
+
+
+def commit() -> str | None:
+    """The checkout's commit (with ``-dirty`` when it has changes); None outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("-dirty" if dirty.strip() else "")
+
+
+def environment(device: str) -> dict:
+    import torch
+    import transformers
+
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else None
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__, "gpu": gpu}
 
 
 def main() -> None:
@@ -239,58 +410,112 @@ def main() -> None:
     parser.add_argument("--verifier", type=Path, help="verifier folder (models/verifier); not with --random-shape")
     parser.add_argument("--prompts", type=Path, help="a prompt shard (data/prompts/shards/X.jsonl)")
     parser.add_argument("--random-shape", choices=sorted(SHAPES), help="random weights of this shape, random token prompts")
-    parser.add_argument("--modes", nargs="+", choices=[*MODES, "openai"], default=MODES)
-    parser.add_argument("--count", type=int, default=256, help="prompts")
+    parser.add_argument("--modes", nargs="+", choices=[*MODES, "openai", "slots_eager"], default=MODES)
+    parser.add_argument("--count", type=int, default=1000, help="prompts of `after`, `after_varlen` (and openai)")
+    parser.add_argument("--max-new-tokens", type=int, default=2048, help="their answer cap")
+    parser.add_argument("--slow-count", type=int, default=128, help="prompts of the eager modes")
+    parser.add_argument("--slow-max-new-tokens", type=int, default=512, help="answer cap of the eager modes")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", help="default: bfloat16 on CUDA, float32 on the CPU")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--batch-tokens", type=int, help="`after`: backend.batch_tokens (default: none)")
-    parser.add_argument("--pad-multiple", type=int, default=1, help="`after`: backend.pad_multiple")
-    parser.add_argument("--runs", type=int, default=2, help="warm passes after the first (median)")
+    parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=512, help="backend.batch_size (slots of `after`)")
+    parser.add_argument("--batch-tokens", type=int, default=1_500_000, help="backend.batch_tokens (KV-cache tokens)")
+    parser.add_argument("--pad-multiple", type=int, default=64, help="backend.pad_multiple (eager modes)")
+    parser.add_argument("--runs", type=int, default=1, help="warm passes after the first (median)")
+    parser.add_argument("--budget-s", type=float, default=225, help="stop a mode that would end later than this")
+    parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="openai")
     parser.add_argument("--concurrency", type=int, default=4, help="openai")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--answers", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--seconds", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.spec, args.worker)
+        worker(args.spec, args.worker, args.answers, args.seconds)
         return
     if bool(args.random_shape) == bool(args.verifier and args.prompts):
         parser.error("give either --verifier and --prompts, or --random-shape")
+    started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         if args.random_shape:
             verifier = random_verifier(args.random_shape, Path(tmp) / "verifier", args.device)
-            prompt_ids = random_prompts(args.count, SHAPES[args.random_shape]["vocab_size"])
+            prompt_ids = random_prompts(max(args.count, args.slow_count), SHAPES[args.random_shape]["vocab_size"])
         else:
-            verifier, prompt_ids = args.verifier, shard_prompts(args.verifier, args.prompts, args.count)
+            verifier, prompt_ids = args.verifier, shard_prompts(args.verifier, args.prompts, max(args.count, args.slow_count))
         spec = {"verifier": str(verifier), "prompts": str(args.prompts), "prompt_ids": prompt_ids, "count": args.count,
+                "slow_count": args.slow_count, "slow_max_new_tokens": args.slow_max_new_tokens,
                 "device": args.device, "dtype": args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"),
                 "threads": args.threads, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
                 "batch_tokens": args.batch_tokens, "pad_multiple": args.pad_multiple, "runs": args.runs,
                 "base_url": args.base_url, "concurrency": args.concurrency}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
-        rows = [run_mode(mode, Path(tmp) / "spec.json") for mode in args.modes]
-    settings = {k: spec[k] for k in ("device", "dtype", "count", "max_new_tokens", "batch_size", "batch_tokens", "pad_multiple")}
-    print(json.dumps({"shape": args.random_shape or str(args.verifier), "prompt_tokens": sum(map(len, prompt_ids)), **settings}))
-    print(f"{'mode':<16}{'tokens':>10}{'first tok/s':>14}{'warm tok/s':>13}")
-    for row in rows:
-        print(f"{row['mode']:<16}{row.get('tokens', '-'):>10}{row.get('first_tok_s', '-'):>14}{row.get('warm_tok_s') or '-':>13}"
-              + (f"  {row['error']}" if "error" in row else ""))
+        settings = {k: v for k, v in spec.items() if k not in ("prompt_ids", "base_url", "concurrency")}
+        report = {"commit": commit(), "command": " ".join(sys.argv), "shape": args.random_shape,
+                  "prompt_tokens": sum(map(len, prompt_ids[: args.count])), **settings, **environment(args.device),
+                  "budget_s": args.budget_s, "modes": [],
+                  "note": f"eager modes ({', '.join(sorted(SLOW))}) ran on the first {args.slow_count} prompts, answers capped at "
+                          f"{args.slow_max_new_tokens} tokens, to fit the budget; after and after_varlen on {args.count}, up to {args.max_new_tokens}; "
+                          "slots_eager runs only when after fails"}
+        answers: dict[str, Answers] = {}
+        modes = list(args.modes)
+        while modes:
+            mode = modes.pop(0)
+            left = args.budget_s - (time.monotonic() - started)
+            share = SHARES.get(mode, 0) if modes else 1.0
+            share = max(share, 1 / (len(modes) + 1))
+            if mode == "ties" and not (answers.get("after") and answers.get("before")):
+                row, answers[mode] = {"mode": mode, "error": "skipped: needs the answers of after and before"}, {}
+            else:
+                row, answers[mode] = run_mode(mode, Path(tmp), left * share)
+            report["modes"].append(row)
+            if mode == "after" and row.get("error", "").startswith("failed"):
+                modes.insert(0, "slots_eager")
+            report["agreement"] = {
+                f"{a}/{b}": agreement(answers[a], answers[b], args.slow_max_new_tokens if b in SLOW else args.max_new_tokens)
+                for a, b in PAIRS if answers.get(a) and answers.get(b)}
+            report["total_s"] = round(time.monotonic() - started, 1)
+            if args.json:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(report, indent=1) + "\n")
+    print_table(report)
 
 
-def run_mode(mode: str, spec: Path) -> dict:
-    """One mode in a fresh interpreter; a mode that fails is reported, the others still run."""
-    result = subprocess.run([sys.executable, __file__, "--worker", mode, "--spec", str(spec)], capture_output=True, text=True)
-    lines = [line for line in result.stdout.splitlines() if line.startswith('{"mode"')]
-    if result.returncode or not lines:
-        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        row = {"mode": mode, "error": f"failed (exit {result.returncode}): {last}"}
+def print_table(report: dict) -> None:
+    print(f"{'mode':<16}{'prompts':>8}{'max new':>8}{'tokens':>10}{'first s':>9}{'first tok/s':>13}{'warm tok/s':>12}")
+    for row in report["modes"]:
+        print(f"{row['mode']:<16}{row.get('prompts', '-'):>8}{row.get('max_new_tokens', '-'):>8}{row.get('tokens', '-'):>10}"
+              f"{row.get('first_s', '-'):>9}{row.get('first_tok_s', '-'):>13}{row.get('warm_tok_s') or '-':>12}"
+              + (f"  {row['error']}" if "error" in row else "")
+              + (f"  graph replays {row['graph_replays']}" if row.get("graph_replays") else "")
+              + "".join(f"  step {shape}: {ms} ms" for shape, ms in row.get("step_ms", {}).items())
+              + (f"  {row['differing']} first differences, logit gap median {row['gap_median']}, max {row['gap_max']}"
+                 if "differing" in row else ""))
+    for pair, a in report.get("agreement", {}).items():
+        print(f"greedy agreement {pair}: {a['identical']}/{a['prompts']} identical ({a['identical_share']})")
+    print(f"total {report.get('total_s')} s")
+
+
+def run_mode(mode: str, folder: Path, seconds_left: float) -> tuple[dict, Answers]:
+    """One mode in a fresh interpreter (its traceback, if any, goes to stderr); a mode that fails or
+    runs past ``seconds_left`` is reported, the others still run."""
+    answers_path = folder / f"{mode}.answers.json"
+    command = [sys.executable, __file__, "--worker", mode, "--spec", str(folder / "spec.json"), "--answers", str(answers_path),
+               "--seconds", str(seconds_left)]
+    if seconds_left < 5:
+        row = {"mode": mode, "error": "skipped: no budget left"}
     else:
-        row = json.loads(lines[-1])
+        try:
+            result = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=seconds_left)
+            lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"mode"')]
+            row = lines[-1] if lines and not result.returncode else {
+                "mode": mode, "error": f"failed (exit {result.returncode}): traceback above", "last": lines[-1:]}
+        except subprocess.TimeoutExpired as stopped:
+            output = stopped.stdout.decode() if isinstance(stopped.stdout, bytes) else stopped.stdout or ""
+            lines = [json.loads(line) for line in output.splitlines() if line.startswith('{"mode"')]
+            row = {"mode": mode, "error": f"stopped at its share of the budget ({seconds_left:.0f} s)", "last": lines[-1:]}
     print(json.dumps(row), flush=True)
-    return row
+    return row, json.loads(answers_path.read_text()) if answers_path.is_file() and "error" not in row else {}
 
 
 if __name__ == "__main__":

@@ -187,6 +187,7 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "backend.batch_size": POSITIVE,
     "backend.batch_tokens": ((lambda v: v is None or _int(1)(v)), "an integer >= 1, or null for no token budget"),
     "backend.pad_multiple": POSITIVE,
+    "backend.cuda_graphs": BOOL,
     "backend.concurrency": POSITIVE,
     "backend.timeout": (_number(0, open_low=True), "a number > 0"),
     "backend.max_retries": NON_NEGATIVE,

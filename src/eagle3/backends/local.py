@@ -10,6 +10,10 @@ its record id, so a record's answer never depends on which records share its bat
 On CUDA, cuDNN's SDPA attention is switched off: it pays a setup for every new (batch, length)
 shape, about 10 s per 256 prompts on an H200, which dominated a shard; the flash and
 memory-efficient SDPA kernels have no such cost.
+
+On CUDA with ``cuda_graphs`` and greedy decoding, ``backends.slots`` answers instead: a slot KV
+cache refilled as rows finish, each decode step a CUDA graph (eager decoding is host-bound there);
+groups by prompt width replace the batches above. The CPU, and sampling, keep ``generate``.
 """
 
 from __future__ import annotations
@@ -97,6 +101,8 @@ class SeededSampling(LogitsProcessor):
 
 
 class LocalBackend:
+    varlen_decode = False  # slot decoding reads each row's used keys only (flash varlen; experimental: benchmarks set it)
+
     def __init__(self, cfg: DictConfig, verifier: Path, generation: Generation):
         torch.set_num_threads(int(cfg.threads))
         if str(cfg.device).startswith("cuda"):
@@ -112,14 +118,34 @@ class LocalBackend:
         self.stop_strings = list(generation.stop)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
+        graphs = bool(cfg.cuda_graphs) and str(cfg.device).startswith("cuda")
+        self.slot_decoding = graphs and generation.temperature == 0 and self.model._supports_attention_backend
+        if graphs and not self.slot_decoding:
+            log.warning("local backend: decoding eagerly (CUDA graphs need greedy decoding and a verifier that "
+                        "attends through transformers' AttentionInterface)")
+        self.graph_replays = 0  # CUDA graph steps run by slot decoding (benchmarks and tests read it)
 
     def run(self, requests: Sequence[Request], finished: Collection[str], done: Done) -> None:
+        if self.slot_decoding:
+            self.run_slots([r for r in requests if r.id not in finished], done)
+            return
         max_new_tokens = self.generation.max_new_tokens
         for batch in plan_batches(requests, self.batch_size, self.batch_tokens, max_new_tokens, self.pad_multiple):
             if all(r.id in finished for r in batch):
                 continue
             for request, answer in zip(batch, self.answer_batch(batch)):
                 done(request, answer)
+
+    @torch.inference_mode()
+    def run_slots(self, requests: Sequence[Request], done: Done) -> None:
+        """Greedy answers by ``backends.slots``: a row's answer comes as soon as it finishes."""
+        from eagle3.backends.slots import decode_groups, group_requests
+
+        max_new_tokens = self.generation.max_new_tokens
+        groups = group_requests(requests, max_new_tokens, self.batch_size, self.batch_tokens)
+        self.graph_replays += decode_groups(self.model, groups, max_new_tokens, sorted(self.eos_ids), self.pad_id,
+                                            lambda request, tokens: done(request, self.to_answer(request, tokens)),
+                                            self.varlen_decode)
 
     @torch.inference_mode()
     def answer_batch(self, batch: Sequence[Request]) -> list[Answer]:

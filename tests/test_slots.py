@@ -1,0 +1,111 @@
+"""Slot decoding (backends/slots.py): the same greedy answers as transformers ``generate``, CUDA graphs on CUDA."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from test_generate import generate, shard_file, stage_params
+
+from eagle3.backends import Generation, Request
+from eagle3.backends.local import LocalBackend
+from eagle3.backends.slots import decode_groups, group_requests
+from eagle3.verifiers.loading import load_tokenizer
+
+LENGTHS = [3, 5, 9, 17, 40, 90, 200, 260, 300, 7, 11]  # two width buckets (256, 512)
+
+
+def backend(verifier: Path, device: str, dtype: str, max_new_tokens: int, graphs: bool, batch_size: int = 3) -> LocalBackend:
+    cfg = OmegaConf.create({"device": device, "dtype": dtype, "threads": 1, "batch_size": batch_size, "batch_tokens": None,
+                            "pad_multiple": 1, "cuda_graphs": graphs})
+    return LocalBackend(cfg, verifier, Generation("t", max_new_tokens, 0.0, 1.0, 0, None, 1 << 30, (), False))
+
+
+def random_requests(lengths=LENGTHS) -> list[Request]:
+    rng = random.Random(0)
+    return [Request(str(i), str(i), [], [rng.randrange(3, 49152) for _ in range(n)], 0) for i, n in enumerate(lengths)]
+
+
+def answers(local: LocalBackend, requests: list[Request]) -> dict:
+    found = {}
+    local.run(requests, set(), lambda request, answer: found.__setitem__(request.id, answer))
+    return found
+
+
+def slot_answers(local: LocalBackend, requests: list[Request], batch_size: int, varlen: bool) -> dict:
+    """Slot decoding on the backend's device, graphs or not (without CUDA the steps run eagerly)."""
+    found, max_new_tokens = {}, local.generation.max_new_tokens
+    with torch.inference_mode():
+        decode_groups(local.model, group_requests(requests, max_new_tokens, batch_size, None), max_new_tokens,
+                      sorted(local.eos_ids), local.pad_id, lambda r, tokens: found.__setitem__(r.id, local.to_answer(r, tokens)),
+                      varlen)
+    return found
+
+
+def test_groups_follow_prompt_width_and_small_groups_join_the_next():
+    requests = [Request(str(i), str(i), [], [0] * n, 0) for i, n in enumerate([10, 20, 300])]
+    groups = group_requests(requests, 100, 2, None)
+    assert [([len(r.prompt_ids) for r in g.requests], g.slots, g.length) for g in groups] == [([10, 20], 2, 164), ([300], 1, 420)]
+    assert [len(g.requests) for g in group_requests(requests, 100, 4, None)] == [3]  # 2 < 4 slots: joins the 512 bucket
+    assert [g.slots for g in group_requests(requests, 100, 8, 400)] == [2, 1]  # 400 // 164 rows, then 400 // 420: one
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["sdpa", "varlen"])
+def test_slot_decoding_gives_generate_answers_on_the_cpu(tiny_verifier_dir, varlen):
+    """fp32: rows refilled as others finish (3 slots, 11 prompts, a common token as a second EOS) and two
+    width groups give every answer of the eager path, in either cache layout."""
+    local = backend(tiny_verifier_dir, "cpu", "float32", 12, graphs=True)
+    assert not local.slot_decoding  # the CPU keeps generate
+    requests = random_requests()
+    common = Counter(t for a in answers(local, requests).values() for t in local.tokenizer.encode(a.content)).most_common(1)
+    local.eos_ids = {*local.eos_ids, common[0][0]}  # answers now end at different steps
+    eager = answers(local, requests)
+    assert {a.finish_reason for a in eager.values()} == {"stop", "length"}
+    assert slot_answers(local, requests, batch_size=3, varlen=varlen) == eager
+
+
+def test_cpu_answers_are_byte_identical_with_cuda_graphs_on_or_off(tmp_path, tiny_verifier_dir):
+    tokenizer = load_tokenizer(tiny_verifier_dir)
+    prompts = shard_file(tmp_path, tokenizer)
+    runs = [generate(tmp_path, tiny_verifier_dir, prompts,
+                     stage_params(tmp_path, "generate.max_new_tokens=6", f"backend.cuda_graphs={on}"), f"out-{on}")
+            for on in ("true", "false")]
+    assert (tmp_path / "out-true" / "records.jsonl").read_bytes() == (tmp_path / "out-false" / "records.jsonl").read_bytes()
+    assert runs[0].records and runs[0].stats == runs[1].stats
+
+
+def generated_tokens(local: LocalBackend, requests: list[Request]) -> dict[str, list[int]]:
+    """Each request's generated tokens up to its first stop token (what the backend hands to_answer, padding cut)."""
+    found, to_answer = {}, local.to_answer
+
+    def recording(request: Request, tokens: list[int]):
+        stop = next((i for i, t in enumerate(tokens) if t in local.eos_ids), len(tokens) - 1)
+        found[request.id] = tokens[: stop + 1]
+        return to_answer(request, tokens)
+
+    local.to_answer = recording
+    local.run(requests, set(), lambda request, answer: None)
+    return found
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("varlen", "dtype", "compared", "share"), [(False, "float32", 32, 0.9), (True, "bfloat16", 4, 0.6)],
+                         ids=["sdpa-fp32", "varlen-bf16"])
+def test_cuda_graph_decoding_replays_graphs_and_agrees_with_eager_generate(tiny_verifier_dir, varlen, dtype, compared, share):
+    """CUDA: greedy tokens equal the eager path's for most prompts, and the steps are graph replays. A random
+    model's logits are near-ties everywhere (the top two of 49,152 are ~0.2 sigma apart), so bf16 (the only
+    dtype flash attention takes) is compared on the first tokens; fp32 on whole answers."""
+    requests = random_requests(LENGTHS * 3)
+    eager = generated_tokens(backend(tiny_verifier_dir, "cuda", dtype, 32, graphs=False), requests)
+    graphs = backend(tiny_verifier_dir, "cuda", dtype, 32, graphs=True, batch_size=8)
+    graphs.varlen_decode = varlen
+    assert graphs.slot_decoding
+    fast = generated_tokens(graphs, requests)
+    assert graphs.graph_replays >= 32
+    assert fast.keys() == eager.keys()
+    same = sum(fast[k][:compared] == eager[k][:compared] for k in eager)
+    assert same >= share * len(eager), f"{same} of {len(eager)} answers identical in their first {compared} tokens"
