@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -63,15 +64,18 @@ def test_records_are_chat_prompts_with_stable_ids_and_token_counts(local_source,
         assert record["source"].startswith(str(local_source))
 
 
-def test_dedup_keys_the_whole_conversation_and_counts_drops_by_folder(tmp_path, count_tokens):
+def test_dedup_keys_the_whole_conversation_and_counts_drops_by_folder(tmp_path, monkeypatch, count_tokens):
     """Two prompts that share the last user turn but differ before it both survive; an exact
-    duplicate (up to case and whitespace) is dropped, and counted in its source folder."""
+    duplicate (up to case and whitespace) is dropped, and counted in its source folder. The file is
+    named by a relative path: the seeded order hashes the source's name, and the walk must reach the
+    duplicate before it has the shard's 8 prompts."""
+    monkeypatch.chdir(tmp_path)
     shared = "Which figure completes the pattern? Answer with its letter."
     lines = [{"messages": [{"role": "system", "content": f"Puzzle {i}: {i} circles, then {i + 1} squares."},
                            {"role": "user", "content": shared}]} for i in range(8)]
     lines.append({"messages": [{"role": "system", "content": "Puzzle 3:  3 circles, then 4 SQUARES."},
                                {"role": "user", "content": shared}]})  # puzzle 3 again
-    path = tmp_path / "raven" / "samples.jsonl"
+    path = Path("raven") / "samples.jsonl"
     path.parent.mkdir()
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     shards, _, stats = build_prompts(dataset({"kind": "jsonl", "path": str(path)}, ["000000-000008"], heldout=0, fraction=0.0), 0,
