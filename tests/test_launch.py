@@ -22,7 +22,7 @@ STOPS = {  # how the stop is signalled -> the lines after training's last log li
     "SIGTERM to dvc": (lambda pid: os.kill(pid, signal.SIGTERM),  # `kill` of dvc alone: the stage's watchdog stops the workers
                        [r"eagle3: process \d+ that launched this stage is gone; stopping \(pid \d+\)"]),
     "Ctrl-C": (lambda pid: os.killpg(pid, signal.SIGINT),  # SIGINT to dvc's process group: the torchrun agent
-               [r"eagle3.launch: stopped by SIGINT; workers stopped", r"ERROR: failed to reproduce 'train': .* exited with 130"]),
+               [r"eagle3.launch: stopped by SIGINT; workers stopped", r"ERROR: failed to reproduce 'train': .* exited with (130|-2)"]),  # -2: DVC's shell (dash does not exec) got the Ctrl-C too
 }
 
 

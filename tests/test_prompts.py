@@ -147,11 +147,15 @@ def test_interleave_keeps_every_prefix_within_one_item_of_the_weights():
         assert abs(picks[:n].count(0) - n / 2) <= 1 and abs(picks[:n].count(1) - n / 4) <= 1
 
 
-def test_training_never_holds_an_eval_prompt(tmp_path, count_tokens):
-    """Prompts whose text is a HumanEval or CHAMP problem (as rendered or raw) are kept out of training."""
+def test_training_never_holds_an_eval_prompt(tmp_path, monkeypatch, count_tokens):
+    """Prompts whose text is a HumanEval or CHAMP problem (as rendered or raw) are kept out of training.
+
+    The file is named by a relative path so the seeded order (it hashes the source's name) is the same
+    on every run and the walk reaches both leaked prompts."""
     sets, _ = eval_set_prompts({"humaneval": 164, "math": 270}, 0, count_tokens)
     leaked = [sets["humaneval"][5]["messages"][-1]["content"], sets["math"][7]["messages"][-1]["content"].upper()]
-    path = tmp_path / "p.jsonl"
+    monkeypatch.chdir(tmp_path)
+    path = Path("p.jsonl")
     lines = [{"prompt": text} for text in leaked] + [{"prompt": f"Tell me fact {i}."} for i in range(20)]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     data = dataset({"kind": "jsonl", "path": str(path)}, ["000000-000018"], fraction=0.01)
