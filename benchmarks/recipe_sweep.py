@@ -32,20 +32,26 @@ DATA = {
     "short": {"generate.max_new_tokens": 128, "generate.name": "default", "extract.max_length": 2048, "extract.name": "default"},
 }
 
-# Recipes: overrides of the composed params; "data" picks the answers.
-RECIPES = {
-    "default": {},
-    "batch4k": {"train.batch_tokens": 4096},
-    "batch16k": {"train.batch_tokens": 16384},
-    "lr1e-3": {"train.lr": 1e-3},
-    "batch4k-lr1e-3": {"train.batch_tokens": 4096, "train.lr": 1e-3},
-    "epochs6": {"train.epochs": 6},
-    "wd0.01-floor0": {"train.weight_decay": 0.01, "train.min_lr_ratio": 0.0},
-    "ttt5": {"train.ttt_steps": 5},
-    "vocab49k": {"merge.draft_vocab_size": 49152},
-    "head-random": {"train.lm_head_init": "random"},
-    "short-answers": {"data": "short"},
-}
+def recipe(batch_tokens: int, lr: float, epochs: int, **extra) -> tuple[str, dict]:
+    """A recipe named by its full schedule (global batch, peak lr, epochs) and any other overrides, so a
+    name means the same run whatever the scale's defaults are when it is read."""
+    name = f"b{batch_tokens // 1024}k-lr{lr:.0e}-e{epochs}".replace("e-0", "e-")
+    name += "".join(f"-{key.split('.')[-1]}{value}" for key, value in extra.items())
+    return name, {"train.batch_tokens": batch_tokens, "train.lr": lr, "train.epochs": epochs, **extra}
+
+
+# Recipes: overrides of the composed params; "data" picks the answers. The 1k sweep of
+# results/recipe_sweep_1k.json (whose names were relative: "default" there is b8k-lr3e-4-e3, the
+# default then) chose b4k-lr1e-3-e3; the longer schedules are the next to measure (τ still rose).
+RECIPES = dict([
+    recipe(8192, 3e-4, 3), recipe(16384, 3e-4, 3), recipe(4096, 3e-4, 3), recipe(8192, 1e-3, 3), recipe(8192, 3e-4, 6),
+    recipe(4096, 1e-3, 3),  # the default since that sweep
+    recipe(4096, 1e-3, 3, **{"train.ttt_steps": 5}), recipe(4096, 1e-3, 3, **{"train.lm_head_init": "random"}),
+    recipe(4096, 1e-3, 3, **{"merge.draft_vocab_size": 49152}),
+    recipe(4096, 1e-3, 3, **{"train.weight_decay": 0.01, "train.min_lr_ratio": 0.0}),
+    recipe(4096, 1e-3, 3, data="short"),
+    recipe(4096, 1e-3, 6), recipe(4096, 1e-3, 10), recipe(4096, 2e-3, 10), recipe(4096, 5e-4, 10),  # >= pack_tokens
+])
 
 
 def run(command: list[str], log: Path) -> None:
