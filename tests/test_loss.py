@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagle3.drafter.attention import KVCache
 from eagle3.drafter.loss import (StepMetrics, Targets, TrainingTimeTest, VerifierHead, metric_sums, select_rows, shift_left,
                                   step_counts, ttt_loss)
-from eagle3.drafter.model import KVCache
 from eagle3.hidden_states.loader import collate
 from reference import reference_ttt_loss
 from tiny_drafter import make_drafter, random_batch, verifier_head_weight, one_thread  # noqa: F401 (autouse fixture)

@@ -13,8 +13,10 @@ from torch import Tensor
 from transformers import AutoConfig, DeepseekV3Config, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from eagle3.drafter import loss, model
-from eagle3.drafter.model import DraftConfig, KVCache, cached_attention, document_block_mask, masked_attention, rope_frequencies
+from eagle3.drafter import attention, loss, model, rope
+from eagle3.drafter.attention import KVCache, cached_attention, document_block_mask, masked_attention
+from eagle3.drafter.model import DraftConfig
+from eagle3.drafter.rope import rope_frequencies
 from conftest import ROOT
 from reference import explicit_attention
 from tiny_drafter import DEBUG, make_drafter, one_thread  # noqa: F401 (autouse fixture)
@@ -224,10 +226,10 @@ def fused_cases() -> list[tuple]:
     N, H, B, nh, R, J, Vd = 6, 16, 2, 4, 5, 3, 11
     return [
         (model.rms_norm, [torch.randn(B, R, H), torch.rand(H) + 0.5], [1e-5]),
-        (model.apply_rope, [torch.randn(B, nh, R, 8), torch.randn(B, R, 8), torch.randn(B, R, 8)], []),
+        (rope.apply_rope, [torch.randn(B, nh, R, 8), torch.randn(B, R, 8), torch.randn(B, R, 8)], []),
         (model.swiglu, [torch.randn(B, R, H), torch.randn(B, R, H)], []),
-        (model.chain_softmax, [torch.randn(B, nh, R), torch.randn(B, nh, R, J)], [torch.float32]),
-        (model.merge_chain, [torch.randn(B, nh, R, 8), torch.randn(B, nh, R), torch.randn(B, nh, R) + 1, torch.randn(B, nh, R, 8)], []),
+        (attention.chain_softmax, [torch.randn(B, nh, R), torch.randn(B, nh, R, J)], [torch.float32]),
+        (attention.merge_chain, [torch.randn(B, nh, R, 8), torch.randn(B, nh, R), torch.randn(B, nh, R) + 1, torch.randn(B, nh, R, 8)], []),
         (loss.soft_cross_entropy_sum, [torch.randn(N - 2, Vd), torch.randn(N, Vd).softmax(-1)],
          [torch.tensor([5, 0, 3, 3]), torch.tensor([True, True, False, True])]),
     ]

@@ -17,7 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from eagle3.drafter.export import config_from_export, engine_config
-from eagle3.drafter.model import DraftConfig, RotaryEmbedding, rope_settings
+from eagle3.drafter.model import DraftConfig
+from eagle3.drafter.rope import RotaryEmbedding, rope_settings
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, head_dim=32, max_position_embeddings=65536)

@@ -60,8 +60,9 @@ log = logging.getLogger(__name__)
 PARAMS = ("seed", "train", "model.draft_head")  # = dvc.yaml
 
 # What changes the weights, relative to the eagle3 package
-TRAINING_CODE = ("train.py", "drafter/loss.py", "drafter/model.py", "drafter/parallel.py", "hidden_states/loader.py",
-                 "hidden_states/storage.py", "verifiers/spec.py")
+TRAINING_CODE = ("train.py", "drafter/attention.py", "drafter/fused.py", "drafter/loss.py", "drafter/model.py",
+                 "drafter/parallel.py", "drafter/rope.py", "hidden_states/loader.py", "hidden_states/storage.py",
+                 "verifiers/spec.py")
 CLOCK_METRICS = ("tokens_per_s",)  # logged to dvclive and the log, never written into models/drafter
 
 

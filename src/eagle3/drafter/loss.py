@@ -32,7 +32,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from eagle3.drafter.model import Eagle3Drafter, KVCache, RMSNorm, fused_when_training_on_gpu
+from eagle3.drafter.attention import KVCache
+from eagle3.drafter.fused import fused_when_training_on_gpu
+from eagle3.drafter.model import Eagle3Drafter, RMSNorm
 
 
 def shift_left(x: Tensor, n: int, fill=0) -> Tensor:

@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from eagle3.drafter.model import KVCache
+from eagle3.drafter.attention import KVCache
 from eagle3.verifiers.spec import tapped_features
 
 
