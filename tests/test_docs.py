@@ -65,38 +65,33 @@ class Command:
     error: str | None = None
 
 
-def block_commands(language: str, body: str) -> list[tuple[int, str, str | None]]:
-    """(offset, command, error line of its output) of a shell block.
-
-    bash: every line is a command, a trailing backslash continues it, a heredoc's body is skipped.
-    console: only `$ ` lines are commands; the lines up to the next `$ ` are their output.
-    """
-    commands: list[tuple[int, str, str | None]] = []
+def bash_commands(body: str) -> list[tuple[int, str, None]]:
+    """(offset, command, None) of a bash block: a trailing backslash continues a line, a heredoc's body is skipped."""
+    commands: list[tuple[int, str, None]] = []
     lines, index = body.splitlines(), 0
     while index < len(lines):
         start, line = index, lines[index]
-        if language == "console":
+        while line.endswith("\\") and index + 1 < len(lines):
             index += 1
-            if not line.startswith("$ "):
-                continue
-            line = line[2:]
-            output = []
-            while index < len(lines) and not lines[index].startswith("$ "):
-                output.append(lines[index])
-                index += 1
-            error = next((out for out in output if out.startswith("error: ")), None)
-        else:
-            while line.endswith("\\") and index + 1 < len(lines):
-                index += 1
-                line = line[:-1] + " " + lines[index].strip()
-            index += 1
-            error = None
+            line = line[:-1] + " " + lines[index].strip()
+        index += 1
         heredoc = HEREDOC.search(line)
-        if heredoc:
+        if heredoc:  # up to and past its closing word
             while index < len(lines) and lines[index].strip() != heredoc[1]:
                 index += 1
             index += 1
-        commands.append((start, line, error))
+        commands.append((start, line, None))
+    return commands
+
+
+def console_commands(body: str) -> list[tuple[int, str, str | None]]:
+    """(offset, command, the `error:` line of its output) of a console block: `$ ` lines, each followed by its output."""
+    lines = body.splitlines()
+    prompts = [i for i, line in enumerate(lines) if line.startswith("$ ")]
+    commands = []
+    for i, end in zip(prompts, [*prompts[1:], len(lines)]):
+        error = next((out for out in lines[i + 1:end] if out.startswith("error: ")), None)
+        commands.append((i, lines[i][2:], error))
     return commands
 
 
@@ -117,9 +112,10 @@ def shell_commands() -> list[Command]:
         text = page.read_text()
         for language in SHELL_FENCES:
             for first_line, body in fences(text, (language,)):
-                for offset, line, error in block_commands(language, body):
+                parsed = console_commands(body) if language == "console" else bash_commands(body)
+                for offset, line, error in parsed:
                     for tokens in split_commands(line):
-                        found.append(Command(f"{page_id(page)}:{first_line + offset + 1}", tuple(tokens), error))
+                        found.append(Command(f"{page_id(page)}:{first_line + offset}", tuple(tokens), error))
     return found
 
 
