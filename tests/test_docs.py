@@ -1,0 +1,291 @@
+"""The README and docs/ stay true: their links resolve, their overrides compose, and the modules,
+commands, scripts and files they name exist. Nothing here runs a stage: a documented override is
+composed with eagle3's own `compose_params` into a temporary file, an `eagle3 ...` command line is
+parsed by the CLI's own parser, a module is found without being imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import re
+import shlex
+import shutil
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle3.cli import build_parser
+from eagle3.common import UserError
+from eagle3.config import compose_params
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MAX_LINE = 200  # characters: a page reads in a terminal and in a diff
+
+FENCE = re.compile(r"^ *```([\w-]*)\n(.*?)^ *```", re.M | re.S)  # indented: inside a list item
+SHELL_FENCES = ("bash", "sh", "shell", "console")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+CODE_SPAN = re.compile(r"`([^`]+)`")
+HEADING = re.compile(r"^#{1,6} (.+)$", re.M)
+SEPARATORS = {"&&", "||", ";", "|", "&"}  # shell tokens between two commands of one line
+HEREDOC = re.compile(r"<<-?\s*'?(\w+)'?")
+MODULE_RUN = re.compile(r"python -m (eagle3(?:\.\w+)+)")
+DOTTED_MODULE = re.compile(r"^eagle3(?:\.\w+)+$")
+SUBCOMMAND = re.compile(r"(?<![\w./-])eagle3 ([a-z][\w-]*)")
+# Paths the docs name as parts of this repository (benchmarks/: its scripts; results are outputs).
+REPO_PATH = re.compile(r"(?<![\w./-])((?:src/)?eagle3/[\w./-]*[\w/]|tests/[\w./-]*\w|benchmarks/[\w-]+\.(?:py|sh)|docs/[\w./-]*\w)")
+
+
+def page_id(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def prose(text: str) -> str:
+    """The page without its fenced blocks: what is rendered as text, links and code spans."""
+    return FENCE.sub("", text)
+
+
+def fences(text: str, languages: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(line number of the first line inside, body) of every fenced block in one of ``languages``."""
+    return [(text.count("\n", 0, m.start(2)) + 1, textwrap.dedent(m[2])) for m in FENCE.finditer(text) if m[1] in languages]
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command line of a shell block: its tokens, and the `error:` line a console block shows after it."""
+
+    where: str
+    tokens: tuple[str, ...]
+    error: str | None = None
+
+
+def bash_commands(body: str) -> list[tuple[int, str, None]]:
+    """(offset, command, None) of a bash block: a trailing backslash continues a line, a heredoc's body is skipped."""
+    commands: list[tuple[int, str, None]] = []
+    lines, index = body.splitlines(), 0
+    while index < len(lines):
+        start, line = index, lines[index]
+        while line.endswith("\\") and index + 1 < len(lines):
+            index += 1
+            line = line[:-1] + " " + lines[index].strip()
+        index += 1
+        heredoc = HEREDOC.search(line)
+        if heredoc:  # up to and past its closing word
+            while index < len(lines) and lines[index].strip() != heredoc[1]:
+                index += 1
+            index += 1
+        commands.append((start, line, None))
+    return commands
+
+
+def console_commands(body: str) -> list[tuple[int, str, str | None]]:
+    """(offset, command, the `error:` line of its output) of a console block: `$ ` lines, each followed by its output."""
+    lines = body.splitlines()
+    prompts = [i for i, line in enumerate(lines) if line.startswith("$ ")]
+    commands = []
+    for i, end in zip(prompts, [*prompts[1:], len(lines)]):
+        error = next((out for out in lines[i + 1:end] if out.startswith("error: ")), None)
+        commands.append((i, lines[i][2:], error))
+    return commands
+
+
+def split_commands(line: str) -> list[list[str]]:
+    """The simple commands of one shell line, comments dropped: `a && b | c` -> [[a], [b], [c]]."""
+    segments: list[list[str]] = [[]]
+    for token in shlex.split(line, comments=True):
+        if token in SEPARATORS:
+            segments.append([])
+        else:
+            segments[-1].append(token)
+    return [segment for segment in segments if segment]
+
+
+def shell_commands() -> list[Command]:
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for language in SHELL_FENCES:
+            for first_line, body in fences(text, (language,)):
+                parsed = console_commands(body) if language == "console" else bash_commands(body)
+                for offset, line, error in parsed:
+                    for tokens in split_commands(line):
+                        found.append(Command(f"{page_id(page)}:{first_line + offset}", tuple(tokens), error))
+    return found
+
+
+def overrides(command: Command) -> list[str]:
+    tokens = command.tokens
+    return [tokens[i + 1] for i, token in enumerate(tokens[:-1]) if token == "-S"]
+
+
+COMMANDS = shell_commands()
+OVERRIDDEN = [command for command in COMMANDS if overrides(command)]
+EAGLE3_COMMANDS = [command for command in COMMANDS if command.tokens[0] == "eagle3"]
+
+
+def test_the_docs_name_commands_to_check():
+    """The parsers above find the documented commands (a changed fence style would silently check nothing)."""
+    assert len(OVERRIDDEN) >= 10 and len(EAGLE3_COMMANDS) >= 8 and CONF_EXAMPLES
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_every_line_fits(page):
+    long = [n for n, line in enumerate(page.read_text().splitlines(), 1) if len(line) > MAX_LINE]
+    assert not long, f"{page_id(page)}: lines over {MAX_LINE} characters: {long}"
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: markup dropped, lowercase, punctuation removed, spaces -> '-'."""
+    anchors: set[str] = set()
+    for heading in HEADING.findall(prose(page.read_text())):
+        slug = re.sub(r"[^\w\- ]", "", heading.replace("`", "").replace("**", "").strip().lower()).replace(" ", "-")
+        numbered, n = slug, 0
+        while numbered in anchors:  # a repeated heading gets -1, -2, ...
+            n += 1
+            numbered = f"{slug}-{n}"
+        anchors.add(numbered)
+    return anchors
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_every_relative_link_resolves(page):
+    broken = []
+    for target in LINK.findall(prose(page.read_text())):
+        if re.match(r"^[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and file.suffix == ".md" and anchor not in heading_anchors(file):
+            broken.append(f"{target}: no heading with that anchor")
+    assert not broken, f"{page_id(page)}: {broken}"
+
+
+@pytest.mark.parametrize("command", OVERRIDDEN, ids=lambda c: c.where)
+def test_every_documented_override_composes(command, tmp_path):
+    """`dvc exp run -S ...`, `eagle3 params -S ...` and the like compose, or fail with the error shown."""
+    output = tmp_path / "params.yaml"
+    if command.error is None:
+        compose_params(overrides(command), conf_dir=ROOT / "conf", output=output)
+        assert output.is_file()
+    else:
+        with pytest.raises(UserError) as refused:
+            compose_params(overrides(command), conf_dir=ROOT / "conf", output=output)
+        assert command.error.startswith(f"error: {refused.value}"), (command.error, str(refused.value))
+
+
+CONF_EXAMPLE = re.compile(r"^# conf/([\w-]+)/([\w.-]+)\.yaml\n")
+CONF_EXAMPLES = [(f"{page_id(page)}:{line}", body) for page in PAGES for line, body in fences(page.read_text(), ("yaml",))
+                 if CONF_EXAMPLE.match(body)]
+
+
+@pytest.mark.parametrize("where, body", CONF_EXAMPLES, ids=[where for where, _ in CONF_EXAMPLES])
+def test_every_documented_conf_file_composes(where, body, tmp_path):
+    """A yaml block headed `# conf/<group>/<option>.yaml` is a working option: added to conf/, it composes."""
+    group, option = CONF_EXAMPLE.match(body).groups()
+    conf = tmp_path / "conf"
+    shutil.copytree(ROOT / "conf", conf)
+    (conf / group / f"{option}.yaml").write_text(body)
+    compose_params([f"{group}={option}"], conf_dir=conf, output=tmp_path / "params.yaml")
+    assert yaml.safe_load((tmp_path / "params.yaml").read_text())[group]["name"] == option
+
+
+@pytest.mark.parametrize("command", EAGLE3_COMMANDS, ids=lambda c: c.where)
+def test_every_documented_eagle3_command_parses(command):
+    with contextlib.redirect_stderr(io.StringIO()) as stderr:
+        try:
+            build_parser().parse_args(list(command.tokens[1:]))
+        except SystemExit:
+            pytest.fail(f"{command.where}: {shlex.join(command.tokens)}: {stderr.getvalue().strip()}")
+
+
+def code_texts(text: str) -> list[str]:
+    """What a page shows as code: its fenced blocks and its inline code spans."""
+    return [m[2] for m in FENCE.finditer(text)] + CODE_SPAN.findall(prose(text))
+
+
+def is_subcommand(name: str) -> bool:
+    """`eagle3 NAME --help` prints its help (exit 0) instead of refusing the name (exit 2)."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            build_parser().parse_args([name, "--help"])
+        except SystemExit as stop:
+            return stop.code == 0
+    return False
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_every_named_subcommand_exists(page):
+    named = {name for code in code_texts(page.read_text()) for name in SUBCOMMAND.findall(code)}
+    unknown = sorted(name for name in named if not is_subcommand(name))
+    assert not unknown, f"{page_id(page)}: unknown `eagle3` subcommands {unknown}"
+
+
+def runnable(module: str) -> bool:
+    """`python -m module` can run it: the module exists and has a main guard (a package: a __main__)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return False
+    if spec.submodule_search_locations is not None:
+        return importlib.util.find_spec(f"{module}.__main__") is not None
+    return 'if __name__ == "__main__":' in Path(spec.origin).read_text()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_every_named_module_exists(page):
+    text = page.read_text()
+    run = set(MODULE_RUN.findall(text))
+    dotted = {code for code in CODE_SPAN.findall(prose(text)) if DOTTED_MODULE.match(code)}
+    missing = sorted(m for m in run if not runnable(m)) + sorted(m for m in dotted - run if importlib.util.find_spec(m) is None)
+    assert not missing, f"{page_id(page)}: no such runnable module / module: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_every_named_repository_file_exists(page):
+    named = {path for code in code_texts(page.read_text()) for path in REPO_PATH.findall(code)}
+    missing = sorted(path for path in named if not (ROOT / ("src/" + path if path.startswith("eagle3/") else path)).exists())
+    assert not missing, f"{page_id(page)}: {missing}"
+
+
+def config_table_options() -> dict[str, str]:
+    """The README's configuration table: group -> its `options` cell."""
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 3:
+            for group in re.findall(r"`([\w-]+)`", cells[0]):
+                rows[group] = cells[1]
+    return rows
+
+
+def test_the_readme_lists_every_config_option():
+    rows = config_table_options()
+    for group in sorted(p.name for p in (ROOT / "conf").iterdir() if p.is_dir()):
+        options = {p.stem for p in (ROOT / "conf" / group).glob("[!_]*.yaml")}  # `_x.yaml`: a part, not an option
+        listed = set(re.findall(r"`([\w.-]+)`", rows.get(group, "")))
+        assert options <= listed, f"README configuration table, `{group}`: missing {sorted(options - listed)}"
+
+
+def sweep_row(run: dict) -> list[str]:
+    """A recipe's cells after its name in docs/training.md's table, as the JSON has them."""
+    pairs = [f"{run['sets'][s]['tau']} / {run['sets'][s]['tree_tau']}" for s in ("heldout", "humaneval", "math")]
+    return [str(run["steps"]), f"{run['train_tokens']:,}", *pairs, f"{run['val_sim_accept_len']:.4f}"]
+
+
+def test_the_recipe_table_quotes_the_sweep_json():
+    runs = {run["name"]: run for run in json.loads((ROOT / "benchmarks/results/recipe_sweep_1k.json").read_text())["runs"]}
+    table = {}
+    for line in (ROOT / "docs" / "training.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and re.fullmatch(r"`[\w.-]+`", cells[1]):
+            table[cells[1].strip("`")] = cells[2:]
+    assert table.keys() == runs.keys()
+    for name, run in runs.items():
+        assert table[name] == sweep_row(run), name
