@@ -17,30 +17,15 @@ from torch import nn
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from eagle3.config import tree_shape_problem
+from eagle3.drafter.batch import drop_rejected
 from eagle3.drafter.graphed import DecodeGraphs
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
-from eagle3.drafter.speculative import (
-    SKINNY_ROWS,
-    Draft,
-    EagleProposer,
-    HistoryProposer,
-    StopStrings,
-    TreeShape,
-    accept,
-    commit,
-    drop_rejected,
-    greedy_decode,
-    most_frequent,
-    ngram,
-    prefill,
-    read_round,
-    replay,
-    skinny_matmuls,
-    speculative_decode,
-    truncate,
-    verify,
-)
-from eagle3.evaluate import acceptance_stats
+from eagle3.drafter.skinny import SKINNY_ROWS, skinny_matmuls
+from eagle3.drafter.speculative import (StopStrings, accept, commit, greedy_decode, prefill, read_round, speculative_decode, truncate,
+                                        verify)
+from eagle3.drafter.tree import Draft, EagleProposer, TreeShape
+from eagle3.measurement.acceptance import acceptance_stats
+from eagle3.measurement.baselines import HistoryProposer, most_frequent, ngram, replay
 from eagle3.verifiers.chat import prompt_ids
 from eagle3.verifiers.loading import load_tokenizer, load_verifier
 from tiny_drafter import draft_d2t

@@ -12,11 +12,12 @@ For each eval set (``data/prompts/eval/<set>.jsonl``, rendered with the chat tem
 generation prompt), the prompts are decoded a batch at a time (``eagle3.drafter.speculative``) by
 plain greedy decoding, chain drafting and tree drafting, alternately per batch, ``evaluate.repeats``
 times each, for every batch size of ``evaluate.batch_sizes``; τ and the outputs (which must be
-identical) come from the first size. Speedup = tokens/s over plain greedy decoding at the same batch
-size and repeat: median and spread over repeats (``timings``). On a GPU the steps are CUDA graphs
-over static caches (``eagle3.drafter.graphed``), as engines serve; answers end at EOS,
-``max_new_tokens`` or a ``model.stop`` string. Two baselines are replayed on the plain greedy output
-(exact under greedy verification, and free): the set's most frequent output token K times (the best
+identical) come from one decode at the largest size. Speedup = tokens/s over plain greedy decoding
+at the same batch size and repeat: median and spread over repeats (``eagle3.measurement.timing``).
+On a GPU the steps are CUDA graphs over static caches (``eagle3.drafter.graphed``), as engines
+serve; answers end at EOS, ``max_new_tokens`` or a ``model.stop`` string. Two baselines are
+replayed on the plain greedy output (exact under greedy verification, and free;
+``eagle3.measurement.baselines``): the set's most frequent output token K times (the best
 context-free chain drafter), and prompt lookup (``ngram``, as vLLM and SGLang ship it). A drafter
 near the baselines' τ is broken.
 
@@ -38,109 +39,33 @@ forwards that accepted k drafts or more, hence τ = 1 + Σ_k acceptance_k),
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import time
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
-from tqdm import tqdm
 
 from eagle3.common import UserError, atomic_dir, read_json, read_jsonl, stage_main
 from eagle3.config import stage_params
 from eagle3.drafter.export import check_drafter, load_drafter
 from eagle3.drafter.graphed import DecodeGraphs
-from eagle3.drafter.speculative import (EagleProposer, StopStrings, TreeShape, most_frequent, ngram, prefill, replay,
-                                        skinny_matmuls, speculative_decode)
+from eagle3.drafter.skinny import skinny_matmuls
+from eagle3.drafter.speculative import StopStrings
+from eagle3.measurement.acceptance import acceptance_stats
+from eagle3.measurement.baselines import baselines
+from eagle3.measurement.settings import Settings
+from eagle3.measurement.timing import (UNSTABLE_SPREAD, Run, chain_sweep, decode_all, decode_graphs, disagreeing, graph_rows,
+                                       step_costs, timed_prompts, timings, warm_up)
 from eagle3.verifiers.chat import prompt_ids
-from eagle3.verifiers.loading import (Placement, close_sharded, eos_token_ids, input_embedding, load_tokenizer, load_verifier,
-                                      shard_rank, text_config, tokenizer_fingerprint)
-from eagle3.verifiers.spec import VerifierSpec, require_verifier
+from eagle3.verifiers.loading import (close_sharded, eos_token_ids, input_embedding, load_tokenizer, load_verifier, shard_rank,
+                                      text_config, tokenizer_fingerprint)
+from eagle3.verifiers.spec import require_verifier
 
 log = logging.getLogger(__name__)
 
 PARAMS = ("evaluate", "layout.device", "layout.dtype", "layout.threads", "layout.verifier", "model.stop",
           "model.trust_remote_code")  # = dvc.yaml
-
-WARMUP_TOKENS = 2  # the untimed decode of every method before the first set: its prefill and one round (``warm_up``)
-WARMUP_PROMPT_TOKENS = 16  # of each warm-up prompt
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What ``evaluate`` reads from params: its section and the layout (hardware only)."""
-
-    draft_tokens: int  # K: chain drafts per verifier forward
-    tree: TreeShape | None  # SGLang's draft tree (num_steps, topk, num_draft_tokens); None: chain only
-    batch_sizes: tuple[int, ...]  # prompts decoded together, one timing per size; τ and outputs at the first
-    repeats: int  # timings per batch size (median and spread); one: no spread, so no speedup metric
-    timed_prompts: int | None  # timings on the first this many prompts of a set (at least the largest batch); None: all
-    chain_sweep: tuple[int, ...]  # chain K also timed, on the first set at the first batch size (the best K)
-    cuda_graphs: bool  # on a GPU, static caches and captured steps (``eagle3.drafter.graphed``); False: eager
-    max_new_tokens: int  # tokens generated per prompt (fewer at EOS)
-    sets: tuple[str, ...]  # eval sets: data/prompts/eval/<set>.jsonl
-    max_prompts: int | None  # at most this many prompts per set (file order); None: all
-    baseline: bool  # also replay the most-frequent-token and n-gram baselines
-    device: str
-    dtype: str
-    threads: int
-    stop: tuple[str, ...]  # model.stop: strings ending an answer besides EOS (decoding stops there, as generation did)
-    trust_remote_code: bool
-    placement: Placement  # layout.verifier: tp > 1 decodes with one copy sharded over tp torchrun processes
-
-    @classmethod
-    def from_params(cls, params: DictConfig) -> Settings:
-        cfg, layout, spec = params.evaluate, params.layout, VerifierSpec.from_params(params.model)
-        tree = cfg.tree
-        return cls(  # values validated by config.validate (stage_params), the tree's shape included
-            int(cfg.draft_tokens), None if tree is None else TreeShape(int(tree.num_steps), int(tree.topk), int(tree.num_draft_tokens)),
-            tuple(map(int, cfg.batch_sizes)), int(cfg.repeats), None if cfg.timed_prompts is None else int(cfg.timed_prompts),
-            tuple(map(int, cfg.chain_sweep)), bool(cfg.cuda_graphs),
-            int(cfg.max_new_tokens), tuple(cfg.sets),
-            None if cfg.max_prompts is None else int(cfg.max_prompts), bool(cfg.baseline),
-            str(layout.device), str(layout.dtype), int(layout.threads), spec.stop, spec.trust_remote_code,
-            Placement.from_params(layout),
-        )
-
-    def methods(self) -> dict[str, TreeShape | None]:
-        """Decoding methods: plain greedy (None), the chain, and the tree when configured."""
-        return {"plain": None, "chain": TreeShape.chain(self.draft_tokens), **({"tree": self.tree} if self.tree else {})}
-
-    def chain_methods(self) -> dict[str, TreeShape | None]:
-        """Plain greedy and a chain per K of ``chain_sweep``: {"plain": None, "k2": chain(2), ...}."""
-        return {"plain": None, **{f"k{k}": TreeShape.chain(k) for k in self.chain_sweep}}
-
-
-UNSTABLE_SPREAD = 0.10  # repeats whose tokens/s or speedup differ by more than this (of the median) are flagged
-
-
-@dataclass
-class Run:
-    """One decoding method over one eval set."""
-
-    outputs: list[list[int]] = field(default_factory=list)  # generated tokens per prompt
-    accepted: list[int] = field(default_factory=list)  # drafts accepted per verifier forward, pooled over prompts
-    seconds: list[float] = field(default_factory=list)  # decoding time per repeat, summed over batches
-
-    @property
-    def rates(self) -> list[float]:
-        """Tokens/s per repeat."""
-        tokens = sum(map(len, self.outputs))
-        return [tokens / s for s in self.seconds]
-
-
-def median_spread(values: Sequence[float]) -> tuple[float, float | None]:
-    """(median, (max - min) / median) of repeated measurements; the spread is None for one.
-
-    Example: [10, 12, 11] -> (11, 0.1818...)."""
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-    return median, (ordered[-1] - ordered[0]) / median if len(ordered) > 1 else None
 
 
 # --- inputs ----------------------------------------------------------------------------------------
@@ -174,124 +99,12 @@ def check_pair(verifier_dir: Path, drafter_dir: Path, prompts_dir: Path) -> None
 # --- measurement -----------------------------------------------------------------------------------
 
 
-def batches(items: Sequence, size: int) -> list[Sequence]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
-
-
-def decode_all(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int], batch_size: int,
-               methods: Mapping[str, TreeShape | None] | None = None, repeats: int = 1, max_new_tokens: int | None = None,
-               graphs: DecodeGraphs | None = None, stops: StopStrings | None = None) -> dict[str, Run]:
-    """Every method (default ``settings.methods()``) on every batch of ``batch_size`` prompts, alternating
-    methods per batch (fair under a varying load), the batch's methods ``repeats`` times in turn.
-
-    The prompts of a batch are prefilled once, untimed, and every method decodes from a copy: the
-    prefill is the same work for all of them, so times and speedups are of decoding alone. Outputs
-    and acceptance are of the first repeat (greedy decoding repeats them exactly).
-    ``graphs``: decode in static caches with captured steps (``eagle3.drafter.graphed``), every method
-    alike; a last, smaller batch is filled up with copies of its last prompt (``graph_rows``), as an
-    engine pads a batch to a captured size, and only its own rows are counted. ``stops``: answers
-    also end at ``model.stop``'s strings.
-    """
-    methods = methods or settings.methods()
-    runs = {name: Run(seconds=[0.0] * repeats) for name in methods}
-    layer_ids = drafter.config.aux_layers
-    for batch in tqdm(batches(prompts, batch_size), desc="/".join(methods), unit="batch", leave=False):
-        rows = len(batch)
-        if graphs is not None:
-            batch = [*batch, *[batch[-1]] * (graph_rows(len(prompts), batch_size) - rows)]
-        prefilled = prefill(verifier, batch, layer_ids)
-        for repeat in range(repeats):
-            for name, shape in methods.items():
-                proposer = EagleProposer(drafter, shape, graphs) if shape else None
-                start = time.perf_counter()
-                decoded = speculative_decode(verifier, proposer, batch, layer_ids, max_new_tokens or settings.max_new_tokens,
-                                             eos_ids, prefilled, graphs, stops)
-                if str(settings.device).startswith("cuda"):
-                    torch.cuda.synchronize()
-                runs[name].seconds[repeat] += time.perf_counter() - start
-                if repeat == 0:
-                    for d in decoded[:rows]:
-                        runs[name].outputs.append(d.tokens)
-                        runs[name].accepted += d.accepted
-    return runs
-
-
-def timings(runs: Mapping[str, Run]) -> dict[str, dict]:
-    """Per method, tokens/s and (against the run named ``plain``) speedup over the repeats: median and spread.
-
-    A repeat's speedup pairs it with plain decoding's same repeat (timed in turn, batch by batch),
-    so a load that changes between repeats changes both. Example, plain 10 and 12 s, chain 5 and
-    8 s for the same tokens: speedups 2.0 and 1.5 -> speedup 1.75, speedup_spread 0.286.
-    """
-    plain = runs["plain"].rates
-    report = {}
-    for name, run in runs.items():
-        rate, rate_spread = median_spread(run.rates)
-        report[name] = {"tokens_per_s": rate, "tokens_per_s_spread": rate_spread}
-        if name != "plain":
-            speedup, spread = median_spread([mine / theirs for mine, theirs in zip(run.rates, plain)])
-            report[name].update(speedup=speedup, speedup_spread=spread)
-    return report
-
-
-def disagreeing(timing: Mapping[str, dict]) -> list[str]:
-    """The measurements of ``timings`` whose repeats differ by more than UNSTABLE_SPREAD, e.g. ["tree/speedup"]."""
-    return [f"{name}/{key.removesuffix('_spread')}" for name, row in timing.items() for key, value in row.items()
-            if key.endswith("_spread") and value is not None and value > UNSTABLE_SPREAD]
-
-
-def acceptance_stats(accepted: Sequence[int], k: int) -> dict:
-    """τ and its breakdown from the drafts accepted per verifier forward (j in 0..K; τ = j + 1).
-
-    acceptance[i] = fraction of forwards that accepted draft i+1 (and so all before it), so
-    tau = 1 + sum(acceptance); conditional[i] = that fraction among forwards that reached draft i+1;
-    tau_distribution[i] = fraction of forwards with τ = i + 1. Example, K=2, accepted [0, 2, 1, 2]:
-    tau 2.25, acceptance [0.75, 0.5], conditional [0.75, 0.667], tau_distribution [0.25, 0.25, 0.5].
-    """
-    counts = torch.bincount(torch.tensor(list(accepted), dtype=torch.long), minlength=k + 1).double()  # [K+1]
-    forwards = counts.sum().clamp(min=1)  # no forwards (every prompt ended at prefill): τ reads 1
-    reached = counts.flip(0).cumsum(0).flip(0)  # [K+1]: forwards with j >= i
-    return {
-        "forwards": len(accepted),
-        "tau": float(1 + (reached[1:].sum() / forwards)),
-        "acceptance": (reached[1:] / forwards).tolist(),
-        "conditional": (reached[1:] / reached[:-1].clamp(min=1)).tolist(),
-        "tau_distribution": (counts / forwards).tolist(),
-    }
-
-
-def most_frequent_token(outputs: Sequence[list[int]]) -> int:
-    """The most frequent generated token (ties: the lower id)."""
-    counts = Counter(token for tokens in outputs for token in tokens)
-    return min(counts, key=lambda token: (-counts[token], token))
-
-
 def summarize(run: Run, plain: Run, k: int) -> dict:
     """τ and acceptance of a speculative run, and the share of its outputs equal to the plain greedy run's."""
     lossless = sum(a == b for a, b in zip(run.outputs, plain.outputs)) / len(plain.outputs)
     if lossless < 1:
         log.warning("%.0f%% of outputs differ from plain greedy decoding (numerical ties, or a bug)", 100 * (1 - lossless))
     return {**acceptance_stats(run.accepted, k), "lossless": lossless}
-
-
-def baselines(prompts: Sequence[torch.Tensor], outputs: Sequence[list[int]], k: int) -> dict:
-    """The most-frequent-token and n-gram baselines, replayed on the plain greedy outputs.
-
-    Both ``tau`` are per sequence, over every verifier forward (comparable with the drafter's τ).
-    Prompt lookup proposes nothing where it finds no match, so it also has ``tau_matched_rounds``
-    (τ over the forwards it drafted for) and ``matched_rounds`` (their share): e.g. 10 forwards,
-    4 with a match accepting 2 each -> tau 1.8, tau_matched_rounds 3.0, matched_rounds 0.4.
-    """
-    token = most_frequent_token(outputs)
-    report = {}
-    for name, propose in (("baseline", most_frequent(token)), ("ngram", ngram)):
-        accepted = [j for ids, out in zip(prompts, outputs) for j in replay(propose, ids.tolist(), out, k)]
-        report[name] = acceptance_stats(accepted, k)
-    report["baseline"]["token"] = token
-    matched = [j for ids, out in zip(prompts, outputs) for j in replay(ngram, ids.tolist(), out, k, drafted_only=True)]
-    report["ngram"]["tau_matched_rounds"] = acceptance_stats(matched, k)["tau"]
-    report["ngram"]["matched_rounds"] = len(matched) / max(1, report["ngram"]["forwards"])
-    return report
 
 
 def evaluate_set(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
@@ -334,48 +147,6 @@ def evaluate_set(verifier, drafter, prompts: Sequence[torch.Tensor], settings: S
     return report
 
 
-def timed_prompts(prompts: Sequence[torch.Tensor], settings: Settings) -> Sequence[torch.Tensor]:
-    """The prompts every batch size is timed on: the first ``timed_prompts`` (at least a batch of the
-    largest size), or all of them (None). Example: 500 prompts, timed_prompts 64, sizes [1, 128] -> 128."""
-    if settings.timed_prompts is None:
-        return prompts
-    return prompts[: max(settings.timed_prompts, *settings.batch_sizes)]
-
-
-def chain_sweep(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
-                graphs: DecodeGraphs | None, stops: StopStrings | None = None) -> dict:
-    """Chains of every K in ``chain_sweep`` timed against plain decoding at the first batch size:
-    {"timing": ``timings``, "tau": {name: τ}, "draft_cost": {name: ...}?, "best": the K of the highest median speedup}."""
-    size = settings.batch_sizes[0]
-    methods = settings.chain_methods()
-    runs = decode_all(verifier, drafter, prompts, settings, eos_ids, size, methods, settings.repeats, graphs=graphs, stops=stops)
-    timing = timings(runs)
-    chains = {name: shape for name, shape in methods.items() if shape}
-    best = max(chains, key=lambda name: timing[name]["speedup"])
-    return {"timing": timing, "tau": {name: acceptance_stats(runs[name].accepted, shape.num_steps)["tau"] for name, shape in chains.items()},
-            "costs": {name: step_costs(graphs, drafter, prompts, size, shape) for name, shape in chains.items()},
-            "best": chains[best].num_steps}
-
-
-def step_costs(graphs: DecodeGraphs | None, drafter, prompts: Sequence[torch.Tensor], batch_size: int, shape: TreeShape) -> dict:
-    """With graphs: a proposal's and a verify forward's time over a 1-token verifier forward, at the
-    batches' rows, each graph replayed alone: {"draft_cost", "draft_step_cost" (per drafter step),
-    "verify_cost"}; eager: {}.
-
-    Why beside τ: speedup ≈ τ / (verify_cost + draft_cost) against plain decoding at the same batch,
-    so the two say whether a low speedup is the drafter's acceptance or its price.
-    """
-    if graphs is None:
-        return {}
-    rows = graph_rows(len(prompts), batch_size)
-    forward = graphs.replay_seconds(graphs.verifier_key(rows, 1))
-    draft = graphs.replay_seconds(graphs.draft_key(drafter, shape, rows))
-    verify = graphs.replay_seconds(graphs.verifier_key(rows, shape.num_draft_tokens))
-    if None in (forward, draft, verify):  # every answer ended before a second round: no draft graph was needed
-        return {}
-    return {"draft_cost": draft / forward, "draft_step_cost": draft / forward / shape.num_steps, "verify_cost": verify / forward}
-
-
 # --- output ----------------------------------------------------------------------------------------
 
 
@@ -384,6 +155,9 @@ def log_report(live, name: str, report: dict) -> None:
 
     Timings are metrics only with their spread (``repeats`` > 1): a speedup measured once is not
     comparable between runs. The headline ``speedup`` is the first batch size's; ``batch/<B>/`` has each.
+    Every method's results carry their own ``tau`` (the chain's are the set's own keys, the others'
+    under the method's name); ``batch/`` and ``chain_k/`` only detail them and have none: that is how
+    ``eagle3.summary`` tells the headline numbers (``summary.has_tau``).
     """
     plain, chain = report["plain"], report["chain"]
     for key in ("prompts", "tokens", "timed_prompts"):
@@ -454,45 +228,6 @@ def log_plots(live, name: str, report: dict) -> None:
     rows = [{"batch_size": size, **{column: timing[method]["speedup"] for column, method in (("drafter", "chain"), ("tree", "tree"))
                                     if method in timing}} for size, timing in report["batch"].items()]
     live.log_plot(f"speedup/{name}", rows, x="batch_size", y="drafter")
-
-
-def warm_up(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
-            graphs: DecodeGraphs | None = None, row_counts: Sequence[int] = (),
-            methods: Mapping[str, TreeShape | None] | None = None) -> None:
-    """A short untimed decode of every method on the first batch, so one-off setup costs (allocator,
-    kernels, first calls) are timed in no method.
-
-    Its prompts are cut to their last WARMUP_PROMPT_TOKENS: a whole prompt's prefill costs more
-    than the rest of the warm-up (about 1.5 s of the demo's) and sets up nothing a short one does not.
-    With ``graphs``, every batch row count in ``row_counts`` is warmed up with ``methods`` (default
-    ``settings.methods()``), each for two rounds whatever is accepted (the second captures the
-    drafter's graph): graphs are per row count and shape.
-    """
-    if graphs is None:
-        first = [p[-WARMUP_PROMPT_TOKENS:] for p in prompts[: settings.batch_sizes[0]]]
-        decode_all(verifier, drafter, first, settings, eos_ids, settings.batch_sizes[0], max_new_tokens=WARMUP_TOKENS)
-        return
-    methods = methods or settings.methods()
-    tokens = min(WARMUP_TOKENS + max(shape.num_steps + 1 for shape in methods.values() if shape), settings.max_new_tokens)
-    for rows in row_counts:
-        first = [prompts[i % len(prompts)][-WARMUP_PROMPT_TOKENS:] for i in range(rows)]
-        decode_all(verifier, drafter, first, settings, eos_ids, rows, methods, max_new_tokens=tokens, graphs=graphs)
-
-
-def decode_graphs(settings: Settings, eval_sets: Mapping[str, Sequence[torch.Tensor]]) -> DecodeGraphs | None:
-    """CUDA graphs for decoding on a GPU with a whole verifier per process (as engines serve); None: eager.
-
-    Why not on the CPU: a CPU has no launch cost to save, and its measurement stays as it was.
-    """
-    if not (settings.cuda_graphs and settings.device.startswith("cuda")) or settings.placement.sharded:
-        return None
-    longest = max(len(p) for prompts in eval_sets.values() for p in prompts)
-    return DecodeGraphs(longest, settings.max_new_tokens, capture=True)
-
-
-def graph_rows(count: int, batch_size: int) -> int:
-    """The rows of every batch of ``count`` prompts decoded ``batch_size`` at a time with graphs (captured per row count)."""
-    return min(count, batch_size)
 
 
 def evaluate(verifier, drafter, eval_sets: Mapping[str, Sequence[torch.Tensor]], settings: Settings,

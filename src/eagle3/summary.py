@@ -36,9 +36,17 @@ PARAMS = ()  # = dvc.yaml: it reads only the three metrics files
 DIGITS = 4  # rounding of ratios: differences below it are noise at the demo's scale
 
 
+def has_tau(value: Any) -> bool:
+    """Whether a value of evaluate's metrics is a result: an eval set, or a method within one (``tree``,
+    ``baseline``, ``ngram``). evaluate gives each its own ``tau``; what only details one (``batch``: the
+    timings per batch size, ``chain_k``: the chain K sweep) has none, and ``wall_seconds`` is a number."""
+    return isinstance(value, dict) and "tau" in value
+
+
 def eval_set_headline(report: dict[str, Any]) -> dict[str, float]:
     """``tau``, ``<method>_tau`` and, where timed with a spread, ``speedup``, ``speedup_spread``,
-    ``<method>_speedup``, ``<method>_speedup_spread`` and ``unstable`` of one eval set of evaluate's metrics.
+    ``<method>_speedup``, ``<method>_speedup_spread`` and ``unstable`` of one eval set of evaluate's
+    metrics: its own keys and those of its methods (``has_tau``).
 
     Example: {"tau": 2.1, "speedup": 1.4, "speedup_spread": 0.02, "unstable": false, "prompts": 4,
     "tree": {"tau": 2.5, "speedup": 1.5, "speedup_spread": 0.03, "forwards": 9}, "baseline": {"tau": 1.2,
@@ -48,7 +56,7 @@ def eval_set_headline(report: dict[str, Any]) -> dict[str, float]:
     keys = ("tau", "speedup", "speedup_spread")
     row = {key: report[key] for key in (*keys, "unstable") if key in report}
     for method, value in report.items():
-        if isinstance(value, dict) and method not in ("batch", "chain_k"):
+        if has_tau(value):
             row.update({f"{method}_{key}": value[key] for key in keys if key in value})
     return {key: round(float(value), DIGITS) if key != "unstable" else int(value) for key, value in row.items()}
 
@@ -57,7 +65,7 @@ def headline(train: dict[str, Any], merge: dict[str, Any], evaluate: dict[str, A
     """The summary of a run from the three stages' metrics files (their parsed JSON)."""
     best = train["best"]
     return {
-        **{name: eval_set_headline(report) for name, report in evaluate.items() if isinstance(report, dict)},  # sets, not wall_seconds
+        **{name: eval_set_headline(report) for name, report in evaluate.items() if has_tau(report)},
         "val": {"acc_0": round(best["acc_0"], DIGITS), "sim_accept_len": round(best["sim_accept_len"], DIGITS)},
         "tokens_trained": train["tokens_trained"],
         "steps": train["step"],

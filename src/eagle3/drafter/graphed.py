@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache
 
-from eagle3.drafter.speculative import Batch, DraftBatchCache, decoder_forward
+from eagle3.drafter.batch import Batch, decoder_forward
+from eagle3.drafter.tree import DraftBatchCache
 
 
 COLUMN_MULTIPLE = 64
@@ -205,7 +206,7 @@ class DecodeGraphs:
 
     def verifier_forward(self, decoder, cache: ColumnCache, input_ids: Tensor, positions: Tensor, masks,
                          layer_ids) -> tuple[Tensor, Tensor]:
-        """``speculative.decoder_forward`` over input_ids [B, Q] written at the cache's next Q columns, captured
+        """``batch.decoder_forward`` over input_ids [B, Q] written at the cache's next Q columns, captured
         per (B, Q). ``masks`` [B, 1, Q, S + Q] (or a dict of them by layer type) are padded to all L columns."""
         B, Q = input_ids.shape
         if cache.columns + Q > cache.length:

@@ -1,0 +1,114 @@
+"""The history-only baselines of ``evaluate``: the set's most frequent output token K times (the best
+context-free chain drafter) and prompt lookup (``ngram``, as vLLM and SGLang ship it).
+
+    baselines(prompts, plain_outputs, k=3)   # {"baseline": {"tau", ..., "token"}, "ngram": {"tau", ...}}
+    speculative_decode(verifier, HistoryProposer(ngram, 3), prompts, taps, 64, eos)   # decoded for real
+
+Why: a drafter near their τ is broken. They propose from the tokens alone, so their τ is replayed
+exactly on the plain greedy output (``replay``) instead of decoded again; ``HistoryProposer`` decodes
+them for real, which gives the same acceptances (tests/test_speculative.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from eagle3.drafter.batch import Batch
+from eagle3.drafter.tree import Draft, Round
+from eagle3.measurement.acceptance import acceptance_stats
+
+
+def most_frequent(token: int) -> Callable[[list[int], int], list[int]]:
+    """The context-free baseline: always ``k`` times the same token."""
+    return lambda history, k: [token] * k
+
+
+def ngram(history: list[int], k: int, max_n: int = 3) -> list[int]:
+    """Prompt lookup (vLLM's and SGLang's ``ngram``): what followed the latest earlier match of the last n tokens.
+
+    n from ``max_n`` down to 1, the longest matching suffix first, its most recent earlier occurrence;
+    up to ``k`` tokens, none without a match. Example: history [5, 6, 7, 1, 5, 6], k = 2 -> [7, 1].
+    """
+    for n in range(min(max_n, len(history) - 1), 0, -1):
+        suffix = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start : start + n] == suffix:
+                return history[start + n : start + n + k]
+    return []
+
+
+class HistoryProposer:
+    """A chain of up to K drafts from each row's tokens so far (prompt + output), e.g. ``ngram``."""
+
+    def __init__(self, propose: Callable[[list[int], int], list[int]], k: int):
+        self.propose_fn, self.k = propose, k
+
+    def start(self, prompts: Sequence[Tensor], batch: Batch, features: Tensor) -> None:
+        self.histories = [p.tolist() + [int(r)] for p, r in zip(prompts, batch.root)]
+        self.device = batch.root.device
+
+    def advance(self, round_: Round) -> None:
+        for history, emitted in zip(self.histories, round_.emitted):
+            history += emitted
+
+    def keep_rows(self, rows: Tensor) -> None:
+        self.histories = [self.histories[r] for r in rows.tolist()]
+
+    def propose(self) -> Draft:
+        proposals = [self.propose_fn(h, self.k)[: self.k] for h in self.histories]
+        tokens = torch.tensor([p + [0] * (self.k - len(p)) for p in proposals], device=self.device)  # [B, K]
+        valid = torch.arange(self.k, device=self.device) < torch.tensor([len(p) for p in proposals], device=self.device)[:, None]
+        parents = torch.arange(self.k, device=self.device).expand_as(tokens)  # a chain
+        return Draft(tokens, parents, valid)
+
+
+def replay(propose: Callable[[list[int], int], list[int]], prompt: list[int], output: list[int], k: int,
+           drafted_only: bool = False) -> list[int]:
+    """Drafts accepted per verifier forward had a history proposer decoded ``output`` (the plain greedy output);
+    ``drafted_only``: of the forwards it proposed drafts for (prompt lookup finds no match in some).
+
+    Exact without running the verifier: under greedy verification every forward's greedy tokens are
+    the output's, and decoding stops accepting at the output's end (its budget or EOS), as
+    ``accept`` does. Example: output [4, 5, 6, 7], drafts always [5, 6]: forward 1 at [4] accepts
+    5, 6 (then bonus 7): [2].
+    """
+    accepted, done = [], 1  # prefill emits output[0]
+    while done < len(output):
+        drafts = propose(prompt + output[:done], k)[:k]
+        j = 0
+        while j < len(drafts) and done + j < len(output) - 1 and drafts[j] == output[done + j]:
+            j += 1
+        if drafts or not drafted_only:
+            accepted.append(j)
+        done += j + 1
+    return accepted
+
+
+def most_frequent_token(outputs: Sequence[list[int]]) -> int:
+    """The most frequent generated token (ties: the lower id)."""
+    counts = Counter(token for tokens in outputs for token in tokens)
+    return min(counts, key=lambda token: (-counts[token], token))
+
+
+def baselines(prompts: Sequence[torch.Tensor], outputs: Sequence[list[int]], k: int) -> dict:
+    """The most-frequent-token and n-gram baselines, replayed on the plain greedy outputs.
+
+    Both ``tau`` are per sequence, over every verifier forward (comparable with the drafter's τ).
+    Prompt lookup proposes nothing where it finds no match, so it also has ``tau_matched_rounds``
+    (τ over the forwards it drafted for) and ``matched_rounds`` (their share): e.g. 10 forwards,
+    4 with a match accepting 2 each -> tau 1.8, tau_matched_rounds 3.0, matched_rounds 0.4.
+    """
+    token = most_frequent_token(outputs)
+    report = {}
+    for name, propose in (("baseline", most_frequent(token)), ("ngram", ngram)):
+        accepted = [j for ids, out in zip(prompts, outputs) for j in replay(propose, ids.tolist(), out, k)]
+        report[name] = acceptance_stats(accepted, k)
+    report["baseline"]["token"] = token
+    matched = [j for ids, out in zip(prompts, outputs) for j in replay(ngram, ids.tolist(), out, k, drafted_only=True)]
+    report["ngram"]["tau_matched_rounds"] = acceptance_stats(matched, k)["tau"]
+    report["ngram"]["matched_rounds"] = len(matched) / max(1, report["ngram"]["forwards"])
+    return report

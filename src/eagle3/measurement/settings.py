@@ -1,0 +1,63 @@
+"""What ``evaluate`` reads from params: its section and the layout (hardware only).
+
+    settings = Settings.from_params(stage_params(evaluate.PARAMS, "params.yaml"))
+    settings.methods()   # {"plain": None, "chain": TreeShape.chain(K), "tree": ...}
+
+Why a module of its own: the timed decoding (``eagle3.measurement.timing``) is planned by these
+settings as much as the stage is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from eagle3.drafter.tree import TreeShape
+from eagle3.verifiers.loading import Placement
+from eagle3.verifiers.spec import VerifierSpec
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``evaluate`` reads from params: its section and the layout (hardware only)."""
+
+    draft_tokens: int  # K: chain drafts per verifier forward
+    tree: TreeShape | None  # SGLang's draft tree (num_steps, topk, num_draft_tokens); None: chain only
+    batch_sizes: tuple[int, ...]  # prompts decoded together, one timing per size; τ and outputs at the largest
+    repeats: int  # timings per batch size (median and spread); one: no spread, so no speedup metric
+    timed_prompts: int | None  # timings on the first this many prompts of a set (at least the largest batch); None: all
+    chain_sweep: tuple[int, ...]  # chain K also timed, on the first set at the first batch size (the best K)
+    cuda_graphs: bool  # on a GPU, static caches and captured steps (``eagle3.drafter.graphed``); False: eager
+    max_new_tokens: int  # tokens generated per prompt (fewer at EOS)
+    sets: tuple[str, ...]  # eval sets: data/prompts/eval/<set>.jsonl
+    max_prompts: int | None  # at most this many prompts per set (file order); None: all
+    baseline: bool  # also replay the most-frequent-token and n-gram baselines
+    device: str
+    dtype: str
+    threads: int
+    stop: tuple[str, ...]  # model.stop: strings ending an answer besides EOS (decoding stops there, as generation did)
+    trust_remote_code: bool
+    placement: Placement  # layout.verifier: tp > 1 decodes with one copy sharded over tp torchrun processes
+
+    @classmethod
+    def from_params(cls, params: DictConfig) -> Settings:
+        cfg, layout, spec = params.evaluate, params.layout, VerifierSpec.from_params(params.model)
+        tree = cfg.tree
+        return cls(  # values validated by config.validate (stage_params), the tree's shape included
+            int(cfg.draft_tokens), None if tree is None else TreeShape(int(tree.num_steps), int(tree.topk), int(tree.num_draft_tokens)),
+            tuple(map(int, cfg.batch_sizes)), int(cfg.repeats), None if cfg.timed_prompts is None else int(cfg.timed_prompts),
+            tuple(map(int, cfg.chain_sweep)), bool(cfg.cuda_graphs),
+            int(cfg.max_new_tokens), tuple(cfg.sets),
+            None if cfg.max_prompts is None else int(cfg.max_prompts), bool(cfg.baseline),
+            str(layout.device), str(layout.dtype), int(layout.threads), spec.stop, spec.trust_remote_code,
+            Placement.from_params(layout),
+        )
+
+    def methods(self) -> dict[str, TreeShape | None]:
+        """Decoding methods: plain greedy (None), the chain, and the tree when configured."""
+        return {"plain": None, "chain": TreeShape.chain(self.draft_tokens), **({"tree": self.tree} if self.tree else {})}
+
+    def chain_methods(self) -> dict[str, TreeShape | None]:
+        """Plain greedy and a chain per K of ``chain_sweep``: {"plain": None, "k2": chain(2), ...}."""
+        return {"plain": None, **{f"k{k}": TreeShape.chain(k) for k in self.chain_sweep}}

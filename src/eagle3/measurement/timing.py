@@ -1,0 +1,203 @@
+"""Tokens/s and speedup of every decoding method, per batch size, over repeats: median and spread.
+
+    runs = decode_all(verifier, drafter, prompts, settings, eos_ids, batch_size=4, repeats=3)   # {method: Run}
+    timings(runs)["chain"]   # {"tokens_per_s", "tokens_per_s_spread", "speedup", "speedup_spread"}
+
+Why: a speedup is what a user of an engine sees, and it varies with the load and the batch size.
+The methods are timed alternately per batch (fair under a varying load), each ``repeats`` times,
+after an untimed warm-up (``warm_up``); a speedup pairs each repeat with plain decoding's same one,
+and repeats that disagree by more than UNSTABLE_SPREAD are flagged (``disagreeing``). On a GPU
+the steps are CUDA graphs (``decode_graphs``, ``eagle3.drafter.graphed``), whose replay times
+also give each method's price in verifier forwards (``step_costs``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from eagle3.drafter.graphed import DecodeGraphs
+from eagle3.drafter.speculative import StopStrings, prefill, speculative_decode
+from eagle3.drafter.tree import EagleProposer, TreeShape
+from eagle3.measurement.acceptance import acceptance_stats
+from eagle3.measurement.settings import Settings
+
+WARMUP_TOKENS = 2  # the untimed decode of every method before the first set: its prefill and one round (``warm_up``)
+WARMUP_PROMPT_TOKENS = 16  # of each warm-up prompt
+UNSTABLE_SPREAD = 0.10  # repeats whose tokens/s or speedup differ by more than this (of the median) are flagged
+
+
+@dataclass
+class Run:
+    """One decoding method over one eval set."""
+
+    outputs: list[list[int]] = field(default_factory=list)  # generated tokens per prompt
+    accepted: list[int] = field(default_factory=list)  # drafts accepted per verifier forward, pooled over prompts
+    seconds: list[float] = field(default_factory=list)  # decoding time per repeat, summed over batches
+
+    @property
+    def rates(self) -> list[float]:
+        """Tokens/s per repeat."""
+        tokens = sum(map(len, self.outputs))
+        return [tokens / s for s in self.seconds]
+
+
+def median_spread(values: Sequence[float]) -> tuple[float, float | None]:
+    """(median, (max - min) / median) of repeated measurements; the spread is None for one.
+
+    Example: [10, 12, 11] -> (11, 0.1818...)."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return median, (ordered[-1] - ordered[0]) / median if len(ordered) > 1 else None
+
+
+def batches(items: Sequence, size: int) -> list[Sequence]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def decode_all(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int], batch_size: int,
+               methods: Mapping[str, TreeShape | None] | None = None, repeats: int = 1, max_new_tokens: int | None = None,
+               graphs: DecodeGraphs | None = None, stops: StopStrings | None = None) -> dict[str, Run]:
+    """Every method (default ``settings.methods()``) on every batch of ``batch_size`` prompts, alternating
+    methods per batch (fair under a varying load), the batch's methods ``repeats`` times in turn.
+
+    The prompts of a batch are prefilled once, untimed, and every method decodes from a copy: the
+    prefill is the same work for all of them, so times and speedups are of decoding alone. Outputs
+    and acceptance are of the first repeat (greedy decoding repeats them exactly).
+    ``graphs``: decode in static caches with captured steps (``eagle3.drafter.graphed``), every method
+    alike; a last, smaller batch is filled up with copies of its last prompt (``graph_rows``), as an
+    engine pads a batch to a captured size, and only its own rows are counted. ``stops``: answers
+    also end at ``model.stop``'s strings.
+    """
+    methods = methods or settings.methods()
+    runs = {name: Run(seconds=[0.0] * repeats) for name in methods}
+    layer_ids = drafter.config.aux_layers
+    for batch in tqdm(batches(prompts, batch_size), desc="/".join(methods), unit="batch", leave=False):
+        rows = len(batch)
+        if graphs is not None:
+            batch = [*batch, *[batch[-1]] * (graph_rows(len(prompts), batch_size) - rows)]
+        prefilled = prefill(verifier, batch, layer_ids)
+        for repeat in range(repeats):
+            for name, shape in methods.items():
+                proposer = EagleProposer(drafter, shape, graphs) if shape else None
+                start = time.perf_counter()
+                decoded = speculative_decode(verifier, proposer, batch, layer_ids, max_new_tokens or settings.max_new_tokens,
+                                             eos_ids, prefilled, graphs, stops)
+                if str(settings.device).startswith("cuda"):
+                    torch.cuda.synchronize()
+                runs[name].seconds[repeat] += time.perf_counter() - start
+                if repeat == 0:
+                    for d in decoded[:rows]:
+                        runs[name].outputs.append(d.tokens)
+                        runs[name].accepted += d.accepted
+    return runs
+
+
+def timings(runs: Mapping[str, Run]) -> dict[str, dict]:
+    """Per method, tokens/s and (against the run named ``plain``) speedup over the repeats: median and spread.
+
+    A repeat's speedup pairs it with plain decoding's same repeat (timed in turn, batch by batch),
+    so a load that changes between repeats changes both. Example, plain 10 and 12 s, chain 5 and
+    8 s for the same tokens: speedups 2.0 and 1.5 -> speedup 1.75, speedup_spread 0.286.
+    """
+    plain = runs["plain"].rates
+    report = {}
+    for name, run in runs.items():
+        rate, rate_spread = median_spread(run.rates)
+        report[name] = {"tokens_per_s": rate, "tokens_per_s_spread": rate_spread}
+        if name != "plain":
+            speedup, spread = median_spread([mine / theirs for mine, theirs in zip(run.rates, plain)])
+            report[name].update(speedup=speedup, speedup_spread=spread)
+    return report
+
+
+def disagreeing(timing: Mapping[str, dict]) -> list[str]:
+    """The measurements of ``timings`` whose repeats differ by more than UNSTABLE_SPREAD, e.g. ["tree/speedup"]."""
+    return [f"{name}/{key.removesuffix('_spread')}" for name, row in timing.items() for key, value in row.items()
+            if key.endswith("_spread") and value is not None and value > UNSTABLE_SPREAD]
+
+
+def timed_prompts(prompts: Sequence[torch.Tensor], settings: Settings) -> Sequence[torch.Tensor]:
+    """The prompts every batch size is timed on: the first ``timed_prompts`` (at least a batch of the
+    largest size), or all of them (None). Example: 500 prompts, timed_prompts 64, sizes [1, 128] -> 128."""
+    if settings.timed_prompts is None:
+        return prompts
+    return prompts[: max(settings.timed_prompts, *settings.batch_sizes)]
+
+
+def chain_sweep(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
+                graphs: DecodeGraphs | None, stops: StopStrings | None = None) -> dict:
+    """Chains of every K in ``chain_sweep`` timed against plain decoding at the first batch size:
+    {"timing": ``timings``, "tau": {name: τ}, "draft_cost": {name: ...}?, "best": the K of the highest median speedup}."""
+    size = settings.batch_sizes[0]
+    methods = settings.chain_methods()
+    runs = decode_all(verifier, drafter, prompts, settings, eos_ids, size, methods, settings.repeats, graphs=graphs, stops=stops)
+    timing = timings(runs)
+    chains = {name: shape for name, shape in methods.items() if shape}
+    best = max(chains, key=lambda name: timing[name]["speedup"])
+    return {"timing": timing, "tau": {name: acceptance_stats(runs[name].accepted, shape.num_steps)["tau"] for name, shape in chains.items()},
+            "costs": {name: step_costs(graphs, drafter, prompts, size, shape) for name, shape in chains.items()},
+            "best": chains[best].num_steps}
+
+
+def step_costs(graphs: DecodeGraphs | None, drafter, prompts: Sequence[torch.Tensor], batch_size: int, shape: TreeShape) -> dict:
+    """With graphs: a proposal's and a verify forward's time over a 1-token verifier forward, at the
+    batches' rows, each graph replayed alone: {"draft_cost", "draft_step_cost" (per drafter step),
+    "verify_cost"}; eager: {}.
+
+    Why beside τ: speedup ≈ τ / (verify_cost + draft_cost) against plain decoding at the same batch,
+    so the two say whether a low speedup is the drafter's acceptance or its price.
+    """
+    if graphs is None:
+        return {}
+    rows = graph_rows(len(prompts), batch_size)
+    forward = graphs.replay_seconds(graphs.verifier_key(rows, 1))
+    draft = graphs.replay_seconds(graphs.draft_key(drafter, shape, rows))
+    verify = graphs.replay_seconds(graphs.verifier_key(rows, shape.num_draft_tokens))
+    if None in (forward, draft, verify):  # every answer ended before a second round: no draft graph was needed
+        return {}
+    return {"draft_cost": draft / forward, "draft_step_cost": draft / forward / shape.num_steps, "verify_cost": verify / forward}
+
+
+def warm_up(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
+            graphs: DecodeGraphs | None = None, row_counts: Sequence[int] = (),
+            methods: Mapping[str, TreeShape | None] | None = None) -> None:
+    """A short untimed decode of every method on the first batch, so one-off setup costs (allocator,
+    kernels, first calls) are timed in no method.
+
+    Its prompts are cut to their last WARMUP_PROMPT_TOKENS: a whole prompt's prefill costs more
+    than the rest of the warm-up (about 1.5 s of the demo's) and sets up nothing a short one does not.
+    With ``graphs``, every batch row count in ``row_counts`` is warmed up with ``methods`` (default
+    ``settings.methods()``), each for two rounds whatever is accepted (the second captures the
+    drafter's graph): graphs are per row count and shape.
+    """
+    if graphs is None:
+        first = [p[-WARMUP_PROMPT_TOKENS:] for p in prompts[: settings.batch_sizes[0]]]
+        decode_all(verifier, drafter, first, settings, eos_ids, settings.batch_sizes[0], max_new_tokens=WARMUP_TOKENS)
+        return
+    methods = methods or settings.methods()
+    tokens = min(WARMUP_TOKENS + max(shape.num_steps + 1 for shape in methods.values() if shape), settings.max_new_tokens)
+    for rows in row_counts:
+        first = [prompts[i % len(prompts)][-WARMUP_PROMPT_TOKENS:] for i in range(rows)]
+        decode_all(verifier, drafter, first, settings, eos_ids, rows, methods, max_new_tokens=tokens, graphs=graphs)
+
+
+def decode_graphs(settings: Settings, eval_sets: Mapping[str, Sequence[torch.Tensor]]) -> DecodeGraphs | None:
+    """CUDA graphs for decoding on a GPU with a whole verifier per process (as engines serve); None: eager.
+
+    Why not on the CPU: a CPU has no launch cost to save, and its measurement stays as it was.
+    """
+    if not (settings.cuda_graphs and settings.device.startswith("cuda")) or settings.placement.sharded:
+        return None
+    longest = max(len(p) for prompts in eval_sets.values() for p in prompts)
+    return DecodeGraphs(longest, settings.max_new_tokens, capture=True)
+
+
+def graph_rows(count: int, batch_size: int) -> int:
+    """The rows of every batch of ``count`` prompts decoded ``batch_size`` at a time with graphs (captured per row count)."""
+    return min(count, batch_size)
