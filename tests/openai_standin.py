@@ -44,6 +44,7 @@ class StandinServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", port), Handler)
         self.model = model
         self.attempts: Counter[str] = Counter()  # per question
+        self.bodies: list[dict] = []  # every chat completion request, as received
         self.lock = threading.Lock()
 
     @property
@@ -89,6 +90,7 @@ class Handler(BaseHTTPRequestHandler):
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         steps, question = script_of(request["messages"][-1]["content"])
         with self.server.lock:
+            self.server.bodies.append(request)
             self.server.attempts[question] += 1
             step = steps[min(self.server.attempts[question], len(steps)) - 1]
         if step == "die":  # refuse connections from now on, end without answering this one

@@ -109,6 +109,9 @@ BAD = [
      "the next starts at 000040)"),
     ("merge.max_tokens=4", "params.yaml: merge.max_tokens = 4: must be >= merge.min_tokens (8)"),
     ("generate.top_p=0", "params.yaml: generate.top_p = 0: must be a number in (0, 1]"),
+    ("generate.samples=0", "params.yaml: generate.samples = 0: must be an integer >= 1"),
+    ("generate.sample_temperatures=[0.7,-1]", "params.yaml: generate.sample_temperatures = [0.7, -1]: must be a non-empty "
+     "list of numbers >= 0"),
     ("extract.dtype=float16", "params.yaml: extract.dtype = 'float16': must be one of ['bfloat16', 'float8_e4m3fn']"),
     ("evaluate.sets=[heldout,mmlu]", "params.yaml: evaluate.sets = ['heldout', 'mmlu']: must be sets that dataset.eval_sets "
      "builds (['heldout', 'humaneval', 'math'])"),

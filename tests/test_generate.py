@@ -136,6 +136,34 @@ def test_sampling_is_seeded_per_record_not_per_batch(tmp_path, tiny_verifier_dir
     assert len({r["generation"]["seed"] for r in batched.records}) == 3
 
 
+def test_samples_are_records_of_their_own_and_answer_0_is_the_single_answer(tmp_path, tiny_verifier_dir):
+    """generate.samples=3: per prompt answer 0 (greedy: byte for byte the samples=1 record) and two answers
+    sampled at the cycle's temperatures, each with its own id and seed, reproducible; a skipped prompt is
+    one skip record for all three."""
+    tokenizer = load_tokenizer(tiny_verifier_dir)
+    prompts = shard_file(tmp_path, tokenizer, [*QUESTIONS, "word " * 80])
+    short = ["generate.max_new_tokens=6", "model.max_position_embeddings=64"]
+    single = generate(tmp_path, tiny_verifier_dir, prompts, stage_params(tmp_path, *short), "single")
+    params = stage_params(tmp_path, *short, "generate.samples=3")
+    several = generate(tmp_path, tiny_verifier_dir, prompts, params, "several")
+
+    lines = (tmp_path / "several" / "records.jsonl").read_bytes().splitlines(keepends=True)
+    assert lines[::3] == (tmp_path / "single" / "records.jsonl").read_bytes().splitlines(keepends=True)
+    assert [r["prompt_id"] for r in several.records] == [r["prompt_id"] for r in single.records for _ in range(3)]
+    assert len({r["id"] for r in several.records}) == len({r["generation"]["seed"] for r in several.records}) == 9
+    assert [(r["generation"].get("sample", 0), r["generation"]["temperature"]) for r in several.records[:3]] == [
+        (0, 0.0), (1, 0.7), (2, 1.0)]
+    for greedy, *sampled in zip(*[iter(several.records)] * 3):
+        assert all(s["messages"][-1]["content"] != greedy["messages"][-1]["content"] for s in sampled)
+    assert (several.stats["samples"], several.stats["answers"], several.stats["skipped"], several.stats["prompts"]) == (3, 9, 1, 4)
+    assert (tmp_path / "several" / "skipped.jsonl").read_bytes() == (tmp_path / "single" / "skipped.jsonl").read_bytes()
+    assert "samples" not in single.stats and "samples" not in read_json(tmp_path / "single" / "meta.json")["generate"]
+    assert read_json(tmp_path / "several" / "meta.json")["generate"]["sample_temperatures"] == [0.7, 1.0]
+
+    run_stage(tiny_verifier_dir, prompts, tmp_path / "again", params, tmp_path / "journal-again", None)  # from scratch
+    assert output_bytes(tmp_path / "again") == output_bytes(tmp_path / "several")
+
+
 def test_top_p_keeps_the_smallest_head_holding_the_mass():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     assert torch.equal(top_p_filter(probs.clone(), 0.7), torch.tensor([[0.5, 0.3, 0.0, 0.0]]))
@@ -177,10 +205,11 @@ class Crash(Exception):
     pass
 
 
-def test_interrupted_run_resumes_from_the_journal_byte_identical(tmp_path, tiny_verifier_dir, monkeypatch):
+@pytest.mark.parametrize("samples", [1, 3])
+def test_interrupted_run_resumes_from_the_journal_byte_identical(tmp_path, tiny_verifier_dir, monkeypatch, samples):
     tokenizer = load_tokenizer(tiny_verifier_dir)
     prompts = shard_file(tmp_path, tokenizer, [f"Question number {i}?" for i in range(5)])
-    params = stage_params(tmp_path, "generate.max_new_tokens=5", "backend.batch_size=2")
+    params = stage_params(tmp_path, "generate.max_new_tokens=5", "backend.batch_size=2", f"generate.samples={samples}")
     reference = run_stage(tiny_verifier_dir, prompts, tmp_path / "reference", params, tmp_path / "reference-journal", None)
 
     calls = []

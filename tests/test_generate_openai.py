@@ -171,6 +171,18 @@ def test_requests_go_round_robin_over_base_urls(tmp_path, tiny_verifier_dir, sta
     assert sum(standin.attempts.values()) == sum(other.attempts.values()) == 3
 
 
+def test_each_answer_sends_its_own_temperature_and_seed(tmp_path, tiny_verifier_dir, standin):
+    prompts = shard_file(tmp_path, load_tokenizer(tiny_verifier_dir), ["q0", "q1"])
+    params = openai_params(tmp_path, standin.url)
+    params.generate.update(samples=4, sample_temperatures=[0.7, 1.0])
+    shard = generate(tmp_path, tiny_verifier_dir, prompts, params)
+    sent = {(body["messages"][-1]["content"], body["seed"]): body["temperature"] for body in standin.bodies}
+    assert len(standin.bodies) == len(sent) == shard.stats["answers"] == 8
+    cycle = [0.0, 0.7, 1.0, 0.7]  # answer 0 at generate.temperature, then the cycle
+    assert [sent[r["messages"][0]["content"], r["generation"]["seed"]] for r in shard.records] == cycle * 2
+    assert [r["generation"]["temperature"] for r in shard.records] == cycle * 2
+
+
 def test_sglang_command_from_layout_and_model(tmp_path):
     params = stage_params(tmp_path, "backend=sglang", "layout=gpu8", "model=kimi-k2.5", "train.batch_tokens=6144")  # 8 rows: one per GPU
     assert launch_command(params.backend, Path("/models/kimi"), VerifierSpec.from_params(params.model)) == [

@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.numpy import load_file
 
-from eagle3.common import UserError, read_json, read_jsonl, write_json
+from eagle3.common import UserError, prompt_group, read_json, read_jsonl, write_json
 from eagle3.extract import extract, stage_arguments
 from eagle3.hidden_states.loader import HiddenStates, collate, pack
 from eagle3.merge import draft_vocab, merge
@@ -86,6 +86,29 @@ def test_merge_is_deterministic_filters_and_builds_the_vocab(shards, tiny_verifi
     assert read_json(shards / "metrics-a" / "metrics.json")["vocab_coverage"] == stats["vocab_coverage"]
     histogram = read_json(shards / "metrics-a" / "plots" / "custom" / "length_histogram.json")
     assert sum(point["samples"] for point in histogram) == 9
+
+
+def test_a_prompts_answers_stay_on_one_side_of_the_split(tmp_path, tiny_verifier_dir, tiny_model_params):
+    """generate.samples=3 records (ids <first>, <first>-1, <first>-2): all kept answers of a prompt share a
+    split; different answers to one prompt are all kept, one identical to another is a duplicate."""
+    records = []
+    for i in range(8):
+        first = conversation(i)
+        records += [first, *({**conversation(i, answer_sentences=1 + (i + k) % 4), "id": f"{first['id']}-{k}"} for k in (1, 2))]
+    records[2] = {**records[0], "id": records[2]["id"]}  # prompt 0's answer 2 repeats its answer 0
+    shard = "000000-000008"
+    extract(tiny_verifier_dir, write_generated(tmp_path / "generated" / shard, records), tmp_path / "hidden" / shard,
+            *stage_arguments(tiny_params(tiny_model_params)))
+    params = merge_params()
+    params.dataset.shards = [shard]
+    stats = merge(tiny_verifier_dir, tmp_path / "hidden", tmp_path / "merged", tmp_path / "metrics", params)
+
+    sides: dict[str, set] = {}
+    for row in read_jsonl(tmp_path / "merged" / "manifest.jsonl"):
+        sides.setdefault(prompt_group(row["id"]), set()).add(row["split"])
+    assert len(sides) == 8 and all(len(split) == 1 for split in sides.values())
+    assert sorted(split.pop() for split in sides.values()) == ["train"] * 6 + ["val"] * 2  # 0.25 of the prompts
+    assert (stats["records"], stats["dropped_duplicates"]) == (23, 1)
 
 
 def train_target_counts(root, rows) -> np.ndarray:

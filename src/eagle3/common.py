@@ -263,6 +263,23 @@ def stable_hash(obj: Any, length: int = 16) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:length]
 
 
+def sample_id(first_id: str, sample: int) -> str:
+    """The record id of answer ``sample`` to a prompt whose first answer's id is ``first_id``.
+
+    Answer 0 keeps the id it had before ``generate.samples`` existed; answer k >= 1 appends "-k":
+    ``sample_id("9f3c", 0) == "9f3c"``, ``sample_id("9f3c", 2) == "9f3c-2"``. Its temperature is set
+    by the generate params, which also name the journal the id lives in.
+    """
+    return first_id if sample == 0 else f"{first_id}-{sample}"
+
+
+def prompt_group(record_id: str) -> str:
+    """The first answer's id of the prompt ``record_id`` answers (``sample_id`` undone): one value for
+    all the answers of one prompt, so merge keeps them on one side of the train/val split."""
+    head, dash, tail = record_id.rpartition("-")
+    return head if dash and tail.isdigit() else record_id
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()
     with Path(path).open("rb") as handle:

@@ -3,11 +3,17 @@
     python -m eagle3.generate models/verifier data/prompts/shards/<shard>.jsonl data/generated/<shard> \\
         --metrics metrics/generate/<shard>.json        # reads params.yaml: generate, backend, model (PARAMS)
 
-The output folder holds ``records.jsonl`` (one conversation per prompt, in the prompt shard's
-order), ``errors.jsonl`` (requests that kept failing, with the reason), ``skipped.jsonl``
-(prompts never sent: longer than the context allows, text that is not valid UTF-8, a chat the
-template refuses), ``stats.json`` (also written to ``--metrics`` for DVC) and ``meta.json``.
-answers + errors + skipped == prompts is checked before anything is written.
+The output folder holds ``records.jsonl`` (one conversation per prompt and answer, in the prompt
+shard's order, then by answer), ``errors.jsonl`` (requests that kept failing, with the reason),
+``skipped.jsonl`` (prompts never sent: longer than the context allows, text that is not valid
+UTF-8, a chat the template refuses), ``stats.json`` (also written to ``--metrics`` for DVC) and
+``meta.json``. answers + errors == samples x (prompts - skipped) is checked before anything is written.
+
+``generate.samples`` answers per prompt: answer 0 at ``generate.temperature``, answer k >= 1 at
+``generate.sample_temperatures[(k - 1) % len]``, each a record with its own id (answer 0's id
++ "-k") and so its own sampling seed. Answer 0's record, error and batches are exactly those of
+``samples: 1``, and with ``samples: 1`` the sample keys stay out of meta.json and the journal's
+key, so the outputs are byte for byte those from before the option existed.
 
 Every finished answer is appended (and fsync'd) to a journal in ``.eagle3/journal/generate/``
 named by the shard and a hash of all that determines the answers: prompt shard bytes, verifier
@@ -37,7 +43,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from eagle3.backends import Answer, Backend, Failure, Generation, Request, has_surrogates, make_backend, server_model
-from eagle3.common import UserError, atomic_dir, sha256_file, stable_hash, stage_main, to_plain, write_json, write_jsonl
+from eagle3.common import UserError, atomic_dir, sample_id, sha256_file, stable_hash, stage_main, to_plain, write_json, write_jsonl
 from eagle3.config import stage_params
 from eagle3.verifiers.chat import prompt_ids
 from eagle3.verifiers.loading import load_tokenizer, read_meta
@@ -159,7 +165,8 @@ def generation_params(generation: Generation, backend_name: str) -> dict:
 def plan(
     prompts: Sequence[dict], tokenizer, generation: Generation, record_params: dict, verifier: str
 ) -> tuple[list[Request], dict[str, dict]]:
-    """Requests for the prompts that can be sent, and skip records (by prompt id) for the others."""
+    """Requests for the prompts that can be sent (``generation.samples`` each, in prompt then answer order),
+    and skip records (by prompt id) for the others."""
     requests, skipped = [], {}
     limit = generation.context - generation.max_new_tokens
     for prompt in prompts:
@@ -176,10 +183,18 @@ def plan(
             detail = f"{len(ids)} prompt tokens + {generation.max_new_tokens} new tokens > context {generation.context}"
             skipped[prompt["id"]] = {**skip, "reason": "too_long", "detail": detail}
             continue
-        record_id = stable_hash({"prompt_id": prompt["id"], "verifier": verifier, **record_params})
-        seed = int(stable_hash({"sampling_seed": record_id}, 8), 16)  # 32 bits, fixed by the record id
-        requests.append(Request(record_id, prompt["id"], prompt["messages"], ids, seed))
+        first_id = stable_hash({"prompt_id": prompt["id"], "verifier": verifier, **record_params})
+        for sample in range(generation.samples):
+            record_id = sample_id(first_id, sample)
+            seed = int(stable_hash({"sampling_seed": record_id}, 8), 16)  # 32 bits, fixed by the record id
+            temperature = generation.temperature_of(sample)
+            requests.append(Request(record_id, prompt["id"], prompt["messages"], ids, seed, temperature, sample))
     return requests, skipped
+
+
+def sample_fields(request: Request) -> dict:
+    """Which answer a record or error is, after a prompt's first: absent for answer 0, so it reads as with ``samples: 1``."""
+    return {"sample": request.sample, "temperature": request.temperature} if request.sample else {}
 
 
 def to_record(prompt: dict, request: Request, answer: Answer, record_params: dict) -> dict:
@@ -192,7 +207,7 @@ def to_record(prompt: dict, request: Request, answer: Answer, record_params: dic
         "finish_reason": answer.finish_reason,
         "prompt_tokens": answer.prompt_tokens,
         "completion_tokens": answer.completion_tokens,
-        "generation": {**record_params, "seed": request.seed},  # this record's own sampling seed
+        "generation": {**record_params, **sample_fields(request), "seed": request.seed},  # this record's own sampling seed
         **({"stop": answer.stop} if answer.stop is not None else {}),  # the stop string that ended it (extract masks it)
     }
 
@@ -228,7 +243,7 @@ def generate_shard(
     finished = {r.id for r in requests if r.id in journal.records}
     if finished:
         log.info("generate %s: resuming with %d of %d answers journaled", name, len(finished), len(requests))
-    errors: dict[str, dict] = {}
+    errors: dict[tuple[str, int], dict] = {}
     progress = Progress(name, len(requests), len(finished))
 
     def done(request: Request, result: Answer | Failure) -> None:
@@ -236,8 +251,10 @@ def generate_shard(
         if request.id in journal.records:  # a re-run batch repeats journaled answers: keep those
             return
         if isinstance(result, Failure):
-            errors[prompt["id"]] = {"prompt_id": prompt["id"], "source": prompt.get("source"),
-                                    "reason": result.reason, "attempts": result.attempts, "url": result.url}
+            errors[prompt["id"], request.sample] = {
+                "prompt_id": prompt["id"], "source": prompt.get("source"), **sample_fields(request),
+                "reason": result.reason, "attempts": result.attempts, "url": result.url,
+            }
         else:
             journal.append(to_record(prompt, request, result, record_params))
         progress.update(result)
@@ -247,26 +264,35 @@ def generate_shard(
     finally:
         tokens_per_s = progress.close()
     log.info("generate %s: %.1f generated tokens/s in this run", name, tokens_per_s)
-    answered = {r.prompt_id: journal.records[r.id] for r in requests if r.id in journal.records}
-    return assemble(prompts, answered, errors, skipped)
+    answered = {(r.prompt_id, r.sample): journal.records[r.id] for r in requests if r.id in journal.records}
+    return assemble(prompts, generation.samples, answered, errors, skipped)
 
 
-def assemble(prompts: Sequence[dict], answered: dict, errors: dict, skipped: dict) -> Shard:
-    """Each outcome table (keyed by prompt id) as a list in shard order; every prompt has exactly one."""
+def assemble(prompts: Sequence[dict], samples: int, answered: dict, errors: dict, skipped: dict) -> Shard:
+    """Each outcome table as a list in shard order, then by answer; every answer of a prompt has exactly one outcome.
+
+    ``answered`` and ``errors`` are keyed by (prompt id, sample), ``skipped`` by prompt id: a skipped
+    prompt's one skip record is the outcome of all its answers (it was never sent).
+    """
     tables = {"records": answered, "errors": errors, "skipped": skipped}
     lists: dict[str, list[dict]] = {kind: [] for kind in tables}
     for prompt in prompts:
-        found = [(kind, table[prompt["id"]]) for kind, table in tables.items() if prompt["id"] in table]
-        if len(found) != 1:
-            raise RuntimeError(f"accounting: prompt {prompt['id']} has {len(found)} outcomes instead of one")
-        lists[found[0][0]].append(found[0][1])
-    return Shard(**lists, stats=shard_stats(len(prompts), **lists))
+        for sample in range(samples):
+            keys = {"records": (prompt["id"], sample), "errors": (prompt["id"], sample), "skipped": prompt["id"]}
+            found = [(kind, tables[kind][key]) for kind, key in keys.items() if key in tables[kind]]
+            if len(found) != 1:
+                raise RuntimeError(f"accounting: prompt {prompt['id']} answer {sample} has {len(found)} outcomes instead of one")
+            kind, outcome = found[0]
+            if kind != "skipped" or sample == 0:
+                lists[kind].append(outcome)
+    return Shard(**lists, stats=shard_stats(len(prompts), samples, **lists))
 
 
-def shard_stats(prompts: int, records: list[dict], errors: list[dict], skipped: list[dict]) -> dict:
-    """The shard's metrics: answers + errors + skipped == prompts."""
+def shard_stats(prompts: int, samples: int, records: list[dict], errors: list[dict], skipped: list[dict]) -> dict:
+    """The shard's metrics: answers + errors == samples x (prompts - skipped); ``samples`` only when > 1 (as before the option)."""
     return {
         "prompts": prompts,
+        **({"samples": samples} if samples > 1 else {}),
         "answers": len(records),
         "errors": len(errors),
         "skipped": len(skipped),
@@ -286,8 +312,15 @@ def answering(backend: DictConfig, spec: VerifierSpec) -> dict:
 
 
 def settings(generation: Generation, backend: DictConfig, spec: VerifierSpec) -> dict:
-    """All that decides the answers besides the prompts and the verifier: in meta.json and the journal's key."""
-    return {"generate": asdict(generation), "backend": answering(backend, spec)}
+    """All that decides the answers besides the prompts and the verifier: in meta.json and the journal's key.
+
+    The sample keys only when there is more than one answer per prompt: with one they decide nothing,
+    and a ``samples: 1`` shard keeps the meta.json and journal it had before the option existed.
+    """
+    generate = asdict(generation)
+    if generation.samples == 1:
+        del generate["samples"], generate["sample_temperatures"]
+    return {"generate": generate, "backend": answering(backend, spec)}
 
 
 def journal_path(journal_dir: Path, prompts: Path, verifier: str, settings: dict) -> Path:

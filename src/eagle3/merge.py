@@ -7,7 +7,7 @@ Reads exactly the shards named in ``dataset.shards`` (never a directory listing:
 bigger scale may still lie in the workspace) and writes references, not a copy of the tensors:
 
 - ``manifest.jsonl``: one row per kept sample, in seeded-shuffle order: shard, index (line of the
-  shard's index.jsonl), id, part, offset, length, masked, split (``train`` | ``val``);
+  shard's index.jsonl), id, part, offset, length, masked, split (``train`` | ``val``; a prompt's answers share one);
 - ``vocab.safetensors``: ``d2t`` int64 [Vd] (target id = draft id + d2t[draft id]), ``t2d`` bool [V];
 - ``meta.json``: verifier, taps, shards, seed, params and the statistics.
 
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from eagle3.common import UserError, atomic_dir, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl
+from eagle3.common import UserError, atomic_dir, prompt_group, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl
 from eagle3.config import stage_params
 from eagle3.verifiers.loading import read_meta
 from eagle3.verifiers.spec import require_verifier
@@ -108,13 +108,23 @@ def select(candidates: list[Candidate], min_tokens: int, max_tokens: int) -> tup
 
 
 def split(candidates: list[Candidate], seed: int, val_fraction: float) -> tuple[list[Candidate], list[Candidate]]:
-    """Seeded shuffle, then the first ``round(val_fraction·n)`` (at least 1 when > 0) are validation."""
-    if len(candidates) < 2:
-        raise UserError(f"merge: {len(candidates)} sample(s) left after filtering; need at least 2 (check merge.min_tokens/max_tokens)")
-    order = np.random.default_rng(seed).permutation(len(candidates))
-    shuffled = [candidates[i] for i in order]
+    """Seeded shuffle of the prompts, then the first ``round(val_fraction·n)`` (at least 1 when > 0) are validation.
+
+    A prompt's answers (``generate.samples``; ``prompt_group`` of their ids) stay together, in shard
+    order, on one side: validation never scores an answer to a prompt that training saw. With one
+    answer per prompt every group is one sample, and this is the shuffle of the samples themselves.
+    """
+    groups: dict[str, list[Candidate]] = {}
+    for candidate in candidates:
+        groups.setdefault(prompt_group(candidate.entry["id"]), []).append(candidate)
+    prompts = list(groups.values())
+    if len(prompts) < 2:
+        raise UserError(f"merge: {len(candidates)} sample(s) of {len(prompts)} prompt(s) left after filtering; need at "
+                        "least 2 prompts (check merge.min_tokens/max_tokens)")
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    shuffled = [prompts[i] for i in order]
     n_val = min(len(shuffled) - 1, max(1, round(val_fraction * len(shuffled)))) if val_fraction > 0 else 0
-    return shuffled[n_val:], shuffled[:n_val]
+    return [c for group in shuffled[n_val:] for c in group], [c for group in shuffled[:n_val] for c in group]
 
 
 def token_counts(candidates: list[Candidate], vocab_size: int) -> np.ndarray:

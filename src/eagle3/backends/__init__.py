@@ -35,20 +35,32 @@ class Generation:
 
     name: str  # the conf/generate file
     max_new_tokens: int  # answer length cap
-    temperature: float  # 0: greedy; > 0: sampling, each record seeded from its id
+    temperature: float  # of a prompt's first answer: 0 greedy; > 0 sampling, each record seeded from its id
     top_p: float  # nucleus sampling mass (with temperature > 0)
     seed: int  # base of the per-record sampling seeds
     think_tags: tuple[str, str] | None  # raw reasoning markup split out of an answer; None: never split
     context: int  # prompt + answer limit: model.max_position_embeddings
     stop: tuple[str, ...]  # model.stop: strings ending an answer besides the EOS tokens
     trust_remote_code: bool  # model.trust_remote_code: the verifier's tokenizer/model code
+    samples: int = 1  # answers per prompt, each its own record
+    sample_temperatures: tuple[float, ...] = ()  # the temperature cycle of the answers after the first
 
     @classmethod
     def from_params(cls, generate: DictConfig, spec: VerifierSpec) -> Generation:
         tags = generate.think_tags
         return cls(str(generate.name), int(generate.max_new_tokens), float(generate.temperature), float(generate.top_p),
                    int(generate.seed), None if tags is None else tuple(str(t) for t in tags),
-                   spec.max_position_embeddings, spec.stop, spec.trust_remote_code)
+                   spec.max_position_embeddings, spec.stop, spec.trust_remote_code,
+                   int(generate.samples), tuple(float(t) for t in generate.sample_temperatures))
+
+    def temperature_of(self, sample: int) -> float:
+        """Answer 0 of a prompt samples at ``temperature``, answer k >= 1 at ``sample_temperatures[(k - 1) % len]``.
+
+        Example: temperature 0, cycle (0.7, 1.0), 4 samples -> 0 (greedy), 0.7, 1.0, 0.7.
+        """
+        if sample == 0:
+            return self.temperature
+        return self.sample_temperatures[(sample - 1) % len(self.sample_temperatures)]
 
 
 def server_model(backend: str, spec: VerifierSpec) -> dict:
@@ -58,13 +70,15 @@ def server_model(backend: str, spec: VerifierSpec) -> dict:
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt to answer."""
+    """One answer to get: answer ``sample`` of a prompt."""
 
-    id: str  # record id: hash of the prompt id, the verifier and the generation params
+    id: str  # record id: hash of the prompt id, the verifier and the generation params (+ "-<sample>" after answer 0)
     prompt_id: str
     messages: list[dict]  # chat ending with a user turn
     prompt_ids: list[int]  # the messages under the verifier's chat template + generation prompt
     seed: int  # sampling seed of this record (derived from its id)
+    temperature: float = 0.0  # this answer's: Generation.temperature_of(sample); 0: greedy
+    sample: int = 0  # which answer to the prompt: 0 .. generate.samples - 1
 
 
 @dataclass(frozen=True)

@@ -5,15 +5,18 @@ Batches are cut from the requests sorted by prompt length (least padding): at mo
 (rows x (padded prompt + max_new_tokens)), so short prompts go in big batches and long ones in
 small ones. Each batch is left padded to a multiple of ``pad_multiple`` tokens (fewer distinct
 shapes). Greedy decoding, or sampling where every row draws from its own generator seeded from
-its record id, so a record's answer never depends on which records share its batch.
+its record id, so a record's answer never depends on which records share its batch. With several
+answers per prompt (``generate.samples``), each answer index is batched on its own: a batch has
+one temperature, and answer 0's batches (and padding, which a row's numerics depend on) are
+exactly those of a ``samples: 1`` run.
 
 On CUDA, cuDNN's SDPA attention is switched off: it pays a setup for every new (batch, length)
 shape, about 10 s per 256 prompts on an H200, which dominated a shard; the flash and
 memory-efficient SDPA kernels have no such cost.
 
-On CUDA with ``cuda_graphs`` and greedy decoding, ``backends.slots`` answers instead: a slot KV
+On CUDA with ``cuda_graphs``, ``backends.slots`` answers the greedy requests instead: a slot KV
 cache refilled as rows finish, each decode step a CUDA graph (eager decoding is host-bound there);
-groups by prompt width replace the batches above. The CPU, and sampling, keep ``generate``.
+groups by prompt width replace the batches above. The CPU, and sampled answers, keep ``generate``.
 """
 
 from __future__ import annotations
@@ -56,6 +59,15 @@ def plan_batches(
             batches.append([])
         batches[-1].append(request)
     return batches
+
+
+def by_sample(requests: Sequence[Request]) -> list[list[Request]]:
+    """The requests split by answer index, in index order: one temperature each, and answer 0's part is
+    what a ``samples: 1`` run gets, so its batches are the same."""
+    parts: dict[int, list[Request]] = {}
+    for request in requests:
+        parts.setdefault(request.sample, []).append(request)
+    return [parts[sample] for sample in sorted(parts)]
 
 
 def left_pad(rows: Sequence[list[int]], pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,16 +131,22 @@ class LocalBackend:
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
         graphs = bool(cfg.cuda_graphs) and str(cfg.device).startswith("cuda")
-        self.slot_decoding = graphs and generation.temperature == 0 and self.model._supports_attention_backend
-        if graphs and not self.slot_decoding:
-            log.warning("local backend: decoding eagerly (CUDA graphs need greedy decoding and a verifier that "
-                        "attends through transformers' AttentionInterface)")
+        self.slot_decoding = graphs and self.model._supports_attention_backend  # of the greedy requests
+        sampled = any(generation.temperature_of(k) > 0 for k in range(generation.samples))
+        if graphs and (sampled or not self.slot_decoding):
+            log.warning("local backend: decoding eagerly where CUDA graphs cannot (they need greedy decoding and a "
+                        "verifier that attends through transformers' AttentionInterface)")
         self.graph_replays = 0  # CUDA graph steps run by slot decoding (benchmarks and tests read it)
 
     def run(self, requests: Sequence[Request], finished: Collection[str], done: Done) -> None:
-        if self.slot_decoding:
-            self.run_slots([r for r in requests if r.id not in finished], done)
-            return
+        for part in by_sample(requests):
+            if self.slot_decoding and part[0].temperature == 0:
+                self.run_slots([r for r in part if r.id not in finished], done)
+            else:
+                self.run_batches(part, finished, done)
+
+    def run_batches(self, requests: Sequence[Request], finished: Collection[str], done: Done) -> None:
+        """Answers by transformers ``generate``, a batch at a time (a batch with an unfinished row is re-run whole)."""
         max_new_tokens = self.generation.max_new_tokens
         for batch in plan_batches(requests, self.batch_size, self.batch_tokens, max_new_tokens, self.pad_multiple):
             if all(r.id in finished for r in batch):
@@ -156,8 +174,9 @@ class LocalBackend:
             eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id, stop_strings=self.stop_strings or None,
         )
         processors = LogitsProcessorList()
-        if gen.temperature > 0:
-            processors.append(SeededSampling([r.seed for r in batch], gen.temperature, gen.top_p))
+        temperature = batch[0].temperature  # the batch's one answer index has one temperature (run)
+        if temperature > 0:
+            processors.append(SeededSampling([r.seed for r in batch], temperature, gen.top_p))
         device = self.model.device
         output = self.model.generate(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),

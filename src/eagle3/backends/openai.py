@@ -185,7 +185,7 @@ class OpenAIBackend:
             "model": model,
             "messages": request.messages,
             "max_tokens": self.generation.max_new_tokens,
-            "temperature": self.generation.temperature,
+            "temperature": request.temperature,  # this answer's: generate.samples cycles it
             "top_p": self.generation.top_p,
             "seed": request.seed,
         }
