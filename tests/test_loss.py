@@ -47,16 +47,14 @@ def test_targets_mask_and_vocab():
     torch.testing.assert_close(targets.probs, logits[b, s][:, draft_ids].softmax(-1))
 
 
-@pytest.mark.parametrize("pre_norm", [False, True])
-def test_ttt_loss_matches_reference(pre_norm):
+def test_ttt_loss_matches_reference():
     drafter = make_drafter(seed=3)
     cfg = drafter.config
     K, decay = 4, 0.8
     weight = verifier_head_weight(cfg, drafter.d2t, seed=1)
-    norm_weight = torch.rand(cfg.hidden_size) + 0.5 if pre_norm else None
     batch = random_batch(cfg, 2, 9, seed=2)
     batch["loss_mask"][1, 6:] = 0  # a padded tail
-    head = VerifierHead(weight, drafter.d2t, norm_weight, cfg.rms_norm_eps)
+    head = VerifierHead(weight, drafter.d2t)
     position_ids = torch.arange(9).repeat(2, 1)
     selection = select_rows(batch["loss_mask"], position_ids, K)
     targets = head(batch["final"], selection.positions)
@@ -64,7 +62,7 @@ def test_ttt_loss_matches_reference(pre_norm):
     loss = ttt_loss(ce, step_counts(targets, selection), decay)
     with torch.no_grad():
         expected, acc, counts = reference_ttt_loss(drafter, weight, drafter.d2t, batch["input_ids"], batch["loss_mask"],
-                                                   batch["aux"], batch["final"], K, decay, norm_weight)
+                                                   batch["aux"], batch["final"], K, decay)
     assert all(c > 0 for c in counts)
     assert abs(loss.item() - float(expected)) < 1e-5
     summary = StepMetrics(sums).summary(decay)

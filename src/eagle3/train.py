@@ -53,7 +53,7 @@ from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.parallel import World
 from eagle3.hidden_states.loader import (Batching, DataPlan, HiddenStates, check_lengths, check_recorded_digests, collate, pack,
                                          step_batches)
-from eagle3.verifiers.spec import VERIFIER_TENSORS, VerifierSpec, require_verifier
+from eagle3.verifiers.spec import FINAL_STATES, VERIFIER_TENSORS, VerifierSpec, require_verifier
 
 log = logging.getLogger(__name__)
 
@@ -412,8 +412,9 @@ def open_data(merged: Path, hidden_states: Path, fingerprint: str) -> tuple[Data
     train_set, val_set = HiddenStates(merged, hidden_states, "train"), HiddenStates(merged, hidden_states, "val")
     meta = train_set.meta
     require_verifier(f"{merged}/meta.json", "built for", meta["verifier"]["fingerprint"], fingerprint)
-    if meta.get("final_state") not in ("post-norm", "pre-norm"):
-        raise UserError(f"{merged}/meta.json: final_state {meta.get('final_state')!r} is neither post-norm nor pre-norm")
+    if meta.get("final_state") not in FINAL_STATES:
+        raise UserError(f"{merged}/meta.json: final_state {meta.get('final_state')!r} is not one of {list(FINAL_STATES)} "
+                        "(train applies only the lm_head to `final`); re-run `dvc repro` (extract, merge)")
     return train_set, val_set, meta, load_file(merged / "vocab.safetensors")["d2t"]
 
 
@@ -562,8 +563,7 @@ def train(paths: TrainPaths, cfg: TrainConfig, seed: int, draft_head: dict[str, 
     if cfg.lm_head_init == "verifier":
         drafter.init_head(tensors["head"].to(world.device), tensors["norm"].to(world.device))
     drafter.lm_head.requires_grad_(not cfg.freeze_lm_head)  # frozen: no gradient, no optimizer state
-    norm = tensors["norm"] if meta["final_state"] == "pre-norm" else None
-    head = VerifierHead(tensors["head"].to(world.device, dtype), d2t.to(world.device), norm, draft.rms_norm_eps).to(world.device)
+    head = VerifierHead(tensors["head"].to(world.device, dtype), d2t.to(world.device)).to(world.device)
     shards = sorted({row["shard"] for row in train_set.rows + val_set.rows})
     make_id = partial(run_id, cfg, draft, fingerprint=fingerprint, seed=seed, world=world)
     with run_folder(paths, shards, make_id, world) as run_dir:
