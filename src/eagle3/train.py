@@ -45,13 +45,13 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from eagle3.common import UserError, atomic_dir, sha256_file, stable_hash, stage_main, to_plain, write_json
-from eagle3.config import stage_params
+from eagle3.config import batch_share_problem, stage_params
 import eagle3.drafter.parallel as parallel
 from eagle3.drafter.export import check_drafter, verifier_facts, write_drafter
 from eagle3.drafter.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.parallel import World
-from eagle3.hidden_states.loader import (Batching, DataPlan, HiddenStates, check_lengths, check_recorded_digests, collate, pack,
+from eagle3.hidden_states.loader import (Batching, DataPlan, HiddenStates, InOrder, check_lengths, check_recorded_digests, collate,
                                          step_batches)
 from eagle3.verifiers.spec import FINAL_STATES, VERIFIER_TENSORS, VerifierSpec, require_verifier
 
@@ -109,26 +109,28 @@ class TrainConfig:
         Worked example: batch_tokens 16384, pack_tokens 2048 -> 8 rows a step; 2 processes with
         micro_batch_rows 3 -> 4 rows each, in 2 micro-batches of 2 rows (grad_accum 2).
         """
-        rows = self.batch_tokens // self.pack_tokens  # config.validate: a whole number of rows
-        if rows % processes:
-            raise UserError(f"params.yaml: train.batch_tokens {self.batch_tokens} makes {rows} rows of train.pack_tokens "
-                            f"{self.pack_tokens} a step, which {processes} training processes cannot share evenly; "
-                            f"use a multiple of {processes * self.pack_tokens}")
-        share = rows // processes
+        problem = batch_share_problem(self.batch_tokens, self.pack_tokens, processes, "the processes torchrun started")
+        if problem:
+            raise UserError(f"params.yaml: train.batch_tokens = {self.batch_tokens}: must be {problem}")
+        share = self.batch_tokens // self.pack_tokens // processes  # config.validate: a whole number of rows
         micro = max(d for d in range(1, min(share, self.micro_batch_rows) + 1) if share % d == 0)
         return Batching(self.pack_tokens, micro, share // micro)
+
+    def val_batching(self) -> Batching:
+        """Validation's cut: ``micro_batch_rows`` rows a forward, nothing to accumulate."""
+        return Batching(self.pack_tokens, self.micro_batch_rows, 1)
 
 
 # ---------------------------------------------------------------------------------------------
 # Batches: the data order is hidden_states.loader's DataPlan; here the TTT selection is added
 
 
-def collate_ttt(items: list[dict[str, Tensor]], cfg: TrainConfig, rows: int) -> dict[str, Any]:
-    """``eagle3.hidden_states.loader.collate`` into ``rows`` packed rows, plus the rows each TTT step scores
-    and the count of real tokens (host side)."""
-    batch = collate(items, cfg.pack_tokens, rows)
+def collate_ttt(items: list[dict[str, Tensor]], batching: Batching, ttt_steps: int) -> dict[str, Any]:
+    """``eagle3.hidden_states.loader.collate`` into the packed rows of a micro-batch, plus the rows each
+    of the ``ttt_steps`` TTT steps scores and the count of real tokens (host side)."""
+    batch = collate(items, batching)
     return {"input_ids": batch["input_ids"], "aux": batch["aux"], "final": batch["final"], "position_ids": batch["position_ids"],
-            "selection": select_rows(batch["loss_mask"], batch["position_ids"], cfg.ttt_steps), "tokens": batch["tokens"]}
+            "selection": select_rows(batch["loss_mask"], batch["position_ids"], ttt_steps), "tokens": batch["tokens"]}
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -163,10 +165,16 @@ MIN_STEPS = 500
 
 
 def warn_if_undertrained(total: int, cfg: TrainConfig) -> None:
-    if total < MIN_STEPS:
-        log.warning("\n%s\nUNDER-TRAINED: only %d optimizer steps (fewer than %d): the drafter will accept far fewer tokens "
-                    "than this data can teach. Lower train.batch_tokens (now %d) or raise train.epochs (now %d).\n%s",
-                    "!" * 100, total, MIN_STEPS, cfg.batch_tokens, cfg.epochs, "!" * 100)
+    """A loud warning for a run of fewer than ``MIN_STEPS`` steps, with what to change: train.max_steps
+    when it caps the run, else the global batch or the epochs."""
+    if total >= MIN_STEPS:
+        return
+    if cfg.max_steps:
+        advice = f"train.max_steps (now {cfg.max_steps}) caps the run: raise it, or set it to 0 to run train.epochs"
+    else:
+        advice = f"Lower train.batch_tokens (now {cfg.batch_tokens}) or raise train.epochs (now {cfg.epochs})"
+    log.warning("\n%s\nUNDER-TRAINED: only %d optimizer steps (fewer than %d): the drafter will accept far fewer tokens "
+                "than this data can teach. %s.\n%s", "!" * 100, total, MIN_STEPS, advice, "!" * 100)
 
 
 @dataclass
@@ -205,14 +213,11 @@ def train_step(model, head: VerifierHead, micro: list[dict], optimizer, schedule
 def validate(model, head: VerifierHead, dataset: Dataset, cfg: TrainConfig, world: World) -> dict[str, float]:
     """Metrics over the whole validation split (every process runs the same number of batches)."""
     net = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    rows = pack(dataset.lengths, cfg.pack_tokens)  # in index order
-    size = cfg.micro_batch_rows
-    per_round = size * world.size
+    plan = InOrder(dataset.lengths, cfg.val_batching(), world.rank, world.size)
     total = torch.zeros(6, cfg.ttt_steps, device=world.device)
-    for j in range(math.ceil(len(rows) / per_round)):
-        start = j * per_round + world.rank * size
-        indices = sum(rows[start : start + size], [])
-        batch = to_device(collate_ttt([dataset[i] for i in indices or [0]], cfg, size), world.device)
+    for step in range(plan.steps(1)):
+        indices = sum(plan.micro_batches(step), [])  # none on a process the last step leaves without rows
+        batch = to_device(collate_ttt([dataset[i] for i in indices or [0]], plan.batching, cfg.ttt_steps), world.device)
         with parallel.autocast(world.device):
             target = head(batch["final"], batch["selection"].positions)
             _, sums = net(batch["input_ids"], batch["aux"], batch["position_ids"], target, batch["selection"])
@@ -290,8 +295,8 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: 
     ``ttt`` and ``head`` are on ``world.device``; ``live`` (main process only) is a dvclive Live.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    check_lengths({"train": train_set, "val": val_set}, cfg.pack_tokens)
     batching = cfg.batching(world.size)
+    check_lengths({"train": train_set, "val": val_set}, batching)
     plan = DataPlan(train_set.lengths, batching, seed, world.rank, world.size)
     total = cfg.max_steps or plan.steps(cfg.epochs)
     warmup = warmup_steps(cfg.warmup_fraction, total)
@@ -307,8 +312,8 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: 
     state = resume(run_dir, model, optimizer, scheduler, world)
     for step, prefix, metrics in state.history:
         log_metrics(live, step, prefix, metrics)
-    batches = iter(step_batches(train_set, plan, state.step, total, partial(collate_ttt, cfg=cfg, rows=batching.batch_size), cfg.num_workers,
-                                world.device.type == "cuda"))
+    collate_fn = partial(collate_ttt, batching=batching, ttt_steps=cfg.ttt_steps)
+    batches = iter(step_batches(train_set, plan, state.step, total, collate_fn, cfg.num_workers, world.device.type == "cuda"))
     window, clock = torch.zeros(6, cfg.ttt_steps, device=world.device), Window()
     while state.step < total:
         micro = [to_device(next(batches), world.device) for _ in range(batching.grad_accum)]
