@@ -22,13 +22,15 @@ from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
 from eagle3.common import UserError, read_json, read_jsonl, sha256_file, stage_main, write_json
+from eagle3.drafter.checkpoints import lock_run
 from eagle3.drafter.export import check_drafter
 from eagle3.drafter.loss import TrainingTimeTest, VerifierHead
 from eagle3.drafter.parallel import World
 from eagle3.extract import extract, stage_arguments
 from eagle3.hidden_states.loader import Batching, DataPlan, HiddenStates, InOrder, collate, pack
 from eagle3.merge import merge
-from eagle3.train import TrainConfig, TrainPaths, fit, lock_run, lr_factor, main, train, verifier_parts
+from eagle3.train import TrainConfig, TrainPaths, fit, lr_factor, main, train
+from eagle3.verifiers.loading import verifier_parts
 
 from conftest import ROOT, project_params
 from test_extract import conversation, tiny_params, write_generated
@@ -262,7 +264,7 @@ def test_rerun_is_idempotent_and_training_deterministic(tiny_data, tiny_verifier
     shutil.rmtree(args.out)
     shutil.rmtree(args.live)
     caplog.clear()
-    with caplog.at_level("INFO", logger="eagle3.train"):
+    with caplog.at_level("INFO", logger="eagle3"):
         train_with(args, params)
     assert "at step 4" in caplog.text and "step 1 loss" not in caplog.text  # resumed finished, trained nothing
     assert folder_bytes(args.out) == first
@@ -316,14 +318,14 @@ def test_run_id_follows_hidden_state_bytes(tiny_data, tiny_verifier_dir, tmp_pat
         handle.write(bytes([pristine[at] ^ 1]))
     record_digest(part)
     caplog.clear()
-    with caplog.at_level("INFO", logger="eagle3.train"):
+    with caplog.at_level("INFO", logger="eagle3"):
         train_with(args, params)
     assert "resumed" not in caplog.text
     assert len(run_dirs(args.checkpoints)) == 2
     part.write_bytes(pristine)
     record_digest(part)
     caplog.clear()
-    with caplog.at_level("INFO", logger="eagle3.train"):
+    with caplog.at_level("INFO", logger="eagle3"):
         train_with(args, params)
     assert f"{original} at step 2" in caplog.text and len(run_dirs(args.checkpoints)) == 2
 
@@ -383,7 +385,7 @@ def test_second_trainer_on_one_run_is_refused(tiny_data, tiny_verifier_dir, tmp_
     args = train_paths(stage_args(copy_data(tiny_data, tmp_path), tiny_verifier_dir, "run", params))
     train_with(args, params)
     (run_dir,) = [p for p in args.checkpoints.iterdir() if p.is_dir()]
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from eagle3.train import lock_run; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from eagle3.drafter.checkpoints import lock_run; "
                                "lock_run(__import__('pathlib').Path(sys.argv[1])); print('locked', flush=True); time.sleep(60)",
                                str(run_dir)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     try:
