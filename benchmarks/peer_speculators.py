@@ -35,9 +35,10 @@ import types
 import torch
 
 from eagle3.drafter.model import DraftConfig
+from eagle3.hidden_states.loader import Batching
 from eagle3.train import collate_ttt
 from shapes import DRAFTER_SHAPES
-from train_throughput import random_documents, random_draft_vocab, shape_arguments, step_flops, train_config
+from train_throughput import random_documents, random_draft_vocab, shape_arguments, step_flops
 
 
 def import_peer():
@@ -145,7 +146,7 @@ def main() -> None:
     docs = random_documents(cfg, rows, seq, args.doc_tokens, args.answer, torch.Generator().manual_seed(1))
     batch = packed_row(docs, device, dtype)
     lengths = [len(d["input_ids"]) for d in docs]
-    flops = step_flops(cfg, collate_ttt(docs, train_config(ttt_steps=args.ttt_steps, pack_tokens=seq), rows), lengths, True)
+    flops = step_flops(cfg, collate_ttt(docs, Batching(seq, rows, 1), args.ttt_steps), lengths, True)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-4, fused=gpu)
     call = {"ttt_steps": args.ttt_steps, "ttt_step_loss_decay": 0.8, "loss_config": resolve_loss_config(args.loss, args.loss_implementation)}
 

@@ -189,7 +189,7 @@ def main() -> None:
     else:
         generator = torch.Generator().manual_seed(1 + world.rank)  # a batch of its own on every process
         items = [random_documents(cfg, rows, seq, args.doc_tokens, args.answer, generator)]
-    micro = [to_device(collate_ttt(docs, packing, rows), world.device) for docs in items]
+    micro = [to_device(collate_ttt(docs, packing.batching(world.size), packing.ttt_steps), world.device) for docs in items]
     for batch in micro:
         batch["aux"], batch["final"] = batch["aux"].to(dtype), batch["final"].to(dtype)
     doc_lengths = [[len(d["input_ids"]) for d in docs] for docs in items]

@@ -33,7 +33,7 @@ def rms(x, weight, eps):
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def reference_ttt_loss(drafter, head_weight, d2t, input_ids, loss_mask, aux, final, steps, decay, norm_weight=None):
+def reference_ttt_loss(drafter, head_weight, d2t, input_ids, loss_mask, aux, final, steps, decay):
     """Σ_k decay^k · mean soft CE of step k, computed position by position.
 
     Step k, row t: token x[t+k+1], hidden = fc(aux[t]) (k=0) or row t's h2 of step k-1, position
@@ -67,8 +67,7 @@ def reference_ttt_loss(drafter, head_weight, d2t, input_ids, loss_mask, aux, fin
                 s = t + k + 1
                 if s + 1 >= T or not loss_mask[b, s + 1]:
                     continue
-                state = final[b, s] if norm_weight is None else rms(final[b, s], norm_weight, eps)
-                z = head_weight @ state
+                z = head_weight @ final[b, s]
                 best = int(z.argmax())
                 targets[k] += 1  # a target outside the draft vocabulary: no loss, an accuracy miss
                 if best not in draft_ids:

@@ -100,7 +100,8 @@ BAD = [
     ("train.lr=-1", "params.yaml: train.lr = -1: must be a number > 0"),
     ("evaluate.draft_tokens=0", "params.yaml: evaluate.draft_tokens = 0: must be an integer >= 1"),
     ("layout=gpu8", "params.yaml: train.batch_tokens = 768: must be a multiple of 6144: whole packed rows of train.pack_tokens (768) "
-                    "for each of the 8 training processes"),
+                    "for each of the 8 training processes (layout.train_procs x layout.nnodes); it makes 1 row a step, fewer than the "
+                    "processes; the layout cuts the recipe's global batch, it never changes it"),
     ("model.aux_layers=[2,27,15]", "params.yaml: model.aux_layers [2, 27, 15] must be 3 ascending layer ids in [1, 30)"),
     ("model.aux_layers=[2,15,30]", "params.yaml: model.aux_layers [2, 15, 30] must be 3 ascending layer ids in [1, 30)"),
     ("model.aux_layers=[0,15,27]", "params.yaml: model.aux_layers [0, 15, 27] must be 3 ascending layer ids in [1, 30)"),

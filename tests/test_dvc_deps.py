@@ -121,6 +121,16 @@ def test_library_subpackages_are_no_deps_themselves():
     assert inits == ["backends"]
 
 
+def test_the_training_code_in_the_run_id_is_what_train_depends_on():
+    """``train``'s run id hashes the code training runs, derived from its imports (a new module under
+    drafter/ enters it by being imported): train's src/ deps but the launcher, which runs the stage
+    and is no part of it, and the export, which determines none of the weights."""
+    from eagle3.drafter.checkpoints import training_code
+
+    deps = {ROOT / dep for dep in stages()["train"]["deps"] if dep.startswith("src/")}
+    assert set(training_code()) == deps - {SRC / "eagle3" / "launch.py", SRC / "eagle3" / "drafter" / "export.py"}
+
+
 def test_every_stage_reads_exactly_its_declared_params():
     wrong = []
     for name, body in stages().items():

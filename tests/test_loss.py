@@ -8,7 +8,7 @@ import torch
 from eagle3.drafter.attention import KVCache
 from eagle3.drafter.loss import (StepMetrics, Targets, TrainingTimeTest, VerifierHead, metric_sums, select_rows, shift_left,
                                   step_counts, ttt_loss)
-from eagle3.hidden_states.loader import collate
+from eagle3.hidden_states.loader import Batching, collate
 from reference import reference_ttt_loss
 from tiny_drafter import make_drafter, random_batch, verifier_head_weight, one_thread  # noqa: F401 (autouse fixture)
 
@@ -47,16 +47,14 @@ def test_targets_mask_and_vocab():
     torch.testing.assert_close(targets.probs, logits[b, s][:, draft_ids].softmax(-1))
 
 
-@pytest.mark.parametrize("pre_norm", [False, True])
-def test_ttt_loss_matches_reference(pre_norm):
+def test_ttt_loss_matches_reference():
     drafter = make_drafter(seed=3)
     cfg = drafter.config
     K, decay = 4, 0.8
     weight = verifier_head_weight(cfg, drafter.d2t, seed=1)
-    norm_weight = torch.rand(cfg.hidden_size) + 0.5 if pre_norm else None
     batch = random_batch(cfg, 2, 9, seed=2)
     batch["loss_mask"][1, 6:] = 0  # a padded tail
-    head = VerifierHead(weight, drafter.d2t, norm_weight, cfg.rms_norm_eps)
+    head = VerifierHead(weight, drafter.d2t)
     position_ids = torch.arange(9).repeat(2, 1)
     selection = select_rows(batch["loss_mask"], position_ids, K)
     targets = head(batch["final"], selection.positions)
@@ -64,7 +62,7 @@ def test_ttt_loss_matches_reference(pre_norm):
     loss = ttt_loss(ce, step_counts(targets, selection), decay)
     with torch.no_grad():
         expected, acc, counts = reference_ttt_loss(drafter, weight, drafter.d2t, batch["input_ids"], batch["loss_mask"],
-                                                   batch["aux"], batch["final"], K, decay, norm_weight)
+                                                   batch["aux"], batch["final"], K, decay)
     assert all(c > 0 for c in counts)
     assert abs(loss.item() - float(expected)) < 1e-5
     summary = StepMetrics(sums).summary(decay)
@@ -103,9 +101,9 @@ def test_packed_rows_equal_padded_samples():
     cfg, K = drafter.config, 4
     head = VerifierHead(verifier_head_weight(cfg, drafter.d2t, seed=2), drafter.d2t)
     items = samples(cfg, [9, 3, 12, 6], seed=40)
-    packed = collate(items, capacity=35, rows=1)
+    packed = collate(items, Batching(pack_tokens=35, batch_size=1, grad_accum=1))
     assert packed["position_ids"][0].tolist() == [*range(9), *range(3), *range(12), *range(6), *range(5)]
-    padded = [collate([item], capacity=12, rows=1) for item in items]
+    padded = [collate([item], Batching(pack_tokens=12, batch_size=1, grad_accum=1)) for item in items]
     padded = {key: torch.cat([p[key] for p in padded]) for key in ("input_ids", "loss_mask", "aux", "final", "position_ids")}
     loss_packed, sums_packed, grads_packed = ttt_loss_and_grads(drafter, head, packed, K, 0.8)
     loss_padded, sums_padded, grads_padded = ttt_loss_and_grads(drafter, head, padded, K, 0.8)
@@ -124,7 +122,7 @@ def test_fused_training_on_gpu_matches_eager_cpu():
     drafter = make_drafter(seed=5).float()
     cfg, K = drafter.config, 4
     weight = verifier_head_weight(cfg, drafter.d2t, seed=2)
-    batch = collate(samples(cfg, [140, 33, 200, 61], seed=40), capacity=300, rows=2)
+    batch = collate(samples(cfg, [140, 33, 200, 61], seed=40), Batching(pack_tokens=300, batch_size=2, grad_accum=1))
     results = []
     for device in ("cpu", "cuda"):
         on = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}

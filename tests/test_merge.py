@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 
 from eagle3.common import UserError, prompt_group, read_json, read_jsonl, write_json
 from eagle3.extract import extract, stage_arguments
-from eagle3.hidden_states.loader import HiddenStates, collate, pack
+from eagle3.hidden_states.loader import Batching, HiddenStates, collate, pack
 from eagle3.merge import draft_vocab, merge
 
 from conftest import project_params
@@ -148,7 +148,7 @@ def test_dataset_packs_into_float_rows(shards, tiny_verifier_dir):
     assert dataset.lengths == [row["length"] for row in rows] and len(rows) == 7
     capacity = 2 * max(dataset.lengths)
     layout = pack(dataset.lengths, capacity)
-    batch = collate([dataset[i] for row in layout for i in row], capacity, len(layout))
+    batch = collate([dataset[i] for row in layout for i in row], Batching(capacity, len(layout), 1))
     assert batch["input_ids"].dtype == torch.int64 and batch["loss_mask"].dtype == torch.bool
     assert batch["aux"].shape == (len(layout), capacity, 3 * 64) and batch["aux"].dtype == torch.float32
     assert batch["final"].shape == (len(layout), capacity, 64) and batch["tokens"] == sum(dataset.lengths)

@@ -22,13 +22,15 @@ from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
 from eagle3.common import UserError, read_json, read_jsonl, sha256_file, stage_main, write_json
+from eagle3.drafter.checkpoints import lock_run
 from eagle3.drafter.export import check_drafter
 from eagle3.drafter.loss import TrainingTimeTest, VerifierHead
 from eagle3.drafter.parallel import World
 from eagle3.extract import extract, stage_arguments
-from eagle3.hidden_states.loader import DataPlan, HiddenStates, collate, pack
+from eagle3.hidden_states.loader import Batching, DataPlan, HiddenStates, InOrder, collate, pack
 from eagle3.merge import merge
-from eagle3.train import TrainConfig, TrainPaths, fit, lock_run, lr_factor, main, train, verifier_parts
+from eagle3.train import TrainConfig, TrainPaths, fit, lr_factor, main, train
+from eagle3.verifiers.loading import verifier_parts
 
 from conftest import ROOT, project_params
 from test_extract import conversation, tiny_params, write_generated
@@ -57,7 +59,7 @@ def test_data_plan_worked_example():
     assert one.micro_batches(step) == [rows[1][0], rows[1][1]]  # one process accumulating = two processes
     wide = DataPlan(lengths, train_config(batch_tokens=12, micro_batch_rows=2, pack_tokens=6).batching(1), 7)
     assert wide.micro_batches(0) == [rows[0][0] + rows[0][1]]  # a micro-batch of two rows
-    assert [len(r) for r in collate([Items.item(n) for n in (3, 3, 2)], 6, 2)["position_ids"]] == [6, 6]
+    assert [len(r) for r in collate([Items.item(n) for n in (3, 3, 2)], Batching(6, 2, 1))["position_ids"]] == [6, 6]
 
 
 @pytest.mark.parametrize("processes, micro_rows, expected", [(1, 4, (4, 2)), (1, 3, (2, 4)), (2, 3, (2, 2)), (8, 4, (1, 1))])
@@ -72,8 +74,13 @@ def test_the_recipe_fixes_the_global_batch_and_the_layout_only_cuts_it(processes
 def test_a_global_batch_the_processes_cannot_share_or_of_partial_rows_is_refused():
     from eagle3.config import validate
 
-    with pytest.raises(UserError, match="train.batch_tokens 6144 makes 3 rows .* 2 training processes cannot share evenly"):
+    with pytest.raises(UserError, match=r"^params.yaml: train.batch_tokens = 6144: must be a multiple of 4096: whole packed rows of "
+                                        r"train.pack_tokens \(2048\) for each of the 2 training processes \(the processes torchrun "
+                                        r"started\); it makes 3 rows a step, which they cannot share evenly;"):
         train_config(batch_tokens=3 * 2048, pack_tokens=2048).batching(2)
+    with pytest.raises(UserError, match=r"train.batch_tokens = 2048: must be a multiple of 4096: .* it makes 1 row a step, fewer "
+                                        r"than the processes;"):
+        train_config(batch_tokens=2048, pack_tokens=2048).batching(2)  # smaller than one row per process
     with pytest.raises(UserError, match="train.batch_tokens = 5000: must be a multiple of train.pack_tokens \\(2048\\)"):
         validate(OmegaConf.create({"train": {**OmegaConf.to_container(DEBUG), "batch_tokens": 5000}}))
 
@@ -85,6 +92,9 @@ def test_a_short_run_says_it_is_under_trained(caplog):
     assert "UNDER-TRAINED" not in caplog.text
     warn_if_undertrained(54, train_config())
     assert "UNDER-TRAINED: only 54 optimizer steps" in caplog.text and "Lower train.batch_tokens" in caplog.text
+    caplog.clear()
+    warn_if_undertrained(54, train_config(max_steps=54))  # the cap, not the data, makes the run short
+    assert "train.max_steps (now 54) caps the run: raise it, or set it to 0" in caplog.text and "train.epochs (now" not in caplog.text
     assert [warmup_steps(f, 600) for f in (0.0, 0.001, 0.03)] == [0, 1, 18]
 
 
@@ -94,6 +104,13 @@ def test_a_frozen_random_head_is_refused():
     with pytest.raises(UserError, match="train.freeze_lm_head = True: must be false unless train.lm_head_init is verifier"):
         validate(OmegaConf.create({"train": {**OmegaConf.to_container(DEBUG), "lm_head_init": "random", "freeze_lm_head": True}}))
     validate(OmegaConf.create({"train": {**OmegaConf.to_container(DEBUG), "lm_head_init": "verifier", "freeze_lm_head": True}}))
+
+
+def test_validation_takes_every_sample_once_in_index_order():
+    """The worked example of ``InOrder``: the last step takes the rows left, a process without any gets none."""
+    plans = [InOrder([3, 3, 2, 6, 1], Batching(6, 1, 1), rank=r, processes=3) for r in range(3)]
+    assert [plan.steps(1) for plan in plans] == [2, 2, 2]
+    assert [[plan.micro_batches(step) for step in (0, 1)] for plan in plans] == [[[[0, 1]], [[4]]], [[[2]], []], [[[3]], []]]
 
 
 def test_tokens_trained_counts_every_process_and_epoch():
@@ -247,7 +264,7 @@ def test_rerun_is_idempotent_and_training_deterministic(tiny_data, tiny_verifier
     shutil.rmtree(args.out)
     shutil.rmtree(args.live)
     caplog.clear()
-    with caplog.at_level("INFO", logger="eagle3.train"):
+    with caplog.at_level("INFO", logger="eagle3"):
         train_with(args, params)
     assert "at step 4" in caplog.text and "step 1 loss" not in caplog.text  # resumed finished, trained nothing
     assert folder_bytes(args.out) == first
@@ -301,14 +318,14 @@ def test_run_id_follows_hidden_state_bytes(tiny_data, tiny_verifier_dir, tmp_pat
         handle.write(bytes([pristine[at] ^ 1]))
     record_digest(part)
     caplog.clear()
-    with caplog.at_level("INFO", logger="eagle3.train"):
+    with caplog.at_level("INFO", logger="eagle3"):
         train_with(args, params)
     assert "resumed" not in caplog.text
     assert len(run_dirs(args.checkpoints)) == 2
     part.write_bytes(pristine)
     record_digest(part)
     caplog.clear()
-    with caplog.at_level("INFO", logger="eagle3.train"):
+    with caplog.at_level("INFO", logger="eagle3"):
         train_with(args, params)
     assert f"{original} at step 2" in caplog.text and len(run_dirs(args.checkpoints)) == 2
 
@@ -368,7 +385,7 @@ def test_second_trainer_on_one_run_is_refused(tiny_data, tiny_verifier_dir, tmp_
     args = train_paths(stage_args(copy_data(tiny_data, tmp_path), tiny_verifier_dir, "run", params))
     train_with(args, params)
     (run_dir,) = [p for p in args.checkpoints.iterdir() if p.is_dir()]
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from eagle3.train import lock_run; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from eagle3.drafter.checkpoints import lock_run; "
                                "lock_run(__import__('pathlib').Path(sys.argv[1])); print('locked', flush=True); time.sleep(60)",
                                str(run_dir)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     try:

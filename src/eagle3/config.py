@@ -339,6 +339,23 @@ def _check_model(params: DictConfig) -> None:
         VerifierSpec.from_params(params.model).check_taps()
 
 
+def batch_share_problem(batch_tokens: int, pack_tokens: int, processes: int, counted_by: str) -> str | None:
+    """What train.batch_tokens must be so that ``processes`` training processes (their count as
+    ``counted_by`` sets it) take equal shares of whole packed rows of the global batch, or None when
+    they do. ``validate`` checks the layout's count, ``train`` the count torchrun started.
+
+    Worked example: batch_tokens 6144, pack_tokens 2048 make 3 rows a step: None for 1 or 3
+    processes; for 2, "a multiple of 4096: ... it makes 3 rows a step, which they cannot share
+    evenly ..."; for 8, "a multiple of 16384: ... it makes 3 rows a step, fewer than the processes ...".
+    """
+    rows = batch_tokens // pack_tokens  # a whole number: checked before
+    if rows % processes == 0:
+        return None
+    share = "fewer than the processes" if rows < processes else "which they cannot share evenly"
+    return (f"a multiple of {processes * pack_tokens}: whole packed rows of train.pack_tokens ({pack_tokens}) for each of the "
+            f"{processes} training processes ({counted_by}); it makes {rows} row{'s' * (rows != 1)} a step, {share}; "
+            "the layout cuts the recipe's global batch, it never changes it")
+
 def _check_relations(params: DictConfig) -> None:
     device, dtype = _get(params, "layout.device"), _get(params, "layout.dtype")
     if device == "cpu" and dtype not in (_ABSENT, "float32"):
@@ -353,9 +370,9 @@ def _check_relations(params: DictConfig) -> None:
     if _ABSENT not in (batch, row) and batch % row:
         raise _refuse("train.batch_tokens", batch, f"a multiple of train.pack_tokens ({row}): the global batch is whole packed rows")
     procs, nodes = _get(params, "layout.train_procs"), _get(params, "layout.nnodes")
-    if _ABSENT not in (batch, row, procs, nodes) and (batch // row) % (procs * nodes):
-        raise _refuse("train.batch_tokens", batch, f"a multiple of {procs * nodes * row}: whole packed rows of train.pack_tokens "
-                      f"({row}) for each of the {procs * nodes} training processes (layout.train_procs x layout.nnodes); the "
-                      "layout cuts the recipe's global batch, it never changes it")
+    if _ABSENT not in (batch, row, procs, nodes):
+        problem = batch_share_problem(batch, row, procs * nodes, "layout.train_procs x layout.nnodes")
+        if problem:
+            raise _refuse("train.batch_tokens", batch, problem)
     if _get(params, "train.freeze_lm_head") is True and _get(params, "train.lm_head_init") != "verifier":
         raise _refuse("train.freeze_lm_head", True, "false unless train.lm_head_init is verifier (it keeps the lm_head at its start)")

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from eagle3.drafter.attention import KVCache
 from eagle3.drafter.fused import fused_when_training_on_gpu
-from eagle3.drafter.model import Eagle3Drafter, RMSNorm
+from eagle3.drafter.model import Eagle3Drafter
 
 
 def shift_left(x: Tensor, n: int, fill=0) -> Tensor:
@@ -97,7 +97,7 @@ def step_counts(targets: Targets, selection: Selection) -> Tensor:
 
 
 class VerifierHead(nn.Module):
-    """The verifier's frozen lm_head (and final norm if the stored state is pre-norm) -> ``Targets``.
+    """The verifier's frozen lm_head over its stored post-norm final states -> ``Targets``.
 
     ``lm_head_weight`` [V, H] is used in its own dtype (give it in the compute dtype). Its rows are
     split once into the draft vocabulary [Vd, H] and the rest [V - Vd, H]: the targets need the
@@ -106,7 +106,7 @@ class VerifierHead(nn.Module):
     is kept exactly, ties included (the lowest token id wins, as ``argmax`` does).
     """
 
-    def __init__(self, lm_head_weight: Tensor, d2t: Tensor, norm_weight: Tensor | None = None, eps: float = 1e-5):
+    def __init__(self, lm_head_weight: Tensor, d2t: Tensor):
         super().__init__()
         draft_ids = torch.arange(len(d2t), device=d2t.device) + d2t  # [Vd] target id of each draft token (ascending)
         in_draft = torch.zeros(lm_head_weight.shape[0], dtype=torch.bool, device=d2t.device)
@@ -117,18 +117,11 @@ class VerifierHead(nn.Module):
         self.register_buffer("rest_weight", weight[rest_ids], persistent=False)  # [V - Vd, H]
         self.register_buffer("draft_ids", draft_ids, persistent=False)
         self.register_buffer("rest_ids", rest_ids, persistent=False)
-        self.norm = None
-        if norm_weight is not None:
-            self.norm = RMSNorm(len(norm_weight), eps).requires_grad_(False)
-            self.norm.weight.data.copy_(norm_weight)
 
     @torch.no_grad()
     def forward(self, final: Tensor, positions: Tensor) -> Targets:
         """final [B, T, H] at flat positions [N] -> Targets [N]."""
-        hidden = final.flatten(0, 1)[positions]  # [N, H]
-        if self.norm is not None:
-            hidden = self.norm(hidden)
-        hidden = hidden.to(self.draft_weight.dtype)
+        hidden = final.flatten(0, 1)[positions].to(self.draft_weight.dtype)  # [N, H]
         draft = hidden @ self.draft_weight.T  # [N, Vd]
         best, index = draft.max(-1)  # [N]: first maximum = lowest token id (draft ids ascend)
         valid = torch.ones_like(best, dtype=torch.bool)

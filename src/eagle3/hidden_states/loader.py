@@ -2,10 +2,12 @@
 samples into fixed-size rows, and the order in which training takes them.
 
     dataset = HiddenStates("data/merged", "data/hidden_states", "train")
+    batching = Batching(pack_tokens=2048, batch_size=2, grad_accum=1)   # how rows make a step
     rows = pack(dataset.lengths, capacity=2048)                  # sample indices of each row
-    batch = collate([dataset[i] for i in rows[0] + rows[1]], capacity=2048, rows=2)   # [2, 2048, ...]
-    plan = DataPlan(dataset.lengths, Batching(2048, 2, 1), seed=0)   # which samples each step takes
+    batch = collate([dataset[i] for i in rows[0] + rows[1]], batching)   # [2, 2048, ...]
+    plan = DataPlan(dataset.lengths, batching, seed=0)           # which samples each step takes
     batches = step_batches(dataset, plan, start, stop, collate_fn)   # the micro-batches of those steps
+    InOrder(dataset.lengths, batching).micro_batches(0)          # validation: every sample once, in order
 
 Samples are token ranges of safetensors parts (format: ``eagle3.hidden_states.storage``), referenced by
 ``data/merged/manifest.jsonl``. Parts are memory-mapped with ``safetensors.safe_open`` and only
@@ -18,6 +20,7 @@ extract recorded, which also catches a value changed within the recorded magnitu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +128,15 @@ def check_recorded_digests(hidden_states: Path, shards: list[str], digests: dict
                                 f"(`dvc repro -f extract@{shard}`) or restore it (`dvc checkout --force {folder}`)")
 
 
+@dataclass(frozen=True)
+class Batching:
+    """How packed rows make an optimizer step (the ``train`` params of the same names)."""
+
+    pack_tokens: int  # tokens per packed row; at least the longest sample
+    batch_size: int  # packed rows per micro-batch, per process
+    grad_accum: int  # micro-batches per optimizer step, per process
+
+
 def pack(lengths: list[int], capacity: int) -> list[list[int]]:
     """Next-fit packing: consecutive items fill a row of ``capacity`` tokens until the next one
     does not fit, which starts a new row. Returns the item indices of each row, in order.
@@ -146,16 +158,18 @@ def pack(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def collate(items: list[dict[str, torch.Tensor]], capacity: int, rows: int) -> dict[str, torch.Tensor]:
-    """Pack items (in order, ``pack``) into ``rows`` rows of ``capacity`` tokens: [rows, capacity, ...].
+def collate(items: list[dict[str, torch.Tensor]], batching: Batching) -> dict[str, torch.Tensor]:
+    """Pack the items of one micro-batch (in order, ``pack``) into its ``batch_size`` rows of
+    ``pack_tokens`` tokens: [batch_size, pack_tokens, ...].
 
-    Adds ``position_ids`` [rows, capacity] int64: 0, 1, ... within each sample, restarting at the
+    Adds ``position_ids`` [batch_size, pack_tokens] int64: 0, 1, ... within each sample, restarting at the
     next; the padding tail of a row (zero states, token 0, loss_mask False) continues as one more
     sequence 0, 1, ... Rows beyond what the items fill are all padding. ``tokens``: real tokens.
 
-    Worked example (capacity 4, rows 2, samples of 2 and 1 tokens): position_ids
+    Worked example (pack_tokens 4, batch_size 2, samples of 2 and 1 tokens): position_ids
     [[0, 1, 0, 0], [0, 1, 2, 3]]; the first row holds both samples and one padding token.
     """
+    capacity, rows = batching.pack_tokens, batching.batch_size
     lengths = [len(item["input_ids"]) for item in items]
     layout = pack(lengths, capacity)
     if len(layout) > rows:
@@ -177,15 +191,6 @@ def collate(items: list[dict[str, torch.Tensor]], capacity: int, rows: int) -> d
 
 # ---------------------------------------------------------------------------------------------
 # Data order: a pure function of (seed, step), so resuming needs only the step.
-
-
-@dataclass(frozen=True)
-class Batching:
-    """How packed rows make an optimizer step (the ``train`` params of the same names)."""
-
-    pack_tokens: int  # tokens per packed row; at least the longest sample
-    batch_size: int  # packed rows per micro-batch, per process
-    grad_accum: int  # micro-batches per optimizer step, per process
 
 
 class DataPlan:
@@ -254,12 +259,31 @@ class DataPlan:
         return total
 
 
-def check_lengths(splits: dict[str, Dataset], pack_tokens: int) -> None:
+class InOrder(DataPlan):
+    """Every sample once, in index order, cut into steps as ``DataPlan`` cuts them, the last step
+    taking the rows that are left (validation: every sample is scored, none is repeated).
+
+    Worked example: lengths [3, 3, 2, 6, 1], pack_tokens 6, batch_size 1, grad_accum 1, 3
+    processes: rows [[0, 1], [2], [3], [4]], G = 3, so two steps: step 0 gives processes 0, 1, 2
+    [0, 1], [2] and [3]; step 1 gives process 0 [4] and processes 1 and 2 nothing.
+    """
+
+    def __init__(self, lengths: list[int], batching: Batching, rank: int = 0, processes: int = 1):
+        super().__init__(lengths, batching, seed=0, rank=rank, processes=processes)  # the seed orders nothing here
+        self.packed = (0, pack(lengths, batching.pack_tokens))
+
+    def rows(self, epoch: int) -> list[list[int]]:
+        return self.packed[1]
+
+    def steps_in(self, epoch: int) -> int:
+        return math.ceil(len(self.packed[1]) / self.global_rows)
+
+def check_lengths(splits: dict[str, Dataset], batching: Batching) -> None:
     """Every sample must fit in one packed row."""
     for name, dataset in splits.items():
         longest = max(dataset.lengths)
-        if longest > pack_tokens:
-            raise UserError(f"{name} split: a sample of {longest} tokens is longer than train.pack_tokens {pack_tokens}; "
+        if longest > batching.pack_tokens:
+            raise UserError(f"{name} split: a sample of {longest} tokens is longer than train.pack_tokens {batching.pack_tokens}; "
                             "raise train.pack_tokens (or lower merge.max_tokens)")
 
 

@@ -23,12 +23,13 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from omegaconf import DictConfig
 
 from eagle3.common import UserError, read_json, sha256_file, stable_hash, to_plain
-from eagle3.verifiers.spec import LanguageModel
+from eagle3.verifiers.spec import VERIFIER_TENSORS, LanguageModel
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +204,30 @@ def language_model(folder: str | Path) -> LanguageModel:
     """Where the verifier folder's language model sits, as its ``meta.json`` recorded (default: a plain LM)."""
     meta = Path(folder) / "meta.json"
     return LanguageModel(**(read_json(meta).get("language_model") or {})) if meta.is_file() else LanguageModel()
+
+
+def verifier_parts(folder: Path) -> tuple[SimpleNamespace, dict[str, Any]]:
+    """The verifier's LM config and the three tensors training needs (embedding, lm_head, final
+    norm), read from its safetensors files without loading the model. A nested language model
+    (``model.language_model``) has them under its prefix."""
+    from safetensors import safe_open
+
+    lm = language_model(folder)
+    config = SimpleNamespace(**text_config_dict(folder, lm))
+    wanted = {lm.prefix + name: key for key, name in VERIFIER_TENSORS.items()}
+    found: dict[str, Any] = {}  # key -> tensor
+    for file in sorted(weights_dir(folder).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as part:
+            found.update({wanted[name]: part.get_tensor(name) for name in wanted.keys() & set(part.keys())})
+    if "head" not in found and getattr(config, "tie_word_embeddings", False) and "embed" in found:
+        found["head"] = found["embed"]
+    missing = [lm.prefix + VERIFIER_TENSORS[k] for k in VERIFIER_TENSORS if k not in found]
+    if missing:
+        raise UserError(f"{folder}: verifier weights lack {missing}")
+    packed = [lm.prefix + VERIFIER_TENSORS[k] for k, t in found.items() if not t.is_floating_point()]
+    if packed:
+        raise UserError(f"{folder}: {packed} are quantized (packed integers); the drafter needs them in floating point")
+    return config, found
 
 
 def text_config(folder: str | Path, trust_remote_code: bool = False):
