@@ -546,9 +546,9 @@ class TrainPaths:
 
 def train(paths: TrainPaths, cfg: TrainConfig, seed: int, draft_head: dict[str, Any], world: World) -> dict[str, Any]:
     """The whole stage on one process of the world; ``draft_head``: params ``model.draft_head``."""
-    from eagle3.verifiers.loading import read_meta
+    from eagle3.verifiers.loading import verifier_fingerprint
 
-    fingerprint = read_meta(paths.verifier)["fingerprint"]["id"]
+    fingerprint = verifier_fingerprint(paths.verifier)
     train_set, val_set, meta, d2t = open_data(paths.merged, paths.hidden_states, fingerprint)
     config, tensors = verifier_parts(paths.verifier)
     try:
