@@ -40,7 +40,7 @@ from omegaconf import OmegaConf
 
 from eagle3.common import write_json
 from eagle3.extract import Job, Settings, batches, bytes_per_token, extract_samples, hidden_states, prepare, run_workers
-from eagle3.verifier import build_random
+from eagle3.verifier_sources.random_weights import build_random
 from eagle3.verifiers.loading import WHOLE_COPY, load_tokenizer, load_verifier
 from eagle3.verifiers.spec import VerifierSpec
 
