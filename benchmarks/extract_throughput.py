@@ -7,7 +7,7 @@
 
 Prints, as medians over ``--runs``:
 - the verifier forward's tokens/s alone (the ceiling: taps gathered, nothing stored);
-- extraction tokens/s of ``eagle3.extract.extract_samples`` (render excluded; forward, encode,
+- extraction tokens/s of ``eagle3.hidden_states.capture.extract_samples`` (render excluded; forward, encode,
   checks and safetensors writes included) for bf16 and fp8 storage;
 - bytes per token actually written (parts only) next to ``bytes_per_token`` of the preflight;
 - ``dvc add`` time per GB of hidden-state parts (hash + move to cache + link) in a temporary
@@ -39,8 +39,11 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle3.common import write_json
-from eagle3.extract import Job, Settings, batches, bytes_per_token, extract_samples, hidden_states, prepare, run_workers
-from eagle3.verifier import build_random
+from eagle3.extract import bytes_per_token
+from eagle3.hidden_states.capture import Settings, batches, extract_samples, hidden_states
+from eagle3.hidden_states.samples import prepare
+from eagle3.hidden_states.workers import Job, run_workers
+from eagle3.verifier_sources.random_weights import build_random
 from eagle3.verifiers.loading import WHOLE_COPY, load_tokenizer, load_verifier
 from eagle3.verifiers.spec import VerifierSpec
 

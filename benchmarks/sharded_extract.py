@@ -38,8 +38,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from eagle3.common import write_json
-from eagle3.extract import Settings, batches, extract_samples, hidden_states, prepare
-from eagle3.verifier import build_random
+from eagle3.hidden_states.capture import Settings, batches, extract_samples, hidden_states
+from eagle3.hidden_states.samples import prepare
+from eagle3.verifier_sources.random_weights import build_random
 from eagle3.verifiers.loading import WHOLE_COPY, Placement, load_tokenizer, load_verifier, text_config
 from eagle3.verifiers.spec import LanguageModel, VerifierSpec
 

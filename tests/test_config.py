@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from eagle3.common import USER_ERROR, UserError
 from eagle3.config import compose_params, shard_range, validate
-from eagle3.prompts import flat
+from eagle3.prompt_sources.sources import flat
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

@@ -11,10 +11,12 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle3.common import UserError, read_jsonl, write_json, write_jsonl
-from eagle3.extract import Sample, Settings, check_sample, extract, extract_samples, prepare, stage_arguments
+from eagle3.extract import extract, stage_arguments
+from eagle3.hidden_states.capture import Settings, check_sample, extract_samples
+from eagle3.hidden_states.samples import Sample, prepare
 from eagle3.hidden_states.storage import PartWriter, dequantize_fp8, magnitudes, quantize_fp8, read_rows
 from eagle3.verifiers.chat import ChatFormat, render
-from eagle3.verifiers.loading import load_tokenizer, load_verifier, read_meta
+from eagle3.verifiers.loading import load_tokenizer, load_verifier, verifier_fingerprint
 from eagle3.verifiers.spec import VerifierSpec
 
 from conftest import project_params
@@ -195,7 +197,7 @@ def test_stored_ids_masks_index_and_counts(extracted, tiny_verifier_dir):
         "records": 7, "samples": 7, "rejected": 0, "tokens": sum(e["length"] for e in index),
         "masked_tokens": sum(e["masked"] for e in index), "truncated": 1, "rejected_by_reason": {},
     }
-    assert meta["verifier"]["fingerprint"] == read_meta(tiny_verifier_dir)["fingerprint"]["id"]
+    assert meta["verifier"]["fingerprint"] == verifier_fingerprint(tiny_verifier_dir)
     assert (folder / "rejected.jsonl").read_text() == ""
     written = sum(f.stat().st_size for f in folder.iterdir())
     assert written <= meta["estimated_bytes"] < written + (1 << 20) + 7 * 256 + 1  # the preflight's estimate
@@ -265,7 +267,7 @@ def test_validation_rejects_id_mismatch():
 def test_preflight_refuses_before_loading_the_model(tmp_path, tiny_verifier_dir, tiny_model_params, monkeypatch):
     generated = write_generated(tmp_path / "generated", [conversation(i) for i in range(3)])
     monkeypatch.setenv("EAGLE3_DISK_FREE_BYTES", "1000")
-    monkeypatch.setattr("eagle3.extract.load_verifier", lambda *a, **k: pytest.fail("model loaded before the preflight"))
+    monkeypatch.setattr("eagle3.hidden_states.workers.load_verifier", lambda *a, **k: pytest.fail("model loaded before the preflight"))
     with pytest.raises(UserError, match=r"extract: needs \d+\.\d\d MB, 0\.00 MB free on "):
         extract(tiny_verifier_dir, generated, tmp_path / "out", *stage_arguments(tiny_params(tiny_model_params)))
     assert not (tmp_path / "out").exists()
@@ -275,7 +277,7 @@ def test_taps_beyond_the_verifier_are_refused_before_loading_it(tmp_path, tiny_v
     generated = write_generated(tmp_path / "generated", [conversation(0)])
     params = tiny_params(tiny_model_params)
     params.model.aux_layers = [1, 2, 4]  # the tiny verifier has 4 layers: ids 0..3
-    monkeypatch.setattr("eagle3.extract.load_verifier", lambda *a, **k: pytest.fail("model loaded before the check"))
+    monkeypatch.setattr("eagle3.hidden_states.workers.load_verifier", lambda *a, **k: pytest.fail("model loaded before the check"))
     with pytest.raises(UserError) as caught:
         extract(tiny_verifier_dir, generated, tmp_path / "out", *stage_arguments(params))
     assert str(caught.value) == f"params.yaml: model.aux_layers [1, 2, 4] must be 3 ascending layer ids in [1, 4) (the layers of {tiny_verifier_dir})"
@@ -344,7 +346,7 @@ def test_a_shard_rejecting_more_than_a_tenth_of_its_records_is_refused(tmp_path,
     generated = write_generated(tmp_path / "generated", records)
     params = stage_arguments(tiny_params(tiny_model_params))
     with monkeypatch.context() as patch:
-        patch.setattr("eagle3.extract.load_verifier", lambda *a, **k: pytest.fail("model loaded for a refused shard"))
+        patch.setattr("eagle3.hidden_states.workers.load_verifier", lambda *a, **k: pytest.fail("model loaded for a refused shard"))
         with pytest.raises(UserError) as caught:
             extract(tiny_verifier_dir, generated, tmp_path / "out", *params)
     reason = "render: no end-of-turn marker '<end_of_turn>' after the answer"

@@ -9,7 +9,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from eagle3.common import UserError
-from eagle3.prompts import PromptCounter, build_prompts, eval_set_prompts, interleave, text_key, to_messages, user_keys
+from eagle3.prompt_sources.eval_sets import eval_set_prompts
+from eagle3.prompt_sources.messages import text_key, to_messages, user_keys
+from eagle3.prompt_sources.order import interleave
+from eagle3.prompts import PromptCounter, build_prompts
 from eagle3.verifiers.loading import load_tokenizer
 
 from conftest import make_project, project_params, run  # noqa: F401  (fixture re-export)

@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 
 import tiny_kimi
 from eagle3.common import UserError, read_jsonl
-from eagle3.extract import Settings, extract, stage_arguments
+from eagle3.extract import extract, stage_arguments
+from eagle3.hidden_states.capture import Settings
 from eagle3.verifier import import_verifier
 from eagle3.verifiers.loading import Placement, text_config
 from test_extract import conversation, stored_sample, tiny_params, write_generated

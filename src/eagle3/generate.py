@@ -46,7 +46,7 @@ from eagle3.backends import Answer, Backend, Failure, Generation, Request, has_s
 from eagle3.common import UserError, atomic_dir, sample_id, sha256_file, stable_hash, stage_main, to_plain, write_json, write_jsonl
 from eagle3.config import stage_params
 from eagle3.verifiers.chat import prompt_ids
-from eagle3.verifiers.loading import load_tokenizer, read_meta
+from eagle3.verifiers.loading import load_tokenizer, verifier_fingerprint
 from eagle3.verifiers.spec import VerifierSpec
 
 log = logging.getLogger(__name__)
@@ -342,7 +342,7 @@ def run_stage(verifier_dir: Path, prompts_path: Path, out: Path, params: DictCon
     """Read the inputs, answer the shard with the configured backend, write the outputs."""
     spec = VerifierSpec.from_params(params.model)
     generation, backend_cfg = Generation.from_params(params.generate, spec), params.backend
-    verifier = read_meta(verifier_dir)["fingerprint"]["id"]
+    verifier = verifier_fingerprint(verifier_dir)
     prompts = read_prompts(prompts_path)
     tokenizer = load_tokenizer(verifier_dir, generation.trust_remote_code)
     record_params = generation_params(generation, str(backend_cfg.name))

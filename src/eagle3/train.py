@@ -42,7 +42,7 @@ from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.parallel import World
 from eagle3.drafter.reporting import Window, log_summary, record, replay, train_metrics
 from eagle3.hidden_states.loader import Batching, DataPlan, HiddenStates, InOrder, check_lengths, collate, step_batches
-from eagle3.verifiers.loading import read_meta, verifier_parts
+from eagle3.verifiers.loading import verifier_fingerprint, verifier_parts
 from eagle3.verifiers.spec import FINAL_STATES, VerifierSpec, require_verifier
 
 log = logging.getLogger(__name__)
@@ -301,7 +301,7 @@ class TrainPaths:
 
 def train(paths: TrainPaths, cfg: TrainConfig, seed: int, draft_head: dict[str, Any], world: World) -> dict[str, Any]:
     """The whole stage on one process of the world; ``draft_head``: params ``model.draft_head``."""
-    fingerprint = read_meta(paths.verifier)["fingerprint"]["id"]
+    fingerprint = verifier_fingerprint(paths.verifier)
     train_set, val_set, meta, d2t = open_data(paths.merged, paths.hidden_states, fingerprint)
     config, tensors = verifier_parts(paths.verifier)
     try:

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.common import UserError, read_json, write_json
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
-from eagle3.verifiers.loading import language_model, text_config_dict, weights_dir
+from eagle3.verifiers.loading import language_model, text_config_dict, verifier_fingerprint, weights_dir
 from eagle3.verifiers.spec import tap_problem, verifier_mismatch
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -336,7 +336,7 @@ def verifier_facts(folder: str | Path) -> dict[str, Any]:
     top = read_json(folder / "config.json")  # a wrapper may keep the token ids beside its text_config
     facts.update({key: config.get(key, top.get(key)) for key in TOKEN_IDS})
     meta = folder / "meta.json"
-    facts["fingerprint"] = read_json(meta)["fingerprint"]["id"] if meta.is_file() else None
+    facts["fingerprint"] = verifier_fingerprint(folder) if meta.is_file() else None
     return facts
 
 

@@ -1,3 +1,4 @@
-"""The verifier's hidden states on disk: the format extract writes (``storage``) and the dataset
-training reads from it (``loader``).
+"""The verifier's hidden states: how extract renders the records (``samples``), runs the verifier
+over them (``capture``, in several processes: ``workers``) and stores what it taps (``storage``),
+and the dataset training reads from it (``loader``).
 """

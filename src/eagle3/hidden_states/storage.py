@@ -128,7 +128,7 @@ def encode_sample(ids: torch.Tensor, mask: list[int], aux: torch.Tensor, final: 
 class PartWriter:
     """Concatenates samples into safetensors parts of about ``part_bytes`` and indexes them.
 
-    A sample (``eagle3.extract.Sample``) brings ``id``, ``record`` (its line in records.jsonl, unique
+    A sample (``eagle3.hidden_states.samples.Sample``) brings ``id``, ``record`` (its line in records.jsonl, unique
     in the shard), ``input_ids``, ``loss_mask`` and ``truncated``; its index entry is built here.
 
     Parts are written by one background thread while the verifier runs the next batches (at 8B the

@@ -1,6 +1,7 @@
 """The verifier as every stage loads it: the folder ``models/verifier`` that the verifier stage wrote.
 
     meta = read_meta("models/verifier")                      # source, fingerprint, weights_path
+    verifier_fingerprint("models/verifier")                  # its id, which later stages record and check
     tokenizer_fingerprint("models/verifier")                 # what prompts depend on: tokenizer and chat template
     model = load_verifier("models/verifier", "cuda", "bfloat16")
     tokenizer = load_tokenizer("models/verifier")
@@ -177,6 +178,12 @@ def torch_dtype(name: str):
 
 def read_meta(folder: str | Path) -> dict[str, Any]:
     return read_json(Path(folder) / "meta.json")
+
+
+def verifier_fingerprint(folder: str | Path) -> str:
+    """The id of a verifier folder's weights and tokenizer (the verifier stage's ``meta.json``), which
+    every later stage records with its output and checks its inputs against."""
+    return read_meta(folder)["fingerprint"]["id"]
 
 
 def tokenizer_fingerprint(folder: str | Path) -> str:

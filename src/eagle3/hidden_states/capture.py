@@ -1,0 +1,133 @@
+"""The verifier forward of extract: batches of similar lengths through the decoder (no lm_head), each
+sample's tapped and final states encoded in the storage format, checked, and written to parts.
+
+``aux[:, i*H:(i+1)*H]`` is the residual stream *entering* decoder layer ``aux_layers[i]`` (HF
+``output_hidden_states[aux_layers[i]]``, index 0 = embedding output); ``final`` is HF's last hidden
+state, *after* the final norm.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from eagle3.common import UserError
+from eagle3.hidden_states.samples import Sample
+from eagle3.hidden_states.storage import PartWriter, encode_sample, magnitudes
+from eagle3.verifiers.loading import Placement
+from eagle3.verifiers.spec import VerifierSpec, tapped_features
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``extract`` reads from params: its section, the taps, and the layout."""
+
+    name: str  # extract.name: the conf/extract file
+    aux_layers: tuple[int, ...]  # model.aux_layers: HF hidden_states indices, ascending
+    dtype: str  # extract.dtype: storage dtype, bfloat16 | float8_e4m3fn
+    max_length: int  # extract.max_length: longer conversations are truncated (and counted)
+    batch_tokens: int  # extract.batch_tokens: padded tokens per forward
+    part_bytes: int  # extract.part_bytes: target size of a safetensors part
+    device: str  # layout.device: cpu | cuda (worker r takes cuda:r)
+    compute_dtype: str  # layout.dtype: the verifier's dtype for the forward
+    workers: int  # layout.extract_workers: processes, one per device
+    threads: int  # layout.threads: torch intra-op threads per process
+    placement: Placement  # layout.verifier: a whole copy per worker (tp 1), or one copy over tp workers
+
+    @classmethod
+    def from_params(cls, params: DictConfig) -> Settings:
+        extract, layout = params.extract, params.layout  # values validated by config.validate
+        placement = Placement.from_params(layout)
+        if placement.sharded and layout.extract_workers != placement.tp:
+            raise UserError(f"params.yaml: layout.verifier.tp {placement.tp} shards one copy of the verifier over {placement.tp} "
+                            f"processes (GPUs), layout.extract_workers is {layout.extract_workers}: use a layout with "
+                            f"{placement.tp} GPUs (gpu8), or set extract_workers to tp")
+        return cls(
+            str(extract.name), VerifierSpec.from_params(params.model).aux_layers, extract.dtype, int(extract.max_length), int(extract.batch_tokens),
+            int(extract.part_bytes), layout.device, layout.dtype, int(layout.extract_workers), int(layout.threads), placement,
+        )
+
+    def section(self) -> dict[str, Any]:
+        """The ``extract`` params as read (meta.json's ``params``)."""
+        return {"name": self.name, "dtype": self.dtype, "max_length": self.max_length, "batch_tokens": self.batch_tokens,
+                "part_bytes": self.part_bytes}
+
+
+def batches(samples: list[Sample], batch_tokens: int) -> Iterator[list[Sample]]:
+    """Samples by ascending length, grouped so that a padded batch holds ≤ batch_tokens (≥ 1 sample)."""
+    batch: list[Sample] = []
+    for sample in sorted(samples, key=lambda s: (len(s.input_ids), s.record)):
+        if batch and len(sample.input_ids) * (len(batch) + 1) > batch_tokens:
+            yield batch
+            batch = []
+        batch.append(sample)
+    if batch:
+        yield batch
+
+
+@torch.inference_mode()
+def hidden_states(
+    model, batch: list[Sample], aux_layers: tuple[int, ...], pad_id: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """One decoder forward over a right-padded batch; per sample ``(input_ids [T], aux [T, 3H], final [T, H])``.
+
+    Right padding leaves the real tokens' states unchanged (causal attention never looks right,
+    positions start at 0), so each sample's first T rows are its states. The base model is called,
+    not the CausalLM: no lm_head over every position. ``aux`` and ``final`` stay on the verifier's
+    device (in its dtype), so that encoding and checks run there too.
+    """
+    lengths = torch.tensor([len(s.input_ids) for s in batch])
+    width = int(lengths.max())
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, W]
+    for row, sample in enumerate(batch):
+        ids[row, : len(sample.input_ids)] = torch.tensor(sample.input_ids)
+    attention_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()  # [B, W]
+    device = model.device
+    out = model.base_model(
+        input_ids=ids.to(device), attention_mask=attention_mask.to(device), output_hidden_states=True, use_cache=False
+    )
+    states = out.hidden_states  # L+1 tensors [B, W, H]: [k] enters layer k, [L] is after the final norm
+    aux = tapped_features(states, aux_layers)  # [B, W, 3H]
+    final = states[-1]  # [B, W, H]
+    for row, length in enumerate(lengths.tolist()):
+        yield ids[row, :length], aux[row, :length], final[row, :length]
+
+
+def check_sample(sample: Sample, stored: dict[str, torch.Tensor], largest: dict[str, float]) -> str | None:
+    """Why the tensors about to be stored for ``sample`` must not be trained on, or None.
+
+    ``largest``: ``eagle3.hidden_states.storage.magnitudes(stored)`` (non-finite when a value is NaN/Inf).
+    """
+    if stored["input_ids"].tolist() != sample.input_ids:
+        return "stored input_ids differ from the rendered conversation"
+    for name, value in largest.items():
+        if not math.isfinite(value):
+            return f"non-finite values (NaN/Inf) in {name}"
+    return None
+
+
+def extract_samples(model, samples: list[Sample], settings: Settings, folder: Path | None,
+                    pad_id: int) -> tuple[list[dict], list[dict], dict[str, str]]:
+    """Run, check and store ``samples`` (``folder`` None: run and check only); returns (index entries,
+    rejections, sha256 of each part written)."""
+    rejected = []
+    progress = tqdm(total=sum(len(s.input_ids) for s in samples), desc="extract", unit="tok")
+    with PartWriter(folder, settings.part_bytes) as writer:
+        for batch in batches(samples, settings.batch_tokens):
+            for sample, (ids, aux, final) in zip(batch, hidden_states(model, batch, settings.aux_layers, pad_id)):
+                stored = encode_sample(ids, sample.loss_mask, aux, final, settings.dtype)
+                largest = magnitudes(stored)
+                reason = check_sample(sample, stored, largest)
+                if reason is None:
+                    writer.add(sample, {name: tensor.cpu() for name, tensor in stored.items()}, largest)
+                else:
+                    rejected.append({"id": sample.id, "record": sample.record, "reason": reason})
+            progress.update(sum(len(s.input_ids) for s in batch))
+    progress.close()
+    return writer.index, rejected, writer.sha256

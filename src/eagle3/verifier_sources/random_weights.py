@@ -1,0 +1,57 @@
+"""Source kind ``random``: random weights of a given shape with a real tokenizer, for tests and
+benchmarks where only shapes matter (e.g. a Llama-3.1-8B-shaped verifier)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from eagle3.common import UserError, read_json, to_plain, write_json
+from eagle3.verifiers.loading import torch_dtype
+from eagle3.verifiers.spec import LanguageModel
+
+
+def build_random(source: DictConfig, out: Path, trust_remote_code: bool = False, lm: LanguageModel = LanguageModel()) -> None:
+    """Random weights of ``source.config``'s shape with the tokenizer of ``source.tokenizer``.
+
+    With a nested ``lm``, ``source.config`` is the wrapper's config: the text model is built from its
+    ``lm.config`` section and saved under ``lm.prefix`` beside that config, as a multimodal checkpoint is.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer_dir = Path(str(source.tokenizer))
+    if not tokenizer_dir.is_dir():
+        raise UserError(f"model.source.tokenizer: {tokenizer_dir} is not an HF folder with a tokenizer")
+    wrapper = to_plain(source.config)
+    text = dict(wrapper[lm.config]) if lm.config else dict(wrapper)
+    if lm.model_type:
+        text["model_type"] = lm.model_type
+    torch.manual_seed(int(source.get("seed", 0)))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**text), dtype=torch_dtype(source.dtype))
+    model.save_pretrained(out)
+    if lm.nested:
+        nest_checkpoint(out, wrapper, lm)
+    AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code).save_pretrained(out)
+
+
+def nest_checkpoint(folder: Path, wrapper: dict[str, Any], lm: LanguageModel) -> None:
+    """Turn a saved text model in ``folder`` into the wrapper ``lm`` describes: names under ``lm.prefix``,
+    its config under ``wrapper[lm.config]`` (keeping the wrapper's own model type for it)."""
+    from safetensors.torch import load_file, save_file
+
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors = load_file(file)
+        save_file({lm.prefix + name: tensor for name, tensor in tensors.items()}, file, metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        content = read_json(index)
+        content["weight_map"] = {lm.prefix + name: part for name, part in content["weight_map"].items()}
+        write_json(index, content)
+    text = read_json(folder / "config.json")
+    if lm.config:
+        text["model_type"] = wrapper[lm.config].get("model_type", text["model_type"])
+        text = {**wrapper, lm.config: text}
+    write_json(folder / "config.json", text)
