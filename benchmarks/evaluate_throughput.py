@@ -60,11 +60,11 @@ from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.speculative import greedy_decode, prefill, speculative_decode
 from eagle3.drafter.tree import EagleProposer, TreeShape
 from eagle3.evaluate import configure_torch, for_decoding
+from eagle3.lm.chat import prompt_ids
+from eagle3.lm.loading import WHOLE_COPY, eos_token_ids, input_embedding, load_tokenizer, load_verifier
 from eagle3.measurement.acceptance import acceptance_stats
 from eagle3.measurement.settings import Settings
 from eagle3.measurement.timing import decode_all, step_costs, timings, warm_up
-from eagle3.verifiers.chat import prompt_ids
-from eagle3.verifiers.loading import WHOLE_COPY, eos_token_ids, input_embedding, load_tokenizer, load_verifier
 
 # Random verifiers (Llama architecture): SmolLM2-135M's shape, and a tiny one for the CPU test.
 SHAPES = {

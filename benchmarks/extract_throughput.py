@@ -43,9 +43,9 @@ from eagle3.extract import bytes_per_token
 from eagle3.hidden_states.capture import Settings, batches, extract_samples, hidden_states
 from eagle3.hidden_states.samples import prepare
 from eagle3.hidden_states.workers import Job, run_workers
+from eagle3.lm.loading import WHOLE_COPY, load_tokenizer, load_verifier
+from eagle3.lm.spec import VerifierSpec
 from eagle3.verifier_sources.random_weights import build_random
-from eagle3.verifiers.loading import WHOLE_COPY, load_tokenizer, load_verifier
-from eagle3.verifiers.spec import VerifierSpec
 
 TEXT = (
     "Speculative decoding lets a small draft model propose several tokens that the large verifier "

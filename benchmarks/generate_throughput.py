@@ -100,8 +100,8 @@ def random_prompts(count: int, vocab_size: int) -> list[list[int]]:
 
 def shard_prompts(verifier: Path, shard: Path, count: int) -> list[list[int]]:
     from eagle3.generate import read_prompts
-    from eagle3.verifiers.chat import prompt_ids
-    from eagle3.verifiers.loading import load_tokenizer
+    from eagle3.lm.chat import prompt_ids
+    from eagle3.lm.loading import load_tokenizer
 
     tokenizer = load_tokenizer(verifier)
     return [prompt_ids(tokenizer, p["messages"]) for p in read_prompts(shard)[:count]]
@@ -211,7 +211,7 @@ def tie_gaps(spec: dict, folder: Path) -> dict:
     import torch
 
     from eagle3.backends.local import left_pad
-    from eagle3.verifiers.loading import load_verifier
+    from eagle3.lm.loading import load_verifier
 
     after, before = (json.loads((folder / f"{mode}.answers.json").read_text()) for mode in ("after", "before"))
     cap, cases = spec["slow_max_new_tokens"], []
@@ -248,7 +248,7 @@ def greedy_model(spec: dict, max_new_tokens: int):
     """(the verifier, its stop ids, a greedy GenerationConfig) for the plain transformers modes."""
     from transformers import GenerationConfig
 
-    from eagle3.verifiers.loading import load_verifier
+    from eagle3.lm.loading import load_verifier
 
     model = load_verifier(spec["verifier"], spec["device"], spec["dtype"])
     eos = model.generation_config.eos_token_id
@@ -306,8 +306,8 @@ def openai_pass(spec: dict):
     from eagle3.backends import Generation, make_backend
     from eagle3.config import compose_params
     from eagle3.generate import Journal, generate_shard, generation_params, read_prompts
-    from eagle3.verifiers.loading import load_tokenizer
-    from eagle3.verifiers.spec import VerifierSpec
+    from eagle3.lm.loading import load_tokenizer
+    from eagle3.lm.spec import VerifierSpec
 
     scratch = Path(tempfile.mkdtemp())
     compose_params(["backend=openai", f"backend.base_urls=[{spec['base_url']}]", f"backend.concurrency={spec['concurrency']}",

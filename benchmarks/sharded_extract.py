@@ -40,9 +40,9 @@ from omegaconf import OmegaConf
 from eagle3.common import write_json
 from eagle3.hidden_states.capture import Settings, batches, extract_samples, hidden_states
 from eagle3.hidden_states.samples import prepare
+from eagle3.lm.loading import WHOLE_COPY, Placement, load_tokenizer, load_verifier, text_config
+from eagle3.lm.spec import LanguageModel, VerifierSpec
 from eagle3.verifier_sources.random_weights import build_random
-from eagle3.verifiers.loading import WHOLE_COPY, Placement, load_tokenizer, load_verifier, text_config
-from eagle3.verifiers.spec import LanguageModel, VerifierSpec
 
 from extract_throughput import LLAMA_8B, conversations
 

@@ -20,8 +20,8 @@ from omegaconf import OmegaConf
 
 from eagle3.common import UserError
 from eagle3.config import compose_params
+from eagle3.lm.loading import read_meta
 from eagle3.verifier import import_verifier
-from eagle3.verifiers.loading import read_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("EAGLE3_TEST_CACHE", ROOT / ".eagle3" / "cache"))

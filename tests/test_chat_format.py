@@ -15,11 +15,11 @@ from eagle3.backends.local import LocalBackend
 from eagle3.backends.openai import parse_answer
 from eagle3.backends.sglang import launch_command
 from eagle3.common import UserError, read_jsonl
-from eagle3.verifiers.chat import ChatFormat, render
+from eagle3.lm.chat import ChatFormat, render
 from eagle3.verifier import import_verifier
-from eagle3.verifiers.chat import prompt_ids
-from eagle3.verifiers.loading import load_tokenizer, read_meta
-from eagle3.verifiers.spec import VerifierSpec
+from eagle3.lm.chat import prompt_ids
+from eagle3.lm.loading import load_tokenizer, read_meta
+from eagle3.lm.spec import VerifierSpec
 from test_generate import generate, shard_file, stage_params
 from test_pipeline import FAST, SMALL, add_dataset, overrides
 

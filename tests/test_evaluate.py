@@ -17,11 +17,11 @@ from eagle3.drafter.export import verifier_facts, write_drafter
 from eagle3.drafter.speculative import StopStrings, greedy_decode, speculative_decode
 from eagle3.drafter.tree import EagleProposer, TreeShape
 from eagle3.evaluate import check_pair, evaluate, main
+from eagle3.lm.loading import load_tokenizer, load_verifier, tokenizer_fingerprint
 from eagle3.measurement.acceptance import acceptance_stats
 from eagle3.measurement.baselines import baselines, most_frequent_token
 from eagle3.measurement.settings import Settings
 from eagle3.measurement.timing import Run, disagreeing, median_spread, timings
-from eagle3.verifiers.loading import load_tokenizer, load_verifier, tokenizer_fingerprint
 from test_speculative import QUESTIONS, K, TableDrafter, encode, greedy_tables, random_drafter
 
 TINY_TAPS = (1, 2, 3)

@@ -15,9 +15,9 @@ from eagle3.extract import extract, stage_arguments
 from eagle3.hidden_states.capture import Settings, check_sample, extract_samples
 from eagle3.hidden_states.samples import Sample, prepare
 from eagle3.hidden_states.storage import PartWriter, dequantize_fp8, magnitudes, quantize_fp8, read_rows
-from eagle3.verifiers.chat import ChatFormat, render
-from eagle3.verifiers.loading import load_tokenizer, load_verifier, verifier_fingerprint
-from eagle3.verifiers.spec import VerifierSpec
+from eagle3.lm.chat import ChatFormat, render
+from eagle3.lm.loading import load_tokenizer, load_verifier, verifier_fingerprint
+from eagle3.lm.spec import VerifierSpec
 
 from conftest import project_params
 

@@ -14,9 +14,9 @@ from eagle3.backends.local import LocalBackend, SeededSampling, left_pad, plan_b
 from eagle3.common import UserError, read_json, stable_hash, write_jsonl
 from eagle3.config import compose_params
 from eagle3.generate import Journal, read_prompts, run_stage
-from eagle3.verifiers.chat import prompt_ids
-from eagle3.verifiers.loading import load_tokenizer
-from eagle3.verifiers.spec import VerifierSpec
+from eagle3.lm.chat import prompt_ids
+from eagle3.lm.loading import load_tokenizer
+from eagle3.lm.spec import VerifierSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write one sentence about the sea."]

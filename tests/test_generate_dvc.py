@@ -12,7 +12,7 @@ from test_generate import output_bytes, prompt
 
 from eagle3.common import write_jsonl
 from eagle3.generate import run_stage
-from eagle3.verifiers.loading import load_tokenizer
+from eagle3.lm.loading import load_tokenizer
 
 
 @pytest.mark.slow

@@ -19,8 +19,8 @@ from test_generate import generate, generation, prompt, shard_file, stage_params
 from eagle3.backends.openai import OpenAIBackend
 from eagle3.backends.sglang import launch_command
 from eagle3.common import UserError, read_json
-from eagle3.verifiers.loading import load_tokenizer
-from eagle3.verifiers.spec import VerifierSpec
+from eagle3.lm.loading import load_tokenizer
+from eagle3.lm.spec import VerifierSpec
 
 STANDIN = Path(__file__).with_name("openai_standin.py")
 

@@ -10,9 +10,9 @@ from omegaconf import OmegaConf
 
 from conftest import project_params
 from eagle3.common import UserError, package_file
+from eagle3.lm.loading import read_meta
 from eagle3.verifier import import_verifier
 from eagle3.verifier_sources.gguf import gguf_parts, write_gguf
-from eagle3.verifiers.loading import read_meta
 
 
 def make_packages(root: Path, monkeypatch, files: dict[str, list[str]]) -> None:

@@ -15,10 +15,10 @@ import tiny_kimi
 from conftest import run
 from eagle3.common import UserError
 from eagle3.drafter.export import verifier_facts
-from eagle3.verifiers.loading import verifier_parts
+from eagle3.lm.loading import verifier_parts
 from eagle3.verifier import import_verifier
-from eagle3.verifiers.loading import language_model, load_tokenizer, load_verifier, weights_dir
-from eagle3.verifiers.spec import LanguageModel
+from eagle3.lm.loading import language_model, load_tokenizer, load_verifier, weights_dir
+from eagle3.lm.spec import LanguageModel
 from test_pipeline import SMALL, add_dataset
 
 

@@ -9,11 +9,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from eagle3.common import UserError
+from eagle3.lm.loading import load_tokenizer
 from eagle3.prompt_sources.eval_sets import eval_set_prompts
 from eagle3.prompt_sources.messages import text_key, to_messages, user_keys
 from eagle3.prompt_sources.order import interleave
 from eagle3.prompts import PromptCounter, build_prompts
-from eagle3.verifiers.loading import load_tokenizer
 
 from conftest import make_project, project_params, run  # noqa: F401  (fixture re-export)
 

@@ -18,8 +18,8 @@ import tiny_kimi
 from eagle3.common import UserError, read_jsonl
 from eagle3.extract import extract, stage_arguments
 from eagle3.hidden_states.capture import Settings
+from eagle3.lm.loading import Placement, text_config
 from eagle3.verifier import import_verifier
-from eagle3.verifiers.loading import Placement, text_config
 from test_extract import conversation, stored_sample, tiny_params, write_generated
 
 
@@ -98,7 +98,7 @@ def test_sharded_evaluate_decodes_as_a_whole_copy(tmp_path, tiny_verifier_dir):
 
     from eagle3.drafter.export import verifier_facts, write_drafter
     from eagle3.evaluate import main
-    from eagle3.verifiers.loading import load_verifier, tokenizer_fingerprint
+    from eagle3.lm.loading import load_verifier, tokenizer_fingerprint
     from conftest import project_params
     from test_evaluate import QUESTIONS, TINY_TAPS, random_drafter
 

@@ -15,7 +15,7 @@ from test_generate import generate, shard_file, stage_params
 from eagle3.backends import Generation, Request
 from eagle3.backends.local import LocalBackend
 from eagle3.backends.slots import decode_groups, group_requests
-from eagle3.verifiers.loading import load_tokenizer
+from eagle3.lm.loading import load_tokenizer
 
 LENGTHS = [3, 5, 9, 17, 40, 90, 200, 260, 300, 7, 11]  # two width buckets (256, 512)
 

@@ -24,10 +24,10 @@ from eagle3.drafter.skinny import SKINNY_ROWS, skinny_matmuls
 from eagle3.drafter.speculative import (StopStrings, accept, commit, greedy_decode, prefill, read_round, speculative_decode, truncate,
                                         verify)
 from eagle3.drafter.tree import Draft, EagleProposer, TreeShape
+from eagle3.lm.chat import prompt_ids
+from eagle3.lm.loading import load_tokenizer, load_verifier
 from eagle3.measurement.acceptance import acceptance_stats
 from eagle3.measurement.baselines import HistoryProposer, most_frequent, ngram, replay
-from eagle3.verifiers.chat import prompt_ids
-from eagle3.verifiers.loading import load_tokenizer, load_verifier
 from tiny_drafter import draft_d2t
 
 K = 4

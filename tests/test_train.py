@@ -28,9 +28,9 @@ from eagle3.drafter.loss import TrainingTimeTest, VerifierHead
 from eagle3.drafter.parallel import World
 from eagle3.extract import extract, stage_arguments
 from eagle3.hidden_states.loader import Batching, DataPlan, HiddenStates, InOrder, collate, pack
+from eagle3.lm.loading import verifier_parts
 from eagle3.merge import merge
 from eagle3.train import TrainConfig, TrainPaths, fit, lr_factor, main, train
-from eagle3.verifiers.loading import verifier_parts
 
 from conftest import ROOT, project_params
 from test_extract import conversation, tiny_params, write_generated

@@ -9,8 +9,8 @@ from omegaconf import OmegaConf
 
 from eagle3.common import UserError
 from conftest import verifier_model
+from eagle3.lm.loading import load_tokenizer, load_verifier, read_meta, weights_dir
 from eagle3.verifier import import_verifier
-from eagle3.verifiers.loading import load_tokenizer, load_verifier, read_meta, weights_dir
 
 
 def hf_model(path, copy):

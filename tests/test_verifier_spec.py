@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlavaConfig
 
 from eagle3.common import UserError
 from eagle3.config import stage_params
-from eagle3.verifiers.spec import VerifierSpec, require_verifier, tap_problem, tapped_features, verifier_mismatch
+from eagle3.lm.spec import VerifierSpec, require_verifier, tap_problem, tapped_features, verifier_mismatch
 
 from conftest import ROOT, project_params
 

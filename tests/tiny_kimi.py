@@ -110,7 +110,7 @@ def add_vision_shard(folder: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from eagle3.verifiers.loading import checkpoint_names
+    from eagle3.lm.loading import checkpoint_names
 
     text = checkpoint_names(folder)
     vision = {"vision_tower.patch_embed.proj.weight": torch.randn(16, 3, 14, 14),

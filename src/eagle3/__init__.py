@@ -2,10 +2,12 @@
 
 Each dvc.yaml stage is one top-level module of this package run as ``python -m eagle3.<stage>``;
 ``common`` and ``config`` hold what every stage shares (errors, atomic outputs, JSONL; params).
-The library the stages share is grouped by concern: ``verifiers`` (loading the verifier, its
-family's spec, chat rendering), ``backends`` (generation), ``hidden_states`` (the on-disk format
-and the training loader), ``drafter`` (model, loss, export, speculative decoding, parallelism) and
-``lifecycle`` (DVC cache gc, the S3 remote).
+The library the stages share is grouped by concern: ``lm`` (the verifier as a language model:
+loading its folder, its family's spec, chat rendering), ``verifier_sources`` and
+``prompt_sources`` (what the verifier and prompts stages read), ``backends`` (generation),
+``hidden_states`` (capture, the on-disk format and the training loader), ``drafter`` (model, loss,
+checkpoints, export, speculative decoding, parallelism), ``measurement`` (what evaluate times and
+counts) and ``lifecycle`` (DVC cache gc, the S3 remote).
 """
 
 __version__ = "0.1.0"

@@ -24,7 +24,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from eagle3.common import USER_ERROR, UserError, at_finish
-from eagle3.verifiers.spec import VerifierSpec
+from eagle3.lm.spec import VerifierSpec
 
 SHARD_NAME = re.compile(r"^(\d{6})-(\d{6})$")
 SOURCE_KINDS = ("evals", "jsonl", "parquet", "hf")

@@ -57,10 +57,10 @@ from eagle3.measurement.baselines import baselines
 from eagle3.measurement.settings import Settings
 from eagle3.measurement.timing import (UNSTABLE_SPREAD, Run, chain_sweep, decode_all, decode_graphs, disagreeing, graph_rows,
                                        step_costs, timed_prompts, timings, warm_up)
-from eagle3.verifiers.chat import prompt_ids
-from eagle3.verifiers.loading import (close_sharded, eos_token_ids, input_embedding, load_tokenizer, load_verifier, shard_rank,
+from eagle3.lm.chat import prompt_ids
+from eagle3.lm.loading import (close_sharded, eos_token_ids, input_embedding, load_tokenizer, load_verifier, shard_rank,
                                       text_config, tokenizer_fingerprint)
-from eagle3.verifiers.spec import require_verifier
+from eagle3.lm.spec import require_verifier
 
 log = logging.getLogger(__name__)
 

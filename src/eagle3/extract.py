@@ -42,8 +42,8 @@ from eagle3.hidden_states.capture import Settings
 from eagle3.hidden_states.samples import Sample, check_rejections, prepare
 from eagle3.hidden_states.storage import size
 from eagle3.hidden_states.workers import Job, run_workers
-from eagle3.verifiers.loading import close_sharded, load_tokenizer, read_meta, shard_rank, text_config, verifier_fingerprint
-from eagle3.verifiers.spec import VerifierSpec, require_verifier
+from eagle3.lm.loading import close_sharded, load_tokenizer, read_meta, shard_rank, text_config, verifier_fingerprint
+from eagle3.lm.spec import VerifierSpec, require_verifier
 
 log = logging.getLogger(__name__)
 

@@ -45,9 +45,9 @@ from tqdm import tqdm
 from eagle3.backends import Answer, Backend, Failure, Generation, Request, has_surrogates, make_backend, server_model
 from eagle3.common import UserError, atomic_dir, sample_id, sha256_file, stable_hash, stage_main, to_plain, write_json, write_jsonl
 from eagle3.config import stage_params
-from eagle3.verifiers.chat import prompt_ids
-from eagle3.verifiers.loading import load_tokenizer, verifier_fingerprint
-from eagle3.verifiers.spec import VerifierSpec
+from eagle3.lm.chat import prompt_ids
+from eagle3.lm.loading import load_tokenizer, verifier_fingerprint
+from eagle3.lm.spec import VerifierSpec
 
 log = logging.getLogger(__name__)
 

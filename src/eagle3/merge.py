@@ -35,8 +35,8 @@ from omegaconf import DictConfig
 
 from eagle3.common import UserError, atomic_dir, prompt_group, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl
 from eagle3.config import stage_params
-from eagle3.verifiers.loading import read_meta, verifier_fingerprint
-from eagle3.verifiers.spec import require_verifier
+from eagle3.lm.loading import read_meta, verifier_fingerprint
+from eagle3.lm.spec import require_verifier
 
 log = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.parallel import World
 from eagle3.drafter.reporting import Window, log_summary, record, replay, train_metrics
 from eagle3.hidden_states.loader import Batching, DataPlan, HiddenStates, InOrder, check_lengths, collate, step_batches
-from eagle3.verifiers.loading import verifier_fingerprint, verifier_parts
-from eagle3.verifiers.spec import FINAL_STATES, VerifierSpec, require_verifier
+from eagle3.lm.loading import verifier_fingerprint, verifier_parts
+from eagle3.lm.spec import FINAL_STATES, VerifierSpec, require_verifier
 
 log = logging.getLogger(__name__)
 

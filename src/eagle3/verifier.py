@@ -17,8 +17,8 @@ Sources (``model.source.kind``, each read by its module of ``eagle3.verifier_sou
   where only shapes matter (e.g. a Llama-3.1-8B-shaped verifier).
 
 A multimodal checkpoint's language model is found where ``model.language_model`` says
-(``eagle3.verifiers.spec.LanguageModel``), recorded in ``meta.json`` for the later stages.
-The other stages never import this module: they load the folder through ``eagle3.verifiers``.
+(``eagle3.lm.spec.LanguageModel``), recorded in ``meta.json`` for the later stages.
+The other stages never import this module: they load the folder through ``eagle3.lm``.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from omegaconf import DictConfig
 
 from eagle3.common import UserError, atomic_dir, sha256_file, stage_main, to_plain, write_json
 from eagle3.config import stage_params
+from eagle3.lm.chat import text_after_answer
+from eagle3.lm.loading import WEIGHT_SUFFIXES, load_tokenizer, verifier_fingerprint
+from eagle3.lm.spec import VerifierSpec
 from eagle3.verifier_sources.gguf import import_pypi_gguf
 from eagle3.verifier_sources.hf import import_hf
 from eagle3.verifier_sources.random_weights import build_random
-from eagle3.verifiers.chat import text_after_answer
-from eagle3.verifiers.loading import WEIGHT_SUFFIXES, load_tokenizer, verifier_fingerprint
-from eagle3.verifiers.spec import VerifierSpec
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Protocol
 from omegaconf import DictConfig
 
 from eagle3.common import UserError
-from eagle3.verifiers.spec import VerifierSpec
+from eagle3.lm.spec import VerifierSpec
 
 # The model keys a backend that starts its own server launches it with (sglang: --reasoning-parser,
 # --trust-remote-code, --chat-template): they change its answers, so they count as its settings.

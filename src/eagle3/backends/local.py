@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from eagle3.backends import Answer, Done, Generation, Request, cut_at_stop, split_reasoning
-from eagle3.verifiers.loading import eos_token_ids, load_tokenizer, load_verifier
+from eagle3.lm.loading import eos_token_ids, load_tokenizer, load_verifier
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from omegaconf import DictConfig
 from eagle3.backends import Done, Generation, Request
 from eagle3.backends.openai import OpenAIBackend
 from eagle3.common import UserError, die_with_parent
-from eagle3.verifiers.loading import weights_dir
-from eagle3.verifiers.spec import VerifierSpec
+from eagle3.lm.loading import weights_dir
+from eagle3.lm.spec import VerifierSpec
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from eagle3.verifiers.spec import tapped_features
+from eagle3.lm.spec import tapped_features
 
 
 @dataclass

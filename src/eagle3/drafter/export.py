@@ -26,8 +26,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.common import UserError, read_json, write_json
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
-from eagle3.verifiers.loading import language_model, text_config_dict, verifier_fingerprint, weights_dir
-from eagle3.verifiers.spec import tap_problem, verifier_mismatch
+from eagle3.lm.loading import language_model, text_config_dict, verifier_fingerprint, weights_dir
+from eagle3.lm.spec import tap_problem, verifier_mismatch
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHT_DTYPE = torch.bfloat16

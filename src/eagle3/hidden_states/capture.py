@@ -20,8 +20,8 @@ from tqdm import tqdm
 from eagle3.common import UserError
 from eagle3.hidden_states.samples import Sample
 from eagle3.hidden_states.storage import PartWriter, encode_sample, magnitudes
-from eagle3.verifiers.loading import Placement
-from eagle3.verifiers.spec import VerifierSpec, tapped_features
+from eagle3.lm.loading import Placement
+from eagle3.lm.spec import VerifierSpec, tapped_features
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from eagle3.common import UserError, read_json, read_jsonl
 from eagle3.hidden_states.storage import decode_states, load_problem, read_rows
-from eagle3.verifiers.spec import require_verifier
+from eagle3.lm.spec import require_verifier
 
 
 class HiddenStates(Dataset):

@@ -1,5 +1,5 @@
 """Generated records rendered into samples: the tokens the verifier reads and the answer mask the
-drafter learns on, each bad record rejected with its reason (``eagle3.verifiers.chat.render``).
+drafter learns on, each bad record rejected with its reason (``eagle3.lm.chat.render``).
 
 ``loss_mask[t] = 1`` iff token t belongs to the generated answer (reasoning and the end-of-turn token
 included, unless the answer was cut at the token limit; template scaffolding excluded); unshifted.
@@ -14,7 +14,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eagle3.common import UserError
-from eagle3.verifiers.chat import ChatFormat, RenderError, render
+from eagle3.lm.chat import ChatFormat, RenderError, render
 
 MAX_REJECTED_SHARE = 0.10  # a shard rejecting more of its records is refused: a broken rule, not a few bad records
 

@@ -12,7 +12,7 @@ import torch
 from eagle3.common import exit_with_launcher, read_json, write_json
 from eagle3.hidden_states.capture import Settings, extract_samples
 from eagle3.hidden_states.samples import Sample
-from eagle3.verifiers.loading import load_verifier, shard_rank
+from eagle3.lm.loading import load_verifier, shard_rank
 
 
 def device_of(device: str, rank: int) -> str:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from eagle3.drafter.tree import TreeShape
-from eagle3.verifiers.loading import Placement
-from eagle3.verifiers.spec import VerifierSpec
+from eagle3.lm.loading import Placement
+from eagle3.lm.spec import VerifierSpec
 
 
 @dataclass(frozen=True)

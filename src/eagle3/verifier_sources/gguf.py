@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig
 
 from eagle3.common import UserError, package_file
-from eagle3.verifiers.loading import torch_dtype
+from eagle3.lm.loading import torch_dtype
 
 log = logging.getLogger(__name__)
 

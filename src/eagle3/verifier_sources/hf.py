@@ -12,8 +12,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from eagle3.common import UserError
-from eagle3.verifiers.loading import EMBEDDING, WEIGHT_SUFFIXES, checkpoint_names, text_config_dict, torch_dtype
-from eagle3.verifiers.spec import LanguageModel
+from eagle3.lm.loading import EMBEDDING, WEIGHT_SUFFIXES, checkpoint_names, text_config_dict, torch_dtype
+from eagle3.lm.spec import LanguageModel
 
 SMALL_FILE_LIMIT = 64 << 20  # config/tokenizer files are hashed whole; weights are sampled when referenced
 

@@ -9,8 +9,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from eagle3.common import UserError, read_json, to_plain, write_json
-from eagle3.verifiers.loading import torch_dtype
-from eagle3.verifiers.spec import LanguageModel
+from eagle3.lm.loading import torch_dtype
+from eagle3.lm.spec import LanguageModel
 
 
 def build_random(source: DictConfig, out: Path, trust_remote_code: bool = False, lm: LanguageModel = LanguageModel()) -> None:

@@ -2,7 +2,7 @@
 
     spec = VerifierSpec.from_params(params.model)          # the model keys this stage declares
     spec = spec.against(text_config("models/verifier"))    # and its taps against the verifier's layers
-    fmt = spec.chat.for_tokenizer(tokenizer)               # how conversations render (eagle3.verifiers.chat)
+    fmt = spec.chat.for_tokenizer(tokenizer)               # how conversations render (eagle3.lm.chat)
     aux = tapped_features(out.hidden_states, spec.aux_layers)     # [B, T, 3H]
     require_verifier("data/merged/meta.json", "built for", recorded, fingerprint)
 
@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar
 from omegaconf import DictConfig
 
 from eagle3.common import UserError, to_plain
-from eagle3.verifiers.chat import ChatFormat
+from eagle3.lm.chat import ChatFormat
 
 NUM_TAPS = 3  # low, middle and high layer: fc reads 3H
 FINAL_STATES = ("post-norm",)  # train applies only the lm_head to `final`: it must be after the final norm

@@ -30,7 +30,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from eagle3.common import UserError, read_json, sha256_file, stable_hash, to_plain
-from eagle3.verifiers.spec import VERIFIER_TENSORS, LanguageModel
+from eagle3.lm.spec import VERIFIER_TENSORS, LanguageModel
 
 log = logging.getLogger(__name__)
 
