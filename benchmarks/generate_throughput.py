@@ -140,7 +140,7 @@ def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, grap
     its experimental decode attention over each row's used keys only)."""
     from omegaconf import OmegaConf
 
-    from eagle3.backends import Generation, Request
+    from eagle3.backends.base import Generation, Request
     from eagle3.backends.local import LocalBackend
 
     cfg = OmegaConf.create({"device": spec["device"], "dtype": spec["dtype"], "threads": spec["threads"],
@@ -210,7 +210,7 @@ def tie_gaps(spec: dict, folder: Path) -> dict:
     verifier (an eager forward of prompt + common prefix): a near-tie has a small gap, a bug a large one."""
     import torch
 
-    from eagle3.backends.local import left_pad
+    from eagle3.backends.padding import left_pad
     from eagle3.lm.loading import load_verifier
 
     after, before = (json.loads((folder / f"{mode}.answers.json").read_text()) for mode in ("after", "before"))
@@ -261,8 +261,9 @@ def generate_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int):
     """One pass of plain ``generate`` on the backend's batches (sorted by length, left padded)."""
     import torch
 
-    from eagle3.backends import Request
-    from eagle3.backends.local import left_pad, plan_batches
+    from eagle3.backends.base import Request
+    from eagle3.backends.local import plan_batches
+    from eagle3.backends.padding import left_pad
 
     model, eos, config = greedy_model(spec, max_new_tokens)
     batches = plan_batches([Request(str(i), str(i), [], ids, 0) for i, ids in enumerate(prompts)], spec["batch_size"],
@@ -303,7 +304,9 @@ def openai_pass(spec: dict):
     """One pass of the stage's core against a server: prompts as chats, so it needs a shard."""
     from omegaconf import OmegaConf
 
-    from eagle3.backends import Generation, make_backend
+    from eagle3.backends.base import Generation
+
+    from eagle3.backends import make_backend
     from eagle3.config import compose_params
     from eagle3.generate import Journal, generate_shard, generation_params, read_prompts
     from eagle3.lm.loading import load_tokenizer

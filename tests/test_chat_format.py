@@ -10,7 +10,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from conftest import BASE_END_OF_TURN, BASE_TEMPLATE, TINY_LLAMA, run, verifier_model
-from eagle3.backends import Request, cut_at_stop
+from eagle3.backends.base import Request, cut_at_stop
 from eagle3.backends.local import LocalBackend
 from eagle3.backends.openai import parse_answer
 from eagle3.backends.sglang import launch_command

@@ -130,6 +130,47 @@ def dep_files(deps: list[str]) -> set[Path]:
     return {file for path in paths for file in (sorted(path.glob("*.py")) if path.is_dir() else [path])}
 
 
+def import_cycle(files: list[Path]) -> list[Path] | None:
+    """One cycle of explicit imports among ``files`` (a module's own package ``__init__``, which Python
+    runs first, is no edge of its own), or None."""
+    graph = {file: {f for f in imported_files(file) if f != file and not (f.name == "__init__.py" and f.parent in file.parents)
+                    or f in explicit_imports(file)} for file in files}
+    state: dict[Path, int] = {}  # 1: on the current path, 2: done
+
+    def visit(file: Path, path: list[Path]) -> list[Path] | None:
+        state[file] = 1
+        for child in sorted(graph.get(file, ())):
+            if state.get(child) == 1:
+                return [*path[path.index(child):], child] if child in path else [file, child]
+            if child not in state and (found := visit(child, [*path, child])):
+                return found
+        state[file] = 2
+        return None
+
+    return next((found for file in files if file not in state and (found := visit(file, [file]))), None)
+
+
+def explicit_imports(path: Path) -> set[Path]:
+    """The files ``path`` names in its import statements (without the parents Python also runs)."""
+    package = path.relative_to(SRC).parent.parts
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            parts = list(package[: len(package) - node.level + 1]) if node.level else []
+            module = ".".join(parts + ([node.module] if node.module else []))
+            names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+    return {file for file in map(module_file, names) if file is not None and "eagle3" in file.parts}
+
+
+def test_imports_are_acyclic():
+    """No module imports, even inside a function, one that imports it back: each concern builds on
+    the ones below it."""
+    cycle = import_cycle(sorted((SRC / "eagle3").rglob("*.py")))
+    assert cycle is None, " -> ".join(str(file.relative_to(SRC)) for file in cycle)
+
+
 def test_package_init_holds_only_docstring_and_version():
     """Why ``eagle3/__init__.py`` need not be a dep: importing it runs nothing a stage uses."""
     assert only_docstring(SRC / "eagle3" / "__init__.py")

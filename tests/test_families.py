@@ -32,6 +32,9 @@ pytestmark = pytest.mark.families
 SHAPE = {k: TINY_LLAMA[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
                                      "bos_token_id", "eos_token_id", "pad_token_id")}
+# train=debug with rows of 512 tokens: the tests' answers fill a fraction of debug's 2,048-token rows,
+# and the CPU's masked attention costs the whole row squared (4 steps: 13.6 s -> 1.5 s a family).
+SMALL_ROWS = ("train=debug", "train.pack_tokens=512", "train.batch_tokens=512")
 WINDOW = 16  # sliding window (tokens), shorter than every prompt (SmolLM2's template alone is ~30 tokens)
 SLIDING = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
 
@@ -72,9 +75,9 @@ STAGES = ("verifier", "prompts", "generate", "extract", "merge", "train", "check
 def family_params(tmp: Path, family: str) -> Path:
     """params.yaml: the composed defaults at test size, the family as ``model``, a local prompt file."""
     path = tmp / "params.yaml"
-    compose_params(["layout.threads=1", "generate.max_new_tokens=16", "merge.min_tokens=1",
-                    "merge.draft_vocab_size=2048", "train=debug", "evaluate.max_new_tokens=16", "evaluate.draft_tokens=3",
-                    "evaluate.sets=[heldout]"], conf_dir=ROOT / "conf", output=path)
+    compose_params(["layout.threads=1", "generate.max_new_tokens=16", "merge.min_tokens=1", "merge.draft_vocab_size=2048",
+                    *SMALL_ROWS, "evaluate.max_new_tokens=16", "evaluate.draft_tokens=3", "evaluate.sets=[heldout]"],
+                   conf_dir=ROOT / "conf", output=path)
     params = OmegaConf.load(path)
     config = {**FAMILIES[family], "initializer_range": 0.2}  # larger random weights: varied answers, not one repeated token
     params.model.update(

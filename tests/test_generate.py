@@ -9,8 +9,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from eagle3.backends import Generation, Request, split_reasoning
-from eagle3.backends.local import LocalBackend, SeededSampling, left_pad, plan_batches, top_p_filter
+from eagle3.backends.base import Generation, Request, split_reasoning
+from eagle3.backends.local import LocalBackend, SeededSampling, plan_batches, top_p_filter
+from eagle3.backends.padding import left_pad
 from eagle3.common import UserError, read_json, stable_hash, write_jsonl
 from eagle3.config import compose_params
 from eagle3.generate import Journal, read_prompts, run_stage

@@ -69,7 +69,8 @@ def test_remote_code_text_type_needs_a_transformers_type(tiny_kimi_dir, tmp_path
 
 @pytest.mark.slow
 def test_kimi_shaped_verifier_through_every_stage(make_project, tiny_kimi_dir):
-    fast = ["generate.max_new_tokens=12", "merge.min_tokens=1", "train=debug", "evaluate.max_new_tokens=8",
+    fast = ["generate.max_new_tokens=12", "merge.min_tokens=1", "train=debug", "train.pack_tokens=512", "train.batch_tokens=512",
+            "evaluate.max_new_tokens=8",
             "evaluate.max_prompts=1", "evaluate.sets=[heldout]", "evaluate.tree=null", "evaluate.baseline=false",
             "layout.threads=1"]
     repo = make_project(*fast, model=kimi_model(tiny_kimi_dir))

@@ -17,7 +17,8 @@ BIGGER = {"name": "bigger", "shards": ["000000-000008", "000008-000012"],
 
 
 # The tiny verifier, short answers and a few training steps: the whole pipeline in about a minute.
-FAST = ["model=tiny-random", "generate.max_new_tokens=16", "merge.min_tokens=1", "train=debug",
+FAST = ["model=tiny-random", "generate.max_new_tokens=16", "merge.min_tokens=1", "train=debug", "train.pack_tokens=512",
+        "train.batch_tokens=512",  # the answers fill a fraction of debug's 2,048-token rows, whose attention the CPU pays whole
         "evaluate.max_new_tokens=8", "layout.threads=1"]
 
 

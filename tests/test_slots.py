@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 from test_generate import generate, shard_file, stage_params
 
-from eagle3.backends import Generation, Request
+from eagle3.backends.base import Generation, Request
 from eagle3.backends.local import LocalBackend
 from eagle3.backends.slots import decode_groups, group_requests
 from eagle3.lm.loading import load_tokenizer

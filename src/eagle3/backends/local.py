@@ -29,14 +29,12 @@ import torch
 from omegaconf import DictConfig
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from eagle3.backends import Answer, Done, Generation, Request, cut_at_stop, split_reasoning
+from eagle3.backends.base import Answer, Done, Generation, Request, cut_at_stop, split_reasoning
+from eagle3.backends.padding import left_pad, padded_width
 from eagle3.lm.loading import eos_token_ids, load_tokenizer, load_verifier
 
 log = logging.getLogger(__name__)
 
-
-def padded_width(length: int, multiple: int) -> int:
-    return -(-length // multiple) * multiple
 
 
 def plan_batches(
@@ -69,16 +67,6 @@ def by_sample(requests: Sequence[Request]) -> list[list[Request]]:
         parts.setdefault(request.sample, []).append(request)
     return [parts[sample] for sample in sorted(parts)]
 
-
-def left_pad(rows: Sequence[list[int]], pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token rows -> (input_ids [B, T], attention_mask [B, T]), padded on the left to T = a multiple of ``multiple``."""
-    width = padded_width(max(len(row) for row in rows), multiple)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for b, row in enumerate(rows):
-        input_ids[b, width - len(row) :] = torch.tensor(row)
-        attention_mask[b, width - len(row) :] = 1
-    return input_ids, attention_mask
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

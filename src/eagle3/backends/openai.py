@@ -25,7 +25,7 @@ from typing import TypeVar
 import httpx
 from omegaconf import DictConfig
 
-from eagle3.backends import Answer, Done, Failure, Generation, Request, cut_at_stop, has_surrogates, split_reasoning
+from eagle3.backends.base import Answer, Done, Failure, Generation, Request, cut_at_stop, has_surrogates, split_reasoning
 from eagle3.common import UserError
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 from omegaconf import DictConfig
 
-from eagle3.backends import Done, Generation, Request
+from eagle3.backends.base import Done, Generation, Request
 from eagle3.backends.openai import OpenAIBackend
 from eagle3.common import UserError, die_with_parent
 from eagle3.lm.loading import weights_dir

@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from eagle3.backends import Request
-from eagle3.backends.local import left_pad, padded_width
+from eagle3.backends.base import Request
+from eagle3.backends.padding import left_pad, padded_width
 from eagle3.common import UserError
 
 log = logging.getLogger(__name__)
