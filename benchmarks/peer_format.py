@@ -206,8 +206,12 @@ def check_sample(peer_data: Path, facts: dict, merged: Path, hidden_states: Path
                  row: int, steps: int, tokens: int = 256) -> dict:
     """Row ``row`` as its data loader gives it (``ArrowDataset`` + ``shift_batch``) against our sample:
     the same tokens, hidden states and mask (one step shifted, as its ``shift_batch`` documents), targets
-    within bf16 rounding of ours (the final state is stored pre-norm in bf16; in fp32 its norm gives ours
-    back to ~1e-6), and its forward with our weights giving our logits at each of ``steps`` TTT steps."""
+    within bf16 rounding of ours, and its forward with our weights giving our logits at each of ``steps`` TTT steps.
+
+    Its targets cannot equal ours exactly: its norm re-normalizes our bf16-rounded post-norm state,
+    which scales each token's logits by 1 / rms(final / w) (a few outlier dimensions carry most of
+    that rms, so their rounding shows: up to 0.2% on SmolLM2), and final / w is rounded to bf16 again.
+    """
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset
 
@@ -228,7 +232,8 @@ def check_sample(peer_data: Path, facts: dict, merged: Path, hidden_states: Path
     model = peer_drafter(drafter, verifier)
     theirs = model.verifier_lm_head(model.verifier_norm(batch["verifier_last_hidden_states"]))  # [T-1, Vd]
     head = model.verifier_lm_head(ours["final"][1:T])  # ours: lm_head(final), final post-norm
-    exact = model.verifier_norm(pre_norm(ours["final"][1:T], model.verifier_norm.weight)) - ours["final"][1:T]  # before bf16 storage
+    pre = pre_norm(ours["final"][1:T], model.verifier_norm.weight)  # its norm of this is ours / rms(pre), before bf16 storage
+    scale = (pre.pow(2).mean(-1) + model.verifier_norm.variance_epsilon).rsqrt()  # [T-1]: 1 but for our bf16 rounding of final
     target_agree = float((theirs.argmax(-1) == head.argmax(-1)).float().mean())
     if target_agree < 0.97:
         raise AssertionError(f"row {row}: the peer's target argmax agrees with ours on only {target_agree:.3f} of the tokens")
@@ -236,5 +241,5 @@ def check_sample(peer_data: Path, facts: dict, merged: Path, hidden_states: Path
     if max(worst) > 1e-3:
         raise AssertionError(f"row {row}: the peer's forward with our weights gives other logits (max |diff| per step {worst})")
     return {"row": row, "split": split, "tokens": T, **{f"same_{k}": v for k, v in same.items()},
-            "pre_norm_in_fp32_max_abs_diff": float(f"{float(exact.abs().max()):.2e}"), "target_argmax_agreement": round(target_agree, 4), "target_logit_max_abs_diff": round(float((theirs - head).abs().max()), 4),
+            "target_scale_max_deviation": float(f"{float((scale - 1).abs().max()):.2e}"), "target_argmax_agreement": round(target_agree, 4), "target_logit_max_abs_diff": round(float((theirs - head).abs().max()), 4),
             "logits_max_abs_diff_per_step": [float(f"{w:.2e}") for w in worst]}
