@@ -64,8 +64,8 @@ def our_state(peer: dict[str, torch.Tensor], d2t: torch.Tensor) -> dict[str, tor
     names = {peer_name: ours for ours, peer_name in PEER_NAMES.items()}
     extra = sorted(set(peer) - set(names) - set(VERIFIER_COPIES))
     if extra:
-        raise UserError(f"the peer checkpoint has {extra}, which our drafter has not: train it with one layer and "
-                        "--no-norm-before-fc --no-norm-output --no-fc-norm")
+        raise UserError(f"the peer checkpoint has {extra}, which our drafter has not: train it with our layer "
+                        "(peer_tau.PEER_ARCHITECTURE) and one layer")
     state = {names[name]: tensor for name, tensor in peer.items() if name in names}
     state.setdefault("d2t", d2t)
     state.setdefault("t2d", torch.ones(len(d2t), dtype=torch.bool))
@@ -130,8 +130,28 @@ def draft_config(verifier: Path, merged: Path, draft_head: dict) -> DraftConfig:
     return DraftConfig.from_verifier(verifier_parts(verifier)[0], len(d2t), read_json(merged / "meta.json")["aux_layers"], draft_head)
 
 
+# Its config.json's switches of the layer, and the value that is our layer. The same tensor names
+# hold either value of norm_before_residual: only the config tells them apart.
+OUR_LAYER_SWITCHES = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+
+
+def layer_problems(config: dict) -> list[str]:
+    """How a checkpoint's config.json (its ``Eagle3SpeculatorConfig``) is not our drafter's layer."""
+    problems = [f"{key} is {config.get(key)}" for key, ours in OUR_LAYER_SWITCHES.items() if config.get(key, ours) != ours]
+    layers = config.get("transformer_layer_config", {})
+    if layers.get("num_hidden_layers", 1) != 1:
+        problems.append(f"num_hidden_layers is {layers['num_hidden_layers']}")
+    if "sliding_attention" in (layers.get("layer_types") or []):
+        problems.append("its layer attends within a sliding window")
+    return problems
+
+
 def export_peer_checkpoint(checkpoint: Path, verifier: Path, merged: Path, draft_head: dict, out: Path, training: dict) -> None:
     """Its ``checkpoint/model.safetensors`` as our drafter folder ``out`` (``eagle3.train.export``: check-drafter must pass)."""
+    problems = layer_problems(read_json(checkpoint / "config.json"))
+    if problems:
+        raise UserError(f"{checkpoint}/config.json: not our drafter's layer ({'; '.join(problems)}); train it with "
+                        "peer_tau.PEER_ARCHITECTURE")
     d2t = load_file(merged / "vocab.safetensors")["d2t"]
     state = our_state(load_file(checkpoint / "model.safetensors"), d2t)
     export(out, verifier, state, draft_config(verifier, merged, draft_head), verifier_parts(verifier)[1]["embed"], d2t, training)

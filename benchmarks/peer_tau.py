@@ -195,6 +195,8 @@ def check(data: Path, facts: dict, run_dir: Path, drafter: Path, params, work: P
 def equal_time_steps(seconds: float, peer: dict) -> int:
     """Its optimizer steps whose run takes ``seconds``: its fixed costs (start, validation, saving) as run
     ``peer`` paid them, then its steady step time."""
+    if not peer["step_seconds"]:
+        raise UserError(f"the equal-tokens peer run trained {peer['steps']} step(s): too few to time a step; give it more")
     fixed = peer["train_seconds"] - peer["steps"] * peer["step_seconds"]
     return max(1, math.floor((seconds - fixed) / peer["step_seconds"]))
 
