@@ -261,5 +261,6 @@ def check_sample(peer_data: Path, facts: dict, merged: Path, hidden_states: Path
     if max(worst) > 1e-3:
         raise AssertionError(f"row {row}: the peer's forward with our weights gives other logits (max |diff| per step {worst})")
     return {"row": row, "split": split, "tokens": T, **{f"same_{k}": v for k, v in same.items()},
-            "target_scale_max_deviation": float(f"{float((scale - 1).abs().max()):.2e}"), "target_argmax_agreement": round(target_agree, 4), "target_logit_max_abs_diff": round(float((theirs - head).abs().max()), 4),
+            "target_scale_max_deviation": float(f"{float((scale - 1).abs().max()):.2e}"),
+            "target_argmax_agreement": round(target_agree, 4), "target_logit_max_abs_diff": round(float((theirs - head).abs().max()), 4),
             "logits_max_abs_diff_per_step": [float(f"{w:.2e}") for w in worst]}

@@ -30,11 +30,18 @@ weight decay 0.1) and AdamW on the rest (lr 1e-3, weight decay 0.01), a linear s
 frozen at the verifier's draft-vocabulary rows (``model.DraftVocabMixin``), seed 42. Changed are
 only (``PEER_ARCHITECTURE``) the layer, set to ours: no norm before ``fc``, the pre-norm state fed to
 the next step, the un-normed hidden state as residual, full attention (its eagle3 defaults differ in
-all four, which neither our drafter format nor SGLang's ``LlamaForCausalLMEagle3`` can hold, and no
-weight folding turns one into the other; its own ``convert`` builds this layer from EAGLE checkpoints),
-and the data facts (our draft vocabulary, taps, split and epochs). ``--peer-flags`` adds more of its
-flags (they come last and win; smoke runs: ``--peer-flags "--max-steps 2 --epochs 1 --total-seq-len 768"``). On a CPU (our checks) its
-attention and loss run eager in float32 (``PEER_ON_CPU``).
+all four, which our drafter format and ``evaluate`` cannot hold, and no weight folding turns one into
+the other; its own ``convert`` builds our layer from EAGLE checkpoints), and the data facts (our draft
+vocabulary, taps, split and epochs). ``--peer-flags`` adds more of its flags, last, so they win (smoke
+runs: ``--peer-flags "--max-steps 2 --epochs 1 --total-seq-len 768"``; ours' depth: ``"--ttt-steps 7"``).
+On a CPU (our checks) its attention and loss run eager in float32 (``PEER_ON_CPU``).
+
+Where its objective differs from ours on the same rows (read in its source, left as it is): its loss
+mask is the input token's (``shift_batch`` keeps ``loss_mask[1:]`` beside the target of the next
+token), so it never learns the first answer token and ours does; at TTT step k a row within k tokens
+of its document's end is scored against the next packed document's target (no document check in
+``align_for_step``); a target whose verifier argmax lies outside the draft vocabulary is trained
+towards, where ours masks it; its lm_head stays frozen, ours trains from the verifier's rows.
 
 Installing the peer, never into the project's dependencies: the GPU machine (python 3.12, torch 2.11,
 transformers 5.17, no package registry) needs these wheels carried (sizes of the cp312 builds):
