@@ -38,7 +38,8 @@ On a CPU (our checks) its attention and loss run eager in float32 (``PEER_ON_CPU
 
 Where its objective differs from ours on the same rows (read in its source, left as it is): its loss
 mask is the input token's (``shift_batch`` keeps ``loss_mask[1:]`` beside the target of the next
-token), so it never learns the first answer token and ours does; at TTT step k a row within k tokens
+token), so it never learns the first answer token (ours does) and learns the verifier's guess of the
+token after the sample's last one (ours has no such target); at TTT step k a row within k tokens
 of its document's end is scored against the next packed document's target (no document check in
 ``align_for_step``); a target whose verifier argmax lies outside the draft vocabulary is trained
 towards, where ours masks it; its lm_head stays frozen, ours trains from the verifier's rows.
