@@ -77,9 +77,12 @@ def stand_in(name: str) -> types.ModuleType:
     return module
 
 
-def peer_model(speculators, cfg: DraftConfig, d2t: torch.Tensor, verifier_head: torch.Tensor, embed: torch.Tensor, attention: str):
+def peer_model(speculators, cfg: DraftConfig, d2t: torch.Tensor, verifier_head: torch.Tensor, embed: torch.Tensor, attention: str,
+               norm_before_residual: bool = True):
     """Its Eagle3DraftModel of our preset's shape, with the verifier's head and embedding set as its
-    ``load_verifier_weights`` would set them from a checkpoint."""
+    ``load_verifier_weights`` would set them from a checkpoint. ``norm_before_residual``: its trainer's
+    default (True) adds the normed hidden state as the residual; False is our drafter (and the layer
+    SGLang and vLLM serve)."""
     from transformers import LlamaConfig
 
     layer = LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=1,
@@ -89,7 +92,7 @@ def peer_model(speculators, cfg: DraftConfig, d2t: torch.Tensor, verifier_head: 
                         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})})
     layer._attn_implementation = attention
     config = speculators.Eagle3SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=cfg.draft_vocab_size, norm_before_residual=True,
+        transformer_layer_config=layer, draft_vocab_size=cfg.draft_vocab_size, norm_before_residual=norm_before_residual,
         eagle_aux_hidden_state_layer_ids=list(cfg.aux_layers),
         speculators_config=speculators.SpeculatorsConfig(
             algorithm="eagle3", default_proposal_method="greedy",

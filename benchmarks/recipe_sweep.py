@@ -115,17 +115,22 @@ def train_and_evaluate(base, name: str, overrides: dict, data: Path, mix: Path, 
 def result(name: str, overrides: dict, data: Path, mix: Path, folder: Path, train_s: float, evaluate_s: float) -> dict:
     train = json.loads((folder / "train" / "metrics.json").read_text())
     merge = json.loads((mix.with_name(mix.name + "-metrics") / "metrics.json").read_text())
-    evaluate = json.loads((folder / "evaluate" / "metrics.json").read_text())
-    sets = {}
-    for set_name, report in evaluate.items():
-        if isinstance(report, dict) and "tau" in report:
-            sets[set_name] = {"tau": report["tau"], "prompts": report.get("prompts"),
-                              **{f"{m}_tau": report[m]["tau"] for m in ("tree", "ngram", "baseline") if isinstance(report.get(m), dict)}}
+    sets = tau_by_set(folder / "evaluate" / "metrics.json")
     best = train["best"]
     return {"name": name, "overrides": overrides, "data": data.name, "steps": train["step"], "train_tokens": train["tokens_trained"],
             "samples": merge["train_records"], "answer_tokens_mean": round(merge["masked_tokens"] / max(1, merge["records"]), 1),
             "best_step": best.get("step"), "val_sim_accept_len": best["sim_accept_len"], "val_acc_0": best["acc_0"],
             "train_seconds": round(train_s, 1), "evaluate_seconds": round(evaluate_s, 1), "sets": sets}
+
+
+def tau_by_set(metrics: Path) -> dict:
+    """An evaluate metrics.json as {set: {tau (the chain's), prompts, tree_tau, ngram_tau, baseline_tau}}."""
+    sets = {}
+    for set_name, report in json.loads(metrics.read_text()).items():
+        if isinstance(report, dict) and "tau" in report:
+            sets[set_name] = {"tau": report["tau"], "prompts": report.get("prompts"),
+                              **{f"{m}_tau": report[m]["tau"] for m in ("tree", "ngram", "baseline") if isinstance(report.get(m), dict)}}
+    return sets
 
 
 def main() -> None:
