@@ -20,7 +20,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import ROOT, TINY_LLAMA
+from support.models import TINY_LLAMA
+from support.repo import ROOT
 from eagle3 import evaluate, extract, generate, merge, prompts, train
 from eagle3.common import write_jsonl
 from eagle3.config import compose_params

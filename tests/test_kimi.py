@@ -1,6 +1,6 @@
 """Verifiers shaped like Kimi-K2.5: a vision wrapper around a DeepSeek-V3 text model under ``language_model.``.
 
-The tiny Kimi-shaped checkpoint (tests/tiny_kimi.py) keeps the real one's nesting, key names and
+The tiny Kimi-shaped checkpoint (tests/support/tiny_kimi.py) keeps the real one's nesting, key names and
 remote-code tokenizer; the stages must find the text model through ``model.language_model``.
 """
 
@@ -11,15 +11,15 @@ import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
-import tiny_kimi
-from conftest import run
+from support import tiny_kimi
+from support.repo import run
 from eagle3.common import UserError
 from eagle3.drafter.export import verifier_facts
 from eagle3.lm.loading import verifier_parts
 from eagle3.verifier import import_verifier
 from eagle3.lm.loading import language_model, load_tokenizer, load_verifier, weights_dir
 from eagle3.lm.spec import LanguageModel
-from test_pipeline import SMALL, add_dataset
+from support.pipeline import SMALL, add_dataset
 
 
 def kimi_model(folder, **changes):
