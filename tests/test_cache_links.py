@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run
+from support.repo import ROOT, run
 
 OTHER_FILESYSTEM = Path("/dev/shm")  # a tmpfs on Linux: no hardlink reaches it from the test's folder
 

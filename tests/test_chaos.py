@@ -19,8 +19,9 @@ import time
 import pytest
 import yaml
 
-from conftest import kill_when, run, stage_processes, start_repro
-from test_pipeline import FAST, SMALL, add_dataset, overrides
+from support.pipeline import FAST, SMALL, add_dataset, overrides
+from support.processes import kill_when, stage_processes, start_repro
+from support.repo import run
 
 SEED = 13
 STAGES = ["prompts", "generate", "extract", "merge", "train", "evaluate", "summary"]  # foreach stages: their one shard

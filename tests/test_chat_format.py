@@ -9,7 +9,8 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from conftest import BASE_END_OF_TURN, BASE_TEMPLATE, TINY_LLAMA, run, verifier_model
+from support.models import BASE_END_OF_TURN, BASE_TEMPLATE, TINY_LLAMA, verifier_model
+from support.repo import run
 from eagle3.backends.base import Request, cut_at_stop
 from eagle3.backends.local import LocalBackend
 from eagle3.backends.openai import parse_answer
@@ -20,8 +21,8 @@ from eagle3.verifier import import_verifier
 from eagle3.lm.chat import prompt_ids
 from eagle3.lm.loading import load_tokenizer, read_meta
 from eagle3.lm.spec import VerifierSpec
-from test_generate import generate, shard_file, stage_params
-from test_pipeline import FAST, SMALL, add_dataset, overrides
+from support.generate import generate, shard_file, stage_params
+from support.pipeline import FAST, SMALL, add_dataset, overrides
 
 
 def random_model(tokenizer: Path, chat_template: str | None = None, seed: int = 0, end_of_turn: str = "<|im_end|>", **config):

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from omegaconf.errors import ConfigAttributeError
 
-from conftest import ROOT
+from support.repo import ROOT
 from eagle3.config import stage_params
 
 SRC = ROOT / "src"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import ROOT, project_params, run
+from support.repo import ROOT, project_params, run
 from eagle3.common import UserError
 from eagle3.config import validate
 from eagle3.drafter.export import verifier_facts, write_drafter
@@ -22,9 +22,7 @@ from eagle3.measurement.acceptance import acceptance_stats
 from eagle3.measurement.baselines import baselines, most_frequent_token
 from eagle3.measurement.settings import Settings
 from eagle3.measurement.timing import Run, disagreeing, median_spread, timings
-from test_speculative import QUESTIONS, K, TableDrafter, encode, greedy_tables, random_drafter
-
-TINY_TAPS = (1, 2, 3)
+from support.speculative import K, QUESTIONS, TINY_TAPS, TableDrafter, encode, greedy_tables, random_drafter
 
 
 def test_acceptance_stats_match_docstring_and_tau():

@@ -24,7 +24,7 @@ from eagle3.drafter.export import (
 )
 from eagle3.drafter.attention import KVCache
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
-from tiny_drafter import draft_d2t, make_drafter, one_thread  # noqa: F401 (autouse fixture)
+from support.tiny_drafter import draft_d2t, make_drafter, one_thread  # noqa: F401 (autouse fixture)
 
 VERIFIER = {"name": "debug", "fingerprint": "0123456789abcdef", "num_layers": 4, "vocab_size": 512, "hidden_size": 64,
             "max_position_embeddings": 2048}

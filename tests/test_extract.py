@@ -10,55 +10,17 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from eagle3.common import UserError, read_jsonl, write_json, write_jsonl
+from eagle3.common import UserError, read_jsonl, write_json
 from eagle3.extract import extract, stage_arguments
 from eagle3.hidden_states.capture import Settings, check_sample, extract_samples
 from eagle3.hidden_states.samples import Sample, prepare
-from eagle3.hidden_states.storage import PartWriter, dequantize_fp8, magnitudes, quantize_fp8, read_rows
+from eagle3.hidden_states.storage import PartWriter, dequantize_fp8, magnitudes, quantize_fp8
 from eagle3.lm.chat import ChatFormat, render
 from eagle3.lm.loading import load_tokenizer, load_verifier, verifier_fingerprint
 from eagle3.lm.spec import VerifierSpec
 
-from conftest import project_params
-
-SENTENCES = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Speculative decoding drafts tokens that the verifier accepts or rejects.",
-    "Water boils at one hundred degrees Celsius at sea level.",
-    "def add(a, b):\n    return a + b",
-    "Les chats dorment beaucoup pendant la journée.",
-    "A prime number has exactly two divisors.",
-    "Hidden states are stored in safetensors parts.",
-    "The mitochondria is the powerhouse of the cell.",
-]
-
-
-def conversation(i: int, answer_sentences: int | None = None, reasoning: str | None = None) -> dict:
-    """A generated record in the contract's shape (data/generated/<shard>/records.jsonl)."""
-    n = answer_sentences if answer_sentences is not None else 1 + i % 4
-    answer = " ".join(SENTENCES[(i + k) % len(SENTENCES)] for k in range(n))
-    messages = [
-        {"role": "user", "content": f"Question {i}: tell me about this. {SENTENCES[i % len(SENTENCES)]}"},
-        {"role": "assistant", "content": answer, "reasoning_content": reasoning},
-    ]
-    return {
-        "id": f"{i:016x}", "prompt_id": f"p{i:015x}", "source": "tests", "messages": messages,
-        "finish_reason": "stop", "prompt_tokens": 0, "completion_tokens": 0, "generation": {"temperature": 0.0},
-    }
-
-
-def write_generated(folder: Path, records: list[dict]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    write_jsonl(folder / "records.jsonl", records)
-    return folder
-
-
-def tiny_params(tiny_model_params, **extract):
-    """Project params with the tiny verifier's model section and small batches/parts."""
-    params = project_params()
-    params.model = tiny_model_params
-    params.extract = OmegaConf.merge(params.extract, {"batch_tokens": 256, "part_bytes": 40_000, **extract})
-    return params
+from support.data import conversation, stored_sample, tiny_params, write_generated
+from support.repo import project_params
 
 
 def smollm2_format(tokenizer) -> ChatFormat:
@@ -145,14 +107,6 @@ def extracted(tmp_path_factory, tiny_verifier_dir, tiny_model_params):
 @pytest.fixture(scope="module")
 def tiny_model(tiny_verifier_dir):
     return load_verifier(tiny_verifier_dir)
-
-
-def stored_sample(folder: Path, entry: dict) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    with safe_open(folder / entry["part"], framework="pt") as part:
-        names = ["input_ids", "loss_mask", "aux", "aux_scale", "final", "final_scale"]
-        return read_rows(part, names, entry["offset"], entry["offset"] + entry["length"])
 
 
 def test_taps_equal_hf_hidden_states_and_final_is_post_norm(extracted, tiny_model, tiny_model_params):

@@ -20,7 +20,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import ROOT, TINY_LLAMA
+from support.models import TINY_LLAMA
+from support.pipeline import SMALL_ROWS
+from support.repo import ROOT
 from eagle3 import evaluate, extract, generate, merge, prompts, train
 from eagle3.common import write_jsonl
 from eagle3.config import compose_params
@@ -32,9 +34,6 @@ pytestmark = pytest.mark.families
 SHAPE = {k: TINY_LLAMA[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
                                      "bos_token_id", "eos_token_id", "pad_token_id")}
-# train=debug with rows of 512 tokens: the tests' answers fill a fraction of debug's 2,048-token rows,
-# and the CPU's masked attention costs the whole row squared (4 steps: 13.6 s -> 1.5 s a family).
-SMALL_ROWS = ("train=debug", "train.pack_tokens=512", "train.batch_tokens=512")
 WINDOW = 16  # sliding window (tokens), shorter than every prompt (SmolLM2's template alone is ~30 tokens)
 SLIDING = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from conftest import kill_when, run, start_repro
+from support.processes import kill_when, start_repro
+from support.repo import run
 from omegaconf import OmegaConf
-from test_generate import output_bytes, prompt
+from support.generate import output_bytes, prompt
 
 from eagle3.common import write_jsonl
 from eagle3.generate import run_stage

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from openai_standin import SLOW_SECONDS, StandinServer
-from test_generate import generate, generation, prompt, shard_file, stage_params
+from support.generate import generate, generation, prompt, shard_file, stage_params
+from support.openai_standin import SLOW_SECONDS, StandinServer
 
 from eagle3.backends.openai import OpenAIBackend
 from eagle3.backends.sglang import launch_command
@@ -22,7 +22,7 @@ from eagle3.common import UserError, read_json
 from eagle3.lm.loading import load_tokenizer
 from eagle3.lm.spec import VerifierSpec
 
-STANDIN = Path(__file__).with_name("openai_standin.py")
+STANDIN = Path(__file__).parent / "support" / "openai_standin.py"
 
 
 def free_port() -> int:

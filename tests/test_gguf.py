@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import project_params
+from support.repo import project_params
 from eagle3.common import UserError, package_file, sha256_file
 from eagle3.lm.loading import read_meta
 from eagle3.verifier import import_verifier

@@ -1,6 +1,6 @@
 """Verifiers shaped like Kimi-K2.5: a vision wrapper around a DeepSeek-V3 text model under ``language_model.``.
 
-The tiny Kimi-shaped checkpoint (tests/tiny_kimi.py) keeps the real one's nesting, key names and
+The tiny Kimi-shaped checkpoint (tests/support/tiny_kimi.py) keeps the real one's nesting, key names and
 remote-code tokenizer; the stages must find the text model through ``model.language_model``.
 """
 
@@ -11,15 +11,14 @@ import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
-import tiny_kimi
-from conftest import run
 from eagle3.common import UserError
 from eagle3.drafter.export import verifier_facts
-from eagle3.lm.loading import verifier_parts
-from eagle3.verifier import import_verifier
-from eagle3.lm.loading import language_model, load_tokenizer, load_verifier, weights_dir
+from eagle3.lm.loading import language_model, load_tokenizer, load_verifier, verifier_parts, weights_dir
 from eagle3.lm.spec import LanguageModel
-from test_pipeline import SMALL, add_dataset
+from eagle3.verifier import import_verifier
+from support import tiny_kimi
+from support.pipeline import SMALL, SMALL_ROWS, add_dataset
+from support.repo import run
 
 
 def kimi_model(folder, **changes):
@@ -69,8 +68,7 @@ def test_remote_code_text_type_needs_a_transformers_type(tiny_kimi_dir, tmp_path
 
 @pytest.mark.slow
 def test_kimi_shaped_verifier_through_every_stage(make_project, tiny_kimi_dir):
-    fast = ["generate.max_new_tokens=12", "merge.min_tokens=1", "train=debug", "train.pack_tokens=512", "train.batch_tokens=512",
-            "evaluate.max_new_tokens=8",
+    fast = ["generate.max_new_tokens=12", "merge.min_tokens=1", *SMALL_ROWS, "evaluate.max_new_tokens=8",
             "evaluate.max_prompts=1", "evaluate.sets=[heldout]", "evaluate.tree=null", "evaluate.baseline=false",
             "layout.threads=1"]
     repo = make_project(*fast, model=kimi_model(tiny_kimi_dir))

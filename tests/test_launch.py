@@ -11,8 +11,9 @@ import time
 
 import pytest
 
-from conftest import run, stage_processes
-from test_train import copy_data, stage_args, stage_params, tiny_data  # noqa: F401 (fixture)
+from support.processes import stage_processes
+from support.repo import run
+from support.train import copy_data, stage_args, stage_params, tiny_data  # noqa: F401 (fixture)
 
 LAUNCH = [sys.executable, "-m", "eagle3.launch", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
           "--rdzv-endpoint", "localhost:0"]

@@ -11,10 +11,10 @@ import sys
 import pytest
 import yaml
 
-from conftest import run
+from support.repo import run
 from eagle3.config import compose_params
 from eagle3.lifecycle.s3 import ServerHome, stop
-from local_s3 import add_remote, cache_objects, file_hashes, local_s3, lock_objects  # noqa: F401
+from support.local_s3 import add_remote, cache_objects, file_hashes, local_s3, lock_objects  # noqa: F401
 
 TARGET = "extract"  # the stages up to the hidden states, the artifact gc is about
 # A small local prompt file instead of the 755 MB `evals` registry keeps the `prompts` stage quick.

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import run
-from local_s3 import (  # noqa: F401
+from support.local_s3 import (  # noqa: F401
     add_remote, cache_objects, delete_remote_object, file_hashes, local_s3, lock_objects, manifest)
+from support.repo import run
 
 pytestmark = pytest.mark.slow  # real dvc pipelines
 
@@ -242,7 +242,7 @@ def test_credentials_never_reach_git(fresh_repo, local_s3):
 
 
 def test_gc_removes_what_killed_runs_left_beside_the_outputs(blob_repo, local_s3):
-    from test_merge_dvc import plant_leftover
+    from support.merge import plant_leftover
 
     repo = blob_repo
     local_s3(repo)

@@ -9,8 +9,8 @@ from eagle3.drafter.attention import KVCache
 from eagle3.drafter.loss import (StepMetrics, Targets, TrainingTimeTest, VerifierHead, metric_sums, select_rows, shift_left,
                                   step_counts, ttt_loss)
 from eagle3.hidden_states.loader import Batching, collate
-from reference import reference_ttt_loss
-from tiny_drafter import make_drafter, random_batch, verifier_head_weight, one_thread  # noqa: F401 (autouse fixture)
+from support.reference import reference_ttt_loss
+from support.tiny_drafter import make_drafter, one_thread, random_batch, verifier_head_weight  # noqa: F401 (autouse fixture)
 
 
 def test_shift_left_and_select_rows_worked_examples():

@@ -15,8 +15,8 @@ from eagle3.extract import extract, stage_arguments
 from eagle3.hidden_states.loader import Batching, HiddenStates, collate, pack
 from eagle3.merge import draft_vocab, merge
 
-from conftest import project_params
-from test_extract import conversation, stored_sample, tiny_params, write_generated
+from support.data import conversation, stored_sample, tiny_params, write_generated
+from support.repo import project_params
 
 SHARDS = ["000000-000006", "000006-000012"]
 

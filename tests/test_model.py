@@ -17,9 +17,9 @@ from eagle3.drafter import attention, loss, model, rope
 from eagle3.drafter.attention import KVCache, cached_attention, document_block_mask, masked_attention
 from eagle3.drafter.model import DraftConfig
 from eagle3.drafter.rope import rope_frequencies
-from conftest import ROOT
-from reference import explicit_attention
-from tiny_drafter import DEBUG, make_drafter, one_thread  # noqa: F401 (autouse fixture)
+from support.reference import explicit_attention
+from support.repo import ROOT
+from support.tiny_drafter import DEBUG, make_drafter, one_thread  # noqa: F401 (autouse fixture)
 
 CONF = Path(__file__).parent.parent / "conf"
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)

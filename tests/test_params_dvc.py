@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import project_params, run, stage_processes
+from support.processes import stage_processes
+from support.repo import project_params, run
 from eagle3.params import PARAMS, RESTORE
-from test_pipeline import overrides, stage_lines
-from test_train import folder_bytes
+from support.pipeline import overrides, stage_lines
+from support.train import folder_bytes
 
 # A small local prompt file instead of the `evals` registry keeps the `prompts` stage quick.
 QUICK = {"name": "quick", "shards": ["000000-000004"], "sources": [{"kind": "jsonl", "path": "data/sources/quick.jsonl"}],

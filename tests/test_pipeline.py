@@ -8,27 +8,12 @@ import shlex
 import pytest
 import yaml
 
-from conftest import ROOT, run
-from pixels import count_color
+from support.pipeline import FAST, SMALL, add_dataset, overrides, stage_lines
+from support.pixels import count_color
+from support.repo import ROOT, run
 
-SMALL = {"name": "small", "shards": ["000000-000008"], "eval_sets": {"heldout": 2, "humaneval": 1, "math": 1}}
 BIGGER = {"name": "bigger", "shards": ["000000-000008", "000008-000012"],
           "eval_sets": {"heldout": 2, "humaneval": 1, "math": 1}}
-
-
-# The tiny verifier, short answers and a few training steps: the whole pipeline in about a minute.
-FAST = ["model=tiny-random", "generate.max_new_tokens=16", "merge.min_tokens=1", "train=debug", "train.pack_tokens=512",
-        "train.batch_tokens=512",  # the answers fill a fraction of debug's 2,048-token rows, whose attention the CPU pays whole
-        "evaluate.max_new_tokens=8", "layout.threads=1"]
-
-
-def add_dataset(repo, spec):
-    demo = yaml.safe_load((repo / "conf" / "dataset" / "demo.yaml").read_text())
-    (repo / "conf" / "dataset" / f"{spec['name']}.yaml").write_text(yaml.safe_dump({**demo, **spec}))
-
-
-def overrides(*pairs: str) -> list[str]:
-    return [arg for pair in pairs for arg in ("-S", pair)]
 
 
 HEADLINE = {"heldout.tau", "heldout.tree_tau", "heldout.baseline_tau", "heldout.ngram_tau",  # no speedup: the demo times once
@@ -41,10 +26,6 @@ def readme_exp_show() -> list[str]:
     """The compact `dvc exp show` command of the README."""
     line = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("dvc exp show --drop"))
     return shlex.split(line)
-
-
-def stage_lines(output: str) -> list[str]:
-    return sorted(line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage"))
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from eagle3.prompt_sources.messages import text_key, to_messages, user_keys
 from eagle3.prompt_sources.order import interleave
 from eagle3.prompts import PromptCounter, build_prompts
 
-from conftest import make_project, project_params, run  # noqa: F401  (fixture re-export)
+from support.repo import project_params, run
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eagle3.report import render, slug
-from pixels import count_color
+from support.pixels import count_color
 
 PURPLE = (0x94, 0x5D, 0xD6)  # the first series colour of DVC's templates
 

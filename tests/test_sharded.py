@@ -14,13 +14,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import tiny_kimi
+from support import tiny_kimi
 from eagle3.common import UserError, read_jsonl
 from eagle3.extract import extract, stage_arguments
 from eagle3.hidden_states.capture import Settings
 from eagle3.lm.loading import Placement, text_config
 from eagle3.verifier import import_verifier
-from test_extract import conversation, stored_sample, tiny_params, write_generated
+from support.data import conversation, stored_sample, tiny_params, write_generated
 
 
 def sharded_extract(verifier, generated, out, params, tp: int, ep: int):
@@ -99,8 +99,8 @@ def test_sharded_evaluate_decodes_as_a_whole_copy(tmp_path, tiny_verifier_dir):
     from eagle3.drafter.export import verifier_facts, write_drafter
     from eagle3.evaluate import main
     from eagle3.lm.loading import load_verifier, tokenizer_fingerprint
-    from conftest import project_params
-    from test_evaluate import QUESTIONS, TINY_TAPS, random_drafter
+    from support.repo import project_params
+    from support.speculative import QUESTIONS, TINY_TAPS, random_drafter
 
     drafter_dir, prompts_dir = tmp_path / "drafter", tmp_path / "prompts"
     drafter_dir.mkdir()

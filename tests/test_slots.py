@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from test_generate import generate, shard_file, stage_params
+from support.generate import generate, shard_file, stage_params
 
 from eagle3.backends.base import Generation, Request
 from eagle3.backends.local import LocalBackend

@@ -12,76 +12,24 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from eagle3.config import tree_shape_problem
 from eagle3.drafter.batch import drop_rejected
 from eagle3.drafter.graphed import DecodeGraphs
-from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.skinny import SKINNY_ROWS, skinny_matmuls
 from eagle3.drafter.speculative import (StopStrings, accept, commit, greedy_decode, prefill, read_round, speculative_decode, truncate,
                                         verify)
 from eagle3.drafter.tree import Draft, EagleProposer, TreeShape
-from eagle3.lm.chat import prompt_ids
 from eagle3.lm.loading import load_tokenizer, load_verifier
 from eagle3.measurement.acceptance import acceptance_stats
 from eagle3.measurement.baselines import HistoryProposer, most_frequent, ngram, replay
-from tiny_drafter import draft_d2t
 
-K = 4
+from support.speculative import K, QUESTIONS, TINY_TAPS, TableDrafter, encode, greedy_tables, random_drafter
+
 MAX_NEW = 24
-TINY_TAPS = (1, 2, 3)
-QUESTIONS = ["Hello there, how are you?", "Write a short poem about the sea.", "def fibonacci(n):"]
 TREE = TreeShape(num_steps=K, topk=3, num_draft_tokens=10)
-
-
-class TableDrafter(nn.Module):
-    """Proposes table[b, p + 2] at RoPE position p (the alignment: position p predicts x_{p+2}).
-
-    With the verifier's own greedy sequences as the table it is an oracle; with shifted ones always
-    wrong. ``runner_up``: where set, the table token is only the second choice, after table + 1.
-    """
-
-    def __init__(self, table: torch.Tensor, vocab_size: int, runner_up: torch.Tensor | None = None):
-        super().__init__()
-        self.fc = nn.Identity()
-        self.table, self.vocab_size = torch.atleast_2d(table), vocab_size  # [B, L]
-        self.runner_up = runner_up
-        self.register_buffer("d2t", torch.zeros(vocab_size, dtype=torch.long))  # draft vocab = target vocab
-
-    def step(self, input_ids, hidden, position_ids, cache, rows=None):
-        h2 = hidden.clone()
-        h2[..., 0] = position_ids.float()  # the logits call reads the position back
-        return h2
-
-    def logits(self, h2):
-        index = (h2[..., 0].long() + 2).clamp(max=self.table.shape[1] - 1)  # [B, T]
-        right = self.table.gather(1, index)
-        logits = 10 * F.one_hot(right, self.vocab_size).float()
-        if self.runner_up is not None:  # a close wrong first choice at the marked positions
-            wrong = F.one_hot((right + 1) % self.vocab_size, self.vocab_size).float()
-            logits = torch.where(self.runner_up[index][..., None], 2 * wrong + 1.9 * logits / 10, logits)
-        return logits
-
-
-def encode(tokenizer, question: str) -> torch.Tensor:
-    return torch.tensor(prompt_ids(tokenizer, [{"role": "user", "content": question}]))  # [n]
-
-
-def greedy_tables(verifier, prompts, length: int) -> torch.Tensor:
-    """Per prompt, prompt + ``length`` greedy tokens ignoring EOS, right-padded: [B, L]."""
-    rows = [torch.cat([p, torch.tensor(g)]) for p, g in zip(prompts, greedy_decode(verifier, prompts, length, set()))]
-    return torch.stack([F.pad(r, (0, max(map(len, rows)) - len(r))) for r in rows])
-
-
-def random_drafter(verifier, draft_vocab: int, taps, seed: int = 0) -> Eagle3Drafter:
-    torch.manual_seed(seed)
-    cfg = DraftConfig.from_verifier(verifier.config, draft_vocab, taps)
-    drafter = Eagle3Drafter(cfg, verifier.get_input_embeddings().weight)
-    drafter.set_draft_vocab(draft_d2t(cfg.vocab_size, draft_vocab))
-    return drafter.eval()
 
 
 def decode(verifier, proposer, prompts, max_new=MAX_NEW, eos=frozenset({2})):
@@ -299,7 +247,6 @@ def test_stops_at_eos_inside_an_accepted_chunk(tiny):
     assert [d.tokens for d in decode(verifier, EagleProposer(oracle, TreeShape.chain(K)), [ids], eos=eos)] == expected
     constant = HistoryProposer(most_frequent(expected[0][-1]), K)
     assert [d.tokens for d in decode(verifier, constant, [ids], eos=eos)] == expected
-
 
 
 @pytest.mark.parametrize("method", ["plain", "chain", "tree", "ngram"])

@@ -6,7 +6,6 @@ passing check-drafter."""
 from __future__ import annotations
 
 import csv
-import json
 import os
 import shutil
 import signal
@@ -26,18 +25,16 @@ from eagle3.drafter.checkpoints import lock_run
 from eagle3.drafter.export import check_drafter
 from eagle3.drafter.loss import TrainingTimeTest, VerifierHead
 from eagle3.drafter.parallel import World
-from eagle3.extract import extract, stage_arguments
 from eagle3.hidden_states.loader import Batching, DataPlan, HiddenStates, InOrder, collate, pack
 from eagle3.lm.loading import verifier_parts
-from eagle3.merge import merge
 from eagle3.train import TrainConfig, TrainPaths, fit, lr_factor, main, train
 
-from conftest import ROOT, project_params
-from test_extract import conversation, tiny_params, write_generated
-from tiny_drafter import make_drafter, random_batch, verifier_head_weight, one_thread  # noqa: F401 (autouse fixture)
+from support.repo import ROOT, project_params
+from support.tiny_drafter import make_drafter, one_thread, random_batch, verifier_head_weight  # noqa: F401 (autouse fixture)
+from support.train import (  # noqa: F401 (fixture)
+    DEBUG, copy_data, folder_bytes, make_data, part_element, stage_args, stage_params, tiny_data)
 
 CPU = World(0, 1, torch.device("cpu"))
-DEBUG = OmegaConf.load(ROOT / "conf" / "train" / "debug.yaml")
 
 
 def train_config(**keys) -> TrainConfig:
@@ -201,35 +198,6 @@ def test_resume_after_crash_equals_uninterrupted(tmp_path):
 # --- the whole stage on data extracted and merged by the real stages -------------------------------
 
 
-def make_data(root: Path, verifier: Path, model_params, records: int, draft_vocab_size: int) -> Path:
-    shard = "000000-000032"
-    params = tiny_params(model_params)
-    params.layout.threads = 1  # a busy 2-core machine runs one thread faster than two
-    extract(verifier, write_generated(root / "generated" / shard, [conversation(i) for i in range(records)]),
-            root / "hidden" / shard, *stage_arguments(params))
-    params.dataset.shards = [shard]
-    params.merge = OmegaConf.merge(params.merge, {"val_fraction": 0.25, "draft_vocab_size": draft_vocab_size, "min_tokens": 4})
-    merge(verifier, root / "hidden", root / "merged", root / "metrics-merge", params)
-    return root
-
-
-def stage_params(path: Path, **train) -> Path:
-    params = project_params()
-    params.train = OmegaConf.merge(DEBUG, {"pack_tokens": 128, "batch_tokens": 128}, train)  # rows of a few tiny samples: several rows
-    OmegaConf.save(params, path)
-    return path
-
-
-def stage_args(root: Path, verifier: Path, name: str, params: Path) -> list[str]:
-    return [str(verifier), str(root / "merged"), str(root / "hidden"), str(root / name / "drafter"),
-            "--checkpoints", str(root / name / "checkpoints"), "--live", str(root / name / "live"), "--params", str(params)]
-
-
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory, tiny_verifier_dir, tiny_model_params):
-    return make_data(tmp_path_factory.mktemp("train"), tiny_verifier_dir, tiny_model_params, records=12, draft_vocab_size=256)
-
-
 def train_paths(args: list[str]) -> TrainPaths:
     """The paths of ``stage_args``, as ``eagle3.train.main`` hands them to ``train``."""
     verifier, merged, hidden, out = map(Path, args[:4])
@@ -246,10 +214,6 @@ def train_with(paths: TrainPaths, params: Path | DictConfig) -> dict:
 def final_weights(root: Path, name: str) -> dict[str, torch.Tensor]:
     (run,) = [p for p in (root / name / "checkpoints").iterdir() if p.is_dir()]
     return torch.load(run / "latest.pt", weights_only=False)["model"]
-
-
-def folder_bytes(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_rerun_is_idempotent_and_training_deterministic(tiny_data, tiny_verifier_dir, caplog):
@@ -272,22 +236,6 @@ def test_rerun_is_idempotent_and_training_deterministic(tiny_data, tiny_verifier
     again = train_paths(stage_args(tiny_data, tiny_verifier_dir, "again", params))
     train_with(again, params)
     assert folder_bytes(again.out) == first
-
-
-def copy_data(tiny_data: Path, root: Path) -> Path:
-    for name in ("merged", "hidden"):
-        shutil.copytree(tiny_data / name, root / name)
-    return root
-
-
-ELEMENT_BYTES = {"BF16": 2, "I32": 4}
-
-
-def part_element(part: Path, tensor: str, element: int) -> int:
-    """The file offset of element ``element`` of a bf16 or int32 tensor of a safetensors part."""
-    header_len = int.from_bytes(part.read_bytes()[:8], "little")
-    header = json.loads(part.read_bytes()[8 : 8 + header_len])
-    return 8 + header_len + header[tensor]["data_offsets"][0] + ELEMENT_BYTES[header[tensor]["dtype"]] * element
 
 
 def record_digest(part: Path) -> None:

@@ -9,9 +9,9 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from conftest import ROOT, run
-from test_merge_dvc import SHARDS, make_repo
-from test_train import part_element
+from support.merge import SHARDS, make_repo
+from support.repo import ROOT, run
+from support.train import part_element
 
 
 def train_outs(repo: Path) -> list[dict]:

@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle3.common import UserError
-from conftest import verifier_model
+from support.models import verifier_model
 from eagle3.lm.loading import load_tokenizer, load_verifier, read_meta, weights_dir
 from eagle3.verifier import import_verifier
 

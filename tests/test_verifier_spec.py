@@ -13,7 +13,7 @@ from eagle3.common import UserError
 from eagle3.config import stage_params
 from eagle3.lm.spec import VerifierSpec, require_verifier, tap_problem, tapped_features, verifier_mismatch
 
-from conftest import ROOT, project_params
+from support.repo import ROOT, project_params
 
 
 def test_tap_rule_matches_docstring():

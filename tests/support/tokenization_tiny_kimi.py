@@ -2,7 +2,7 @@
 
 Kimi-K2.5 ships ``tokenization_kimi.py`` (a tiktoken core behind transformers' Python tokenizer
 interface, loaded with ``trust_remote_code``), which has no offset mapping. This file plays that
-part for the tiny Kimi-shaped test verifier: ``tests/tiny_kimi.py`` registers it for
+part for the tiny Kimi-shaped test verifier: ``tests/support/tiny_kimi.py`` registers it for
 ``AutoTokenizer``, so ``save_pretrained`` copies it next to ``tokenizer_config.json`` with an
 ``auto_map`` entry, and the pipeline must load it as remote code. Its core is SmolLM2's BPE.
 """

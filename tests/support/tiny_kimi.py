@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from eagle3.common import read_json, write_json
+from support.repo import ROOT
 
 BPE_TOKENS = 49152  # SmolLM2's BPE vocabulary, the core of the tiny tokenizer
 SPECIAL = ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<think>", "</think>"]
@@ -91,7 +92,7 @@ LANGUAGE_MODEL = {"config": "text_config", "prefix": "language_model.", "model_t
 
 def build_tokenizer(smollm2_dir: Path, out: Path) -> Path:
     """The remote-code tokenizer folder: SmolLM2's BPE, the Kimi markers as special tokens, the Kimi-style template."""
-    from tokenization_tiny_kimi import TinyKimiTokenizer
+    from support.tokenization_tiny_kimi import TinyKimiTokenizer
 
     # Like Kimi's tokenizer, reserved special tokens fill the vocabulary up to the model's rows, so
     # any id a random model samples decodes to something.
@@ -122,7 +123,7 @@ def add_vision_shard(folder: Path) -> None:
 
 def model_params(source: dict, name: str = "tiny-kimi"):
     """A ``model`` params section for the tiny Kimi-shaped verifier (the Kimi-K2.5 conf with tiny sizes)."""
-    spec = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "model" / "kimi-k2.5.yaml")
+    spec = OmegaConf.load(ROOT / "conf" / "model" / "kimi-k2.5.yaml")
     spec.name = name
     spec.source = source
     spec.copy_weights = source["kind"] == "random"

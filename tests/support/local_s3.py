@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run
 from eagle3.common import sha256_file
 from eagle3.lifecycle.s3 import ServerHome, load_credentials, s3_client, stop
+from support.repo import run
 
 
 def free_port() -> int:

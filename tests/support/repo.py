@@ -1,0 +1,25 @@
+"""This checkout, seen from the tests: its root, the test cache, its committed params, and running commands in a repo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("EAGLE3_TEST_CACHE", ROOT / ".eagle3" / "cache"))
+
+
+def project_params():
+    """The committed params.yaml (the demo defaults) as an OmegaConf object."""
+    return OmegaConf.load(ROOT / "params.yaml")
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command (dvc, git, python -m ...) in ``cwd``; on failure show its output."""
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result
