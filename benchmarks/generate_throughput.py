@@ -169,7 +169,7 @@ def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, grap
 
     def extras() -> dict:
         found = {"slot_decoding": backend.slot_decoding, "graph_replays": backend.graph_replays}
-        if backend.slot_decoding:
+        if backend.slot_decoding and backend.graph_replays:  # slots_eager captures nothing to time
             found["step_ms"] = step_ms(backend, spec["batch_size"], 256 + max_new_tokens, varlen)
         return found
 
@@ -304,9 +304,8 @@ def openai_pass(spec: dict):
     """One pass of the stage's core against a server: prompts as chats, so it needs a shard."""
     from omegaconf import OmegaConf
 
-    from eagle3.backends.base import Generation
-
     from eagle3.backends import make_backend
+    from eagle3.backends.base import Generation
     from eagle3.config import compose_params
     from eagle3.generate import Journal, generate_shard, generation_params, read_prompts
     from eagle3.lm.loading import load_tokenizer
@@ -373,10 +372,10 @@ def worker(spec_path: Path, mode: str, answers_path: Path, seconds: float) -> No
     load_s = time.perf_counter() - start
     figures, answers = timed_passes(one_pass, spec["runs"], deadline)
     answers_path.write_text(json.dumps(answers))
-    row = {"mode": mode, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "load_s": round(load_s, 2),
-           **figures, **extras()}
-    if torch.cuda.is_available() and spec["device"].startswith("cuda"):
+    row = {"mode": mode, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "load_s": round(load_s, 2), **figures}
+    if torch.cuda.is_available() and spec["device"].startswith("cuda"):  # the passes' peak, before extras' step probe
         row["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    row.update(extras())
     print(json.dumps(row), flush=True)
 
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from eagle3.summary import eval_set_headline, has_tau
+
 # Answer lengths: what `generate` and `extract` change (the scale's prompts are the same).
 DATA = {
     "long": {},  # the scale's own settings (GPU scales: 2,048-token answers, generate/long.yaml)
@@ -124,13 +126,9 @@ def result(name: str, overrides: dict, data: Path, mix: Path, folder: Path, trai
 
 
 def tau_by_set(metrics: Path) -> dict:
-    """An evaluate metrics.json as {set: {tau (the chain's), prompts, tree_tau, ngram_tau, baseline_tau}}."""
-    sets = {}
-    for set_name, report in json.loads(metrics.read_text()).items():
-        if isinstance(report, dict) and "tau" in report:
-            sets[set_name] = {"tau": report["tau"], "prompts": report.get("prompts"),
-                              **{f"{m}_tau": report[m]["tau"] for m in ("tree", "ngram", "baseline") if isinstance(report.get(m), dict)}}
-    return sets
+    """An evaluate metrics.json as {set: the summary stage's headline (tau, <method>_tau, speedups) and prompts}."""
+    return {name: {**eval_set_headline(report), "prompts": report.get("prompts")}
+            for name, report in json.loads(metrics.read_text()).items() if has_tau(report)}
 
 
 def main() -> None:

@@ -23,8 +23,8 @@ import yaml
 from eagle3.cli import build_parser
 from eagle3.common import UserError
 from eagle3.config import compose_params
+from support.repo import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MAX_LINE = 200  # characters: a page reads in a terminal and in a diff
 
@@ -130,8 +130,18 @@ EAGLE3_COMMANDS = [command for command in COMMANDS if command.tokens[0] == "eagl
 
 
 def test_the_docs_name_commands_to_check():
-    """The parsers above find the documented commands (a changed fence style would silently check nothing)."""
+    """The parsers find what the pages document (a changed fence or link style would silently check
+    nothing): overrides, eagle3 command lines, conf examples, links, repository paths, modules and
+    subcommand names, each at least about as many as the pages hold today."""
+    texts = [page.read_text() for page in PAGES]
+    found = {
+        "links": sum(len(LINK.findall(prose(text))) for text in texts),
+        "paths": len({path for text in texts for code in code_texts(text) for path in REPO_PATH.findall(code)}),
+        "modules": len({m for text in texts for m in MODULE_RUN.findall(text)}),
+        "subcommands": len({name for text in texts for code in code_texts(text) for name in SUBCOMMAND.findall(code)}),
+    }
     assert len(OVERRIDDEN) >= 10 and len(EAGLE3_COMMANDS) >= 8 and CONF_EXAMPLES
+    assert found["links"] >= 40 and found["paths"] >= 25 and found["modules"] >= 2 and found["subcommands"] >= 5, found
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)

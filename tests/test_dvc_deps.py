@@ -38,8 +38,9 @@ def module_file(name: str) -> Path | None:
     return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
 
 
-def imported_files(path: Path) -> set[Path]:
-    """The eagle3 source files one file imports (``from eagle3 import x`` may name a module)."""
+def imported_files(path: Path, parents: bool = True) -> set[Path]:
+    """The eagle3 source files one file imports (``from eagle3 import x`` may name a module); with
+    ``parents``, also the package ``__init__`` files Python runs on the way (``eagle3.a.b`` runs ``a``'s)."""
     package = path.relative_to(SRC).parent.parts
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -49,7 +50,8 @@ def imported_files(path: Path) -> set[Path]:
             parts = list(package[: len(package) - node.level + 1]) if node.level else []
             module = ".".join(parts + ([node.module] if node.module else []))
             names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
-    names = {".".join(name.split(".")[:n]) for name in names for n in range(1, name.count(".") + 2)}  # and parents
+    if parents:
+        names = {".".join(name.split(".")[:n]) for name in names for n in range(1, name.count(".") + 2)}
     files = {module_file(name) for name in names if name.split(".")[0] == "eagle3"}
     return {file for file in files if file is not None}
 
@@ -133,8 +135,7 @@ def dep_files(deps: list[str]) -> set[Path]:
 def import_cycle(files: list[Path]) -> list[Path] | None:
     """One cycle of explicit imports among ``files`` (a module's own package ``__init__``, which Python
     runs first, is no edge of its own), or None."""
-    graph = {file: {f for f in imported_files(file) if f != file and not (f.name == "__init__.py" and f.parent in file.parents)
-                    or f in explicit_imports(file)} for file in files}
+    graph = {file: imported_files(file, parents=False) - {file} for file in files}
     state: dict[Path, int] = {}  # 1: on the current path, 2: done
 
     def visit(file: Path, path: list[Path]) -> list[Path] | None:
@@ -148,20 +149,6 @@ def import_cycle(files: list[Path]) -> list[Path] | None:
         return None
 
     return next((found for file in files if file not in state and (found := visit(file, [file]))), None)
-
-
-def explicit_imports(path: Path) -> set[Path]:
-    """The files ``path`` names in its import statements (without the parents Python also runs)."""
-    package = path.relative_to(SRC).parent.parts
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom):
-            parts = list(package[: len(package) - node.level + 1]) if node.level else []
-            module = ".".join(parts + ([node.module] if node.module else []))
-            names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
-        elif isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-    return {file for file in map(module_file, names) if file is not None and "eagle3" in file.parts}
 
 
 def test_imports_are_acyclic():

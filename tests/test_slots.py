@@ -70,6 +70,8 @@ def test_slot_decoding_gives_generate_answers_on_the_cpu(tiny_verifier_dir, varl
 
 
 def test_cpu_answers_are_byte_identical_with_cuda_graphs_on_or_off(tmp_path, tiny_verifier_dir):
+    """backend.cuda_graphs is an engine setting: the CPU ignores it (the slot path itself is compared with
+    generate above), and it enters no record id or recorded setting of the output bytes."""
     tokenizer = load_tokenizer(tiny_verifier_dir)
     prompts = shard_file(tmp_path, tokenizer)
     runs = [generate(tmp_path, tiny_verifier_dir, prompts,

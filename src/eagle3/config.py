@@ -243,7 +243,8 @@ def _get(params: DictConfig, key: str) -> Any:
     return OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value
 
 
-def _refuse(key: str, value: Any, allowed: str) -> UserError:
+def refuse(key: str, value: Any, allowed: str) -> UserError:
+    """The one-line error of a params value: its key, the value and what is allowed."""
     return UserError(f"params.yaml: {key} = {value!r}: must be {allowed}")
 
 
@@ -255,7 +256,7 @@ def validate(params: DictConfig) -> None:
     for key, (ok, allowed) in CHECKS.items():
         value = _get(params, key)
         if value is not _ABSENT and not ok(value):
-            raise _refuse(key, value, allowed)
+            raise refuse(key, value, allowed)
     for check in (_check_shards, _check_sources, _check_eval_sets, _check_tree, _check_model, _check_relations):
         check(params)
 
@@ -265,13 +266,13 @@ def _check_shards(params: DictConfig) -> None:
     if shards is _ABSENT:
         return
     if not isinstance(shards, list) or not shards:
-        raise _refuse("dataset.shards", shards, "a non-empty list of ranges 'SSSSSS-EEEEEE'")
+        raise refuse("dataset.shards", shards, "a non-empty list of ranges 'SSSSSS-EEEEEE'")
     ranges = [shard_range(s) for s in shards]
     if ranges[0][0] != 0:
-        raise _refuse("dataset.shards", shards, "contiguous ranges starting at 000000")
+        raise refuse("dataset.shards", shards, "contiguous ranges starting at 000000")
     for (_, stop), (start, _) in zip(ranges, ranges[1:]):
         if start != stop:
-            raise _refuse("dataset.shards", shards, f"contiguous ranges (one ends at {stop:06d}, the next starts at {start:06d})")
+            raise refuse("dataset.shards", shards, f"contiguous ranges (one ends at {stop:06d}, the next starts at {start:06d})")
 
 
 def _check_sources(params: DictConfig) -> None:
@@ -279,27 +280,27 @@ def _check_sources(params: DictConfig) -> None:
     if sources is _ABSENT:
         return
     if not isinstance(sources, list) or not sources:
-        raise _refuse("dataset.sources", sources, "a non-empty list of {kind: ...} entries")
+        raise refuse("dataset.sources", sources, "a non-empty list of {kind: ...} entries")
     for index, spec in enumerate(sources):
         kind = spec.get("kind") if isinstance(spec, dict) else None
         if kind not in SOURCE_KINDS:
-            raise _refuse(f"dataset.sources[{index}].kind", kind, f"one of {list(SOURCE_KINDS)}")
+            raise refuse(f"dataset.sources[{index}].kind", kind, f"one of {list(SOURCE_KINDS)}")
         if kind in ("jsonl", "parquet") and not spec.get("path"):
-            raise _refuse(f"dataset.sources[{index}].path", spec.get("path"), f"the path of the {kind} file")
+            raise refuse(f"dataset.sources[{index}].path", spec.get("path"), f"the path of the {kind} file")
         if kind == "hf" and not spec.get("name"):
-            raise _refuse(f"dataset.sources[{index}].name", spec.get("name"), "a HF dataset name")
+            raise refuse(f"dataset.sources[{index}].name", spec.get("name"), "a HF dataset name")
 
 
 def _check_eval_sets(params: DictConfig) -> None:
     """Counts per eval set (which sets exist, the prompts stage knows), and sets of those to evaluate."""
     sets = _get(params, "dataset.eval_sets")
     if sets is not _ABSENT and (not isinstance(sets, dict) or not all(_int(0)(n) for n in sets.values())):
-        raise _refuse("dataset.eval_sets", sets, "a mapping of eval set names to prompt counts >= 0")
+        raise refuse("dataset.eval_sets", sets, "a mapping of eval set names to prompt counts >= 0")
     chosen = _get(params, "evaluate.sets")
     if chosen is not _ABSENT and (not isinstance(chosen, list) or not chosen):
-        raise _refuse("evaluate.sets", chosen, "a non-empty list of eval set names")
+        raise refuse("evaluate.sets", chosen, "a non-empty list of eval set names")
     if _ABSENT not in (sets, chosen) and set(chosen) - set(sets):
-        raise _refuse("evaluate.sets", chosen, f"sets that dataset.eval_sets builds ({sorted(sets)})")
+        raise refuse("evaluate.sets", chosen, f"sets that dataset.eval_sets builds ({sorted(sets)})")
 
 
 
@@ -323,7 +324,7 @@ def _check_tree(params: DictConfig) -> None:
     if tree is _ABSENT or tree is None:
         return
     if not isinstance(tree, dict) or set(tree) != set(TREE_KEYS) or not all(_int(0)(tree[key]) for key in TREE_KEYS):
-        raise _refuse("evaluate.tree", tree, "null, or integers num_steps, topk and num_draft_tokens")
+        raise refuse("evaluate.tree", tree, "null, or integers num_steps, topk and num_draft_tokens")
     problem = tree_shape_problem(*(tree[key] for key in TREE_KEYS))
     if problem:
         raise UserError(f"params.yaml: evaluate.tree: {problem}")
@@ -334,7 +335,7 @@ def _check_model(params: DictConfig) -> None:
     when the view has it, the final state; extract checks the taps against the verifier's own layers)."""
     layers = _get(params, "model.aux_layers")
     if layers is not _ABSENT and (not isinstance(layers, list) or not all(_int(0)(k) for k in layers)):
-        raise _refuse("model.aux_layers", layers, "a list of layer ids")
+        raise refuse("model.aux_layers", layers, "a list of layer ids")
     if "model" in params:
         VerifierSpec.from_params(params.model).check_taps()
 
@@ -359,20 +360,20 @@ def batch_share_problem(batch_tokens: int, pack_tokens: int, processes: int, cou
 def _check_relations(params: DictConfig) -> None:
     device, dtype = _get(params, "layout.device"), _get(params, "layout.dtype")
     if device == "cpu" and dtype not in (_ABSENT, "float32"):
-        raise _refuse("layout.dtype", dtype, "float32 on the CPU (bf16 is several times slower there)")
+        raise refuse("layout.dtype", dtype, "float32 on the CPU (bf16 is several times slower there)")
     context, new = _get(params, "model.max_position_embeddings"), _get(params, "generate.max_new_tokens")
     if _ABSENT not in (context, new) and context <= new:
-        raise _refuse("generate.max_new_tokens", new, f"smaller than model.max_position_embeddings ({context}), the verifier's context")
+        raise refuse("generate.max_new_tokens", new, f"smaller than model.max_position_embeddings ({context}), the verifier's context")
     low, high = _get(params, "merge.min_tokens"), _get(params, "merge.max_tokens")
     if _ABSENT not in (low, high) and high < low:
-        raise _refuse("merge.max_tokens", high, f">= merge.min_tokens ({low})")
+        raise refuse("merge.max_tokens", high, f">= merge.min_tokens ({low})")
     batch, row = _get(params, "train.batch_tokens"), _get(params, "train.pack_tokens")
     if _ABSENT not in (batch, row) and batch % row:
-        raise _refuse("train.batch_tokens", batch, f"a multiple of train.pack_tokens ({row}): the global batch is whole packed rows")
+        raise refuse("train.batch_tokens", batch, f"a multiple of train.pack_tokens ({row}): the global batch is whole packed rows")
     procs, nodes = _get(params, "layout.train_procs"), _get(params, "layout.nnodes")
     if _ABSENT not in (batch, row, procs, nodes):
         problem = batch_share_problem(batch, row, procs * nodes, "layout.train_procs x layout.nnodes")
         if problem:
-            raise _refuse("train.batch_tokens", batch, problem)
+            raise refuse("train.batch_tokens", batch, problem)
     if _get(params, "train.freeze_lm_head") is True and _get(params, "train.lm_head_init") != "verifier":
-        raise _refuse("train.freeze_lm_head", True, "false unless train.lm_head_init is verifier (it keeps the lm_head at its start)")
+        raise refuse("train.freeze_lm_head", True, "false unless train.lm_head_init is verifier (it keeps the lm_head at its start)")

@@ -159,7 +159,7 @@ def log_report(live, name: str, report: dict) -> None:
     under the method's name); ``batch/`` and ``chain_k/`` only detail them and have none: that is how
     ``eagle3.summary`` tells the headline numbers (``summary.has_tau``).
     """
-    plain, chain = report["plain"], report["chain"]
+    plain = report["plain"]
     for key in ("prompts", "tokens", "timed_prompts"):
         live.log_metric(f"{name}/{key}", plain[key], plot=False)
     live.log_metric(f"{name}/seconds", round(plain["seconds"], 2), plot=False)

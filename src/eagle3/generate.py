@@ -42,9 +42,8 @@ from jinja2.exceptions import TemplateError
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from eagle3.backends.base import Answer, Backend, Failure, Generation, Request, has_surrogates, server_model
-
 from eagle3.backends import make_backend
+from eagle3.backends.base import Answer, Backend, Failure, Generation, Request, has_surrogates, server_model
 from eagle3.common import UserError, atomic_dir, sample_id, sha256_file, stable_hash, stage_main, to_plain, write_json, write_jsonl
 from eagle3.config import stage_params
 from eagle3.lm.chat import prompt_ids

@@ -79,7 +79,7 @@ def tau_vs_data(summary: dict[str, Any]) -> dict[str, list[dict[str, float]]]:
     """{eval set: [one row of the training tokens and each method's τ]} of a run's summary."""
     methods = {"chain": "tau", "tree": "tree_tau", "prompt_lookup": "ngram_tau"}
     return {name: [{"train_tokens": summary["tokens_trained"], **{m: row[key] for m, key in methods.items() if key in row}}]
-            for name, row in summary.items() if isinstance(row, dict) and "tau" in row}
+            for name, row in summary.items() if has_tau(row)}
 
 
 def read_metrics(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from eagle3.common import UserError, atomic_dir, stage_main, to_plain
-from eagle3.config import batch_share_problem, stage_params
+from eagle3.config import batch_share_problem, refuse, stage_params
 import eagle3.drafter.parallel as parallel
 from eagle3.drafter.checkpoints import resume, run_folder, run_id, save_best, save_checkpoint
 from eagle3.drafter.export import check_drafter, verifier_facts, write_drafter
@@ -97,7 +97,7 @@ class TrainConfig:
         """
         problem = batch_share_problem(self.batch_tokens, self.pack_tokens, processes, "the processes torchrun started")
         if problem:
-            raise UserError(f"params.yaml: train.batch_tokens = {self.batch_tokens}: must be {problem}")
+            raise refuse("train.batch_tokens", self.batch_tokens, problem)
         share = self.batch_tokens // self.pack_tokens // processes  # config.validate: a whole number of rows
         micro = max(d for d in range(1, min(share, self.micro_batch_rows) + 1) if share % d == 0)
         return Batching(self.pack_tokens, micro, share // micro)

@@ -36,7 +36,6 @@ from eagle3.lm.loading import eos_token_ids, load_tokenizer, load_verifier
 log = logging.getLogger(__name__)
 
 
-
 def plan_batches(
     requests: Sequence[Request], batch_size: int, batch_tokens: int | None = None, max_new_tokens: int = 0,
     pad_multiple: int = 1,
@@ -66,7 +65,6 @@ def by_sample(requests: Sequence[Request]) -> list[list[Request]]:
     for request in requests:
         parts.setdefault(request.sample, []).append(request)
     return [parts[sample] for sample in sorted(parts)]
-
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -7,7 +7,9 @@ outside the DVC outputs, in ``<checkpoints>/<run id>/``).
         save_checkpoint(run_dir, model, optimizer, scheduler, state, world)
 
 The run id hashes everything that determines the trained weights: the params, the source of every
-eagle3 module training runs (derived from the imports, ``training_code``), the verifier, the seed,
+eagle3 module training runs (derived from the imports, ``training_code``: a superset of the code that
+decides the weights, so an edit of e.g. ``config`` or ``common`` also starts a fresh run rather than
+resume weights that other code made), the verifier, the seed,
 the process count and the sha256 of every data file training reads. A run is resumed only by a
 trainer with the same id, so other data or other code never continues an old run's weights; a
 lock on the folder keeps a second trainer out. ``latest.pt`` holds model, optimizer, scheduler,

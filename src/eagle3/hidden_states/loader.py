@@ -110,7 +110,7 @@ def check_recorded_digests(hidden_states: Path, shards: list[str], digests: dict
     """Refuse a shard file whose content is not what extract wrote (the ``sha256`` of its meta.json).
 
     ``digests``: the sha256 of the files training reads, named ``hidden_states/<shard>/<file>`` as
-    ``train.training_inputs`` names them (it hashes every input once for the run id; nothing is
+    ``eagle3.drafter.checkpoints.training_inputs`` names them (it hashes every input once for the run id; nothing is
     hashed again here). Catches damage that the per-sample checks cannot: a value changed to
     another one within the magnitudes recorded at extraction.
     """
@@ -277,6 +277,7 @@ class InOrder(DataPlan):
 
     def steps_in(self, epoch: int) -> int:
         return math.ceil(len(self.packed[1]) / self.global_rows)
+
 
 def check_lengths(splits: dict[str, Dataset], batching: Batching) -> None:
     """Every sample must fit in one packed row."""
