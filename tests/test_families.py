@@ -21,7 +21,6 @@ import torch
 from omegaconf import OmegaConf
 
 from support.models import TINY_LLAMA
-from support.pipeline import SMALL_ROWS
 from support.repo import ROOT
 from eagle3 import evaluate, extract, generate, merge, prompts, train
 from eagle3.common import write_jsonl
@@ -75,7 +74,7 @@ def family_params(tmp: Path, family: str) -> Path:
     """params.yaml: the composed defaults at test size, the family as ``model``, a local prompt file."""
     path = tmp / "params.yaml"
     compose_params(["layout.threads=1", "generate.max_new_tokens=16", "merge.min_tokens=1", "merge.draft_vocab_size=2048",
-                    *SMALL_ROWS, "evaluate.max_new_tokens=16", "evaluate.draft_tokens=3", "evaluate.sets=[heldout]"],
+                    "train=debug", "evaluate.max_new_tokens=16", "evaluate.draft_tokens=3", "evaluate.sets=[heldout]"],
                    conf_dir=ROOT / "conf", output=path)
     params = OmegaConf.load(path)
     config = {**FAMILIES[family], "initializer_range": 0.2}  # larger random weights: varied answers, not one repeated token
