@@ -37,7 +37,8 @@ DATA = {
 def recipe(batch_tokens: int, lr: float, epochs: int, **extra) -> tuple[str, dict]:
     """A recipe named by its full schedule (global batch, peak lr, epochs) and any other overrides, so a
     name means the same run whatever the scale's defaults are when it is read."""
-    name = f"b{batch_tokens // 1024}k-lr{lr:.0e}-e{epochs}".replace("e-0", "e-")
+    size = f"{batch_tokens // 1024}k" if batch_tokens % 1024 == 0 else str(batch_tokens)
+    name = f"b{size}-lr{lr:.0e}-e{epochs}".replace("e-0", "e-")
     name += "".join(f"-{key.split('.')[-1]}{value}" for key, value in extra.items())
     return name, {"train.batch_tokens": batch_tokens, "train.lr": lr, "train.epochs": epochs, **extra}
 
@@ -45,6 +46,7 @@ def recipe(batch_tokens: int, lr: float, epochs: int, **extra) -> tuple[str, dic
 # Recipes: overrides of the composed params; "data" picks the answers. The 1k sweep of
 # results/recipe_sweep_1k.json (whose names were relative: "default" there is b8k-lr3e-4-e3, the
 # default then) chose b4k-lr1e-3-e3; the longer schedules are the next to measure (τ still rose).
+ROW_2K = {"train.pack_tokens": 2048, "train.micro_batch_rows": 1}  # one 2,048-token row a step
 RECIPES = dict([
     recipe(8192, 3e-4, 3), recipe(16384, 3e-4, 3), recipe(4096, 3e-4, 3), recipe(8192, 1e-3, 3), recipe(8192, 3e-4, 6),
     recipe(4096, 1e-3, 3),  # the default since that sweep
@@ -53,6 +55,9 @@ RECIPES = dict([
     recipe(4096, 1e-3, 3, **{"train.weight_decay": 0.01, "train.min_lr_ratio": 0.0}),
     recipe(4096, 1e-3, 3, data="short"),
     recipe(4096, 1e-3, 6), recipe(4096, 1e-3, 10), recipe(4096, 2e-3, 10), recipe(4096, 5e-4, 10),  # >= pack_tokens
+    # Smaller global batches (more optimizer steps for the same tokens), rows as short as the batch:
+    recipe(2048, 1e-3, 3, **ROW_2K), recipe(2048, 1e-3, 3, **ROW_2K, data="short"),
+    recipe(768, 3e-4, 1, **{"train.pack_tokens": 768, "train.micro_batch_rows": 1}, data="short"),  # the issue's 1 x 768 row
 ])
 
 
