@@ -283,19 +283,37 @@ def test_the_readme_lists_every_config_option():
         assert options <= listed, f"README configuration table, `{group}`: missing {sorted(options - listed)}"
 
 
+def tau_pairs(sets: dict) -> list[str]:
+    return [f"{sets[s]['tau']} / {sets[s]['tree_tau']}" for s in ("heldout", "humaneval", "math")]
+
+
 def sweep_row(run: dict) -> list[str]:
-    """A recipe's cells after its name in docs/training.md's table, as the JSON has them."""
-    pairs = [f"{run['sets'][s]['tau']} / {run['sets'][s]['tree_tau']}" for s in ("heldout", "humaneval", "math")]
-    return [str(run["steps"]), f"{run['train_tokens']:,}", *pairs, f"{run['val_sim_accept_len']:.4f}"]
+    """A recipe's cells after its name in docs/training.md's first table, as the JSON has them."""
+    return [str(run["steps"]), f"{run['train_tokens']:,}", *tau_pairs(run["sets"]), f"{run['val_sim_accept_len']:.4f}"]
 
 
-def test_the_recipe_table_quotes_the_sweep_json():
-    runs = {run["name"]: run for run in json.loads((ROOT / "benchmarks/results/recipe_sweep_1k.json").read_text())["runs"]}
+def steps_row(run: dict) -> list[str]:
+    """A recipe's cells after its name in docs/training.md's steps table (recipe_steps_1k.json)."""
+    long = run.get("sets_512_new_tokens", {}).get("heldout")
+    return [str(run["steps"]), f"{run['train_tokens']:,}", *tau_pairs(run["sets"]), f"{run['val_acc_0']:.4f}",
+            f"{long['tau']} / {long['tree_tau']}" if long else ""]
+
+
+def training_table(cells: int) -> dict[str, list[str]]:
+    """docs/training.md's rows of ``cells`` cells whose second names a run: {run: the cells after it}."""
     table = {}
     for line in (ROOT / "docs" / "training.md").read_text().splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) == 8 and re.fullmatch(r"`[\w.-]+`", cells[1]):
-            table[cells[1].strip("`")] = cells[2:]
+        row = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(row) == cells and re.fullmatch(r"`[\w.-]+`", row[1]):
+            table[row[1].strip("`")] = row[2:]
+    return table
+
+
+@pytest.mark.parametrize(("results", "cells", "row"), [("recipe_sweep_1k.json", 8, sweep_row), ("recipe_steps_1k.json", 9, steps_row)],
+                         ids=["sweep", "steps"])
+def test_the_recipe_tables_quote_their_json(results, cells, row):
+    runs = {run["name"]: run for run in json.loads((ROOT / "benchmarks/results" / results).read_text())["runs"] if "sets" in run}
+    table = training_table(cells)
     assert table.keys() == runs.keys()
     for name, run in runs.items():
-        assert table[name] == sweep_row(run), name
+        assert table[name] == row(run), name
