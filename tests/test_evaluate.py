@@ -17,11 +17,12 @@ from eagle3.drafter.export import verifier_facts, write_drafter
 from eagle3.drafter.speculative import StopStrings, greedy_decode, speculative_decode
 from eagle3.drafter.tree import EagleProposer, TreeShape
 from eagle3.evaluate import check_pair, evaluate, main
-from eagle3.lm.loading import load_tokenizer, load_verifier, tokenizer_fingerprint
+from eagle3.lm.loading import load_tokenizer, load_verifier
 from eagle3.measurement.acceptance import acceptance_stats
 from eagle3.measurement.baselines import baselines, most_frequent_token
 from eagle3.measurement.settings import Settings
 from eagle3.measurement.timing import Run, disagreeing, median_spread, timings
+from eagle3.tokenizer_id import tokenizer_fingerprint
 from support.speculative import K, QUESTIONS, TINY_TAPS, TableDrafter, encode, greedy_tables, random_drafter
 
 

@@ -1,5 +1,7 @@
 """Stage `verifier`: sources become an HF folder with a fingerprinted meta.json."""
 
+import json
+import shutil
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ from omegaconf import OmegaConf
 from eagle3.common import UserError
 from support.models import verifier_model
 from eagle3.lm.loading import load_tokenizer, load_verifier, read_meta, weights_dir
+from eagle3.tokenizer_id import tokenizer_fingerprint
 from eagle3.verifier import import_verifier
 
 
@@ -39,6 +42,72 @@ def test_local_folder_copy_has_the_same_weights(tiny_verifier_dir, tmp_path):
     import_verifier(hf_model(tiny_verifier_dir, copy=True), out)
     a, b = load_verifier(out), load_verifier(tiny_verifier_dir)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def tokenizer_copy(verifier, folder, edit=lambda config, spec: None):
+    """``verifier``'s tokenizer files in ``folder``, with ``edit(config, spec)`` applied to the parsed
+    tokenizer_config.json and tokenizer.json."""
+    folder.mkdir()
+    shutil.copy(verifier / "chat_template.jinja", folder)
+    config, spec = (json.loads((verifier / name).read_text()) for name in ("tokenizer_config.json", "tokenizer.json"))
+    edit(config, spec)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return folder
+
+
+def as_transformers_5_17_writes_it(config, spec):
+    """How transformers 5.17 writes SmolLM2's tokenizer (measured), where 5.24 wrote the fixture's: other
+    config keys and role names, an empty normaliser, another decoder and unknown-token settings, the
+    merges as "a b" strings. Every prompt's token ids are the same."""
+    del config["is_local"], config["pad_token"]
+    config.update(add_prefix_space=False, legacy=False, model_type="gpt2", bos_token_id=1, eos_token="<|im_start|>")
+    spec["normalizer"] = {"type": "Sequence", "normalizers": []}
+    spec["decoder"] = {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}, spec["decoder"]]}
+    spec["pre_tokenizer"]["trim_offsets"] = False
+    spec["model"].update(byte_fallback=True, fuse_unk=True, unk_token="<|endoftext|>")
+    spec["model"]["merges"] = [" ".join(pair) for pair in spec["model"]["merges"]]
+
+
+def test_tokenizer_id_is_the_same_however_transformers_wrote_the_tokenizer(tiny_verifier_dir, tmp_path):
+    other = tokenizer_copy(tiny_verifier_dir, tmp_path / "5.17", as_transformers_5_17_writes_it)
+    assert tokenizer_fingerprint(other) == tokenizer_fingerprint(tiny_verifier_dir)
+    template = (other / "chat_template.jinja").read_text()  # older versions keep the template in the config
+    (other / "chat_template.jinja").unlink()
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    assert tokenizer_fingerprint(other) == tokenizer_fingerprint(tiny_verifier_dir)
+
+
+def swap_two_tokens(config, spec):
+    vocab = spec["model"]["vocab"]
+    vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]
+
+
+def test_tokenizer_id_changes_with_the_template_or_a_token(tiny_verifier_dir, tmp_path):
+    fingerprint = tokenizer_fingerprint(tiny_verifier_dir)
+    assert tokenizer_fingerprint(tokenizer_copy(tiny_verifier_dir, tmp_path / "swapped", swap_two_tokens)) != fingerprint
+    retemplated = tokenizer_copy(tiny_verifier_dir, tmp_path / "template")
+    (retemplated / "chat_template.jinja").write_text("{{ bos_token }}" + (retemplated / "chat_template.jinja").read_text())
+    assert tokenizer_fingerprint(retemplated) != fingerprint
+    printed = tokenizer_fingerprint(retemplated)  # the template prints the BOS token: its name counts now
+    config = json.loads((retemplated / "tokenizer_config.json").read_text())
+    (retemplated / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<|endoftext|>"}))
+    assert tokenizer_fingerprint(retemplated) != printed
+
+
+def test_tokenizer_id_without_tokenizer_json_counts_its_files(tmp_path):
+    """A sentencepiece-only tokenizer: its files by content, tokenizer_config.json without its records."""
+    folder = tmp_path / "sentencepiece"
+    folder.mkdir()
+    (folder / "tokenizer.model").write_bytes(b"pieces")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer", "legacy": False}))
+    fingerprint = tokenizer_fingerprint(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer", "legacy": False,
+                                                              "is_local": True, "transformers_version": "5.17.0"}))
+    assert tokenizer_fingerprint(folder) == fingerprint
+    (folder / "tokenizer.model").write_bytes(b"other pieces")
+    assert tokenizer_fingerprint(folder) != fingerprint
 
 
 def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path):

@@ -37,12 +37,13 @@ from tqdm import tqdm
 from eagle3.common import UserError, atomic_dir, stable_hash, stage_main, to_plain, write_json, write_jsonl
 from eagle3.config import shard_range, stage_params
 from eagle3.lm.chat import prompt_ids
-from eagle3.lm.loading import load_tokenizer, tokenizer_fingerprint, verifier_fingerprint
+from eagle3.lm.loading import load_tokenizer, verifier_fingerprint
 from eagle3.lm.spec import VerifierSpec
 from eagle3.prompt_sources.eval_sets import EVAL_SOURCES, eval_set_prompts
 from eagle3.prompt_sources.messages import conversation_key, to_messages, user_keys
 from eagle3.prompt_sources.order import interleave, order_key
 from eagle3.prompt_sources.sources import Candidate, check_local_sources, source_candidates, source_name, source_weights
+from eagle3.tokenizer_id import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,6 @@
 
     meta = read_meta("models/verifier")                      # source, fingerprint, weights_path
     verifier_fingerprint("models/verifier")                  # its id, which later stages record and check
-    tokenizer_fingerprint("models/verifier")                 # what prompts depend on: tokenizer and chat template
     model = load_verifier("models/verifier", "cuda", "bfloat16")
     tokenizer = load_tokenizer("models/verifier")
     config = text_config("models/verifier")                  # the language model's config, no weights
@@ -29,17 +28,13 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from eagle3.common import UserError, read_json, sha256_file, stable_hash, to_plain
+from eagle3.common import UserError, read_json, to_plain
 from eagle3.lm.spec import VERIFIER_TENSORS, LanguageModel
 
 log = logging.getLogger(__name__)
 
 EMBEDDING = "model.embed_tokens.weight"  # the text model's embedding, relative to LanguageModel.prefix
 DTYPES = {"float32", "bfloat16", "float16"}
-# Files of a verifier folder that describe the model, not its tokenizer: config.json and
-# generation_config.json carry transformers_version and the weights' dtype, which change when the same
-# GGUF is imported under another torch/transformers, while every token and template stays the same.
-MODEL_FILES = {"config.json", "generation_config.json", "meta.json", "model.safetensors.index.json"}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
@@ -184,20 +179,6 @@ def verifier_fingerprint(folder: str | Path) -> str:
     """The id of a verifier folder's weights and tokenizer (the verifier stage's ``meta.json``), which
     every later stage records with its output and checks its inputs against."""
     return read_meta(folder)["fingerprint"]["id"]
-
-
-def tokenizer_fingerprint(folder: str | Path) -> str:
-    """The id of what a verifier folder's prompts depend on: its tokenizer and chat template files.
-
-    Unlike ``read_meta(folder)["fingerprint"]`` it hashes neither the weights nor the model's config, so
-    prompts composed on one machine are valid for the same tokenizer imported on another. JSON files
-    count by content (parsed), not by their key order or spacing.
-    """
-    hashes = {}
-    for file in sorted(Path(folder).iterdir()):
-        if file.is_file() and file.name not in MODEL_FILES and not file.name.endswith(WEIGHT_SUFFIXES):
-            hashes[file.name] = read_json(file) if file.suffix == ".json" else sha256_file(file)
-    return stable_hash(hashes)
 
 
 def weights_dir(folder: str | Path) -> Path:
