@@ -117,7 +117,7 @@ def measure(args, cfg: DraftConfig, micro: list[dict], flops: list[float], froze
     drafter.lm_head.requires_grad_(not frozen)
     head = VerifierHead(verifier_head, d2t).to(world.device)
     train_cfg = train_config(ttt_steps=args.ttt_steps)
-    model = wrap(TrainingTimeTest(drafter, args.ttt_steps), world, args.fsdp)
+    model = wrap(TrainingTimeTest(drafter, args.ttt_steps, train_cfg.loss_normalisation), world, args.fsdp)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=train_cfg.lr, betas=(0.9, 0.95), fused=gpu)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, 10, 1000, 0.1))
     for i in range(args.warmup):

@@ -98,6 +98,7 @@ def test_params_command_validates_before_writing(tmp_path):
 
 BAD = [
     ("train.lr=-1", "params.yaml: train.lr = -1: must be a number > 0"),
+    ("train.loss_normalisation=document", "params.yaml: train.loss_normalisation = 'document': must be one of ['token', 'sequence']"),
     ("evaluate.draft_tokens=0", "params.yaml: evaluate.draft_tokens = 0: must be an integer >= 1"),
     ("layout=gpu8", "params.yaml: train.batch_tokens = 768: must be a multiple of 6144: whole packed rows of train.pack_tokens (768) "
                     "for each of the 8 training processes (layout.train_procs x layout.nnodes); it makes 1 row a step, fewer than the "

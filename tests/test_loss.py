@@ -26,6 +26,9 @@ def test_shift_left_and_select_rows_worked_examples():
     assert packed.positions.tolist() == [] and all(len(r) == 0 for r in packed.rows)  # nothing crosses into x_3's document
     two = select_rows(torch.tensor([[0, 1, 1], [0, 0, 1]]), torch.arange(3).repeat(2, 1), 2)  # row b is offset by b*T
     assert two.positions.tolist() == [1, 4] and [r.tolist() for r in two.rows] == [[0, 3], []]
+    assert two.documents.tolist() == [0, 1]  # one document per row
+    docs = select_rows(torch.tensor([[0, 0, 1, 1, 0, 0, 1, 1, 0]]), torch.tensor([[0, 1, 2, 3, 0, 0, 1, 2, 0]]), 2)
+    assert docs.positions.tolist() == [1, 2, 6] and docs.documents.tolist() == [0, 0, 1]  # the 1-token document has none
 
 
 def test_targets_mask_and_vocab():
@@ -58,8 +61,8 @@ def test_ttt_loss_matches_reference():
     position_ids = torch.arange(9).repeat(2, 1)
     selection = select_rows(batch["loss_mask"], position_ids, K)
     targets = head(batch["final"], selection.positions)
-    ce, sums = TrainingTimeTest(drafter, K)(batch["input_ids"], batch["aux"], position_ids, targets, selection)
-    loss = ttt_loss(ce, step_counts(targets, selection), decay)
+    ce, sums = TrainingTimeTest(drafter, K, "token")(batch["input_ids"], batch["aux"], position_ids, targets, selection)
+    loss = ttt_loss(ce, step_counts(targets, selection, "token"), decay)
     with torch.no_grad():
         expected, acc, counts = reference_ttt_loss(drafter, weight, drafter.d2t, batch["input_ids"], batch["loss_mask"],
                                                    batch["aux"], batch["final"], K, decay)
@@ -84,12 +87,14 @@ def samples(cfg, lengths: list[int], seed: int) -> list[dict[str, torch.Tensor]]
     return items
 
 
-def ttt_loss_and_grads(drafter, head, batch, steps: int, decay: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def ttt_loss_and_grads(drafter, head, batch, steps: int, decay: float,
+                       normalisation: str = "token") -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     drafter.zero_grad(set_to_none=True)
     selection = select_rows(batch["loss_mask"], batch["position_ids"], steps)
     targets = head(batch["final"], selection.positions)
-    ce, sums = TrainingTimeTest(drafter, steps)(batch["input_ids"], batch["aux"], batch["position_ids"], targets, selection)
-    loss = ttt_loss(ce, step_counts(targets, selection), decay)
+    ttt = TrainingTimeTest(drafter, steps, normalisation)
+    ce, sums = ttt(batch["input_ids"], batch["aux"], batch["position_ids"], targets, selection)
+    loss = ttt_loss(ce, step_counts(targets, selection, normalisation), decay)
     loss.backward()
     return loss.detach(), sums, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
 
@@ -113,6 +118,58 @@ def test_packed_rows_equal_padded_samples():
     for name in grads_packed:
         torch.testing.assert_close(grads_packed[name], grads_padded[name], rtol=1e-5, atol=1e-5, msg=name)
 
+
+def test_sequence_normalisation_of_one_document_is_token_normalisation():
+    """A batch of one document (and its padding tail): the mean over documents is that document's mean."""
+    drafter = make_drafter(seed=5).float()
+    head = VerifierHead(verifier_head_weight(drafter.config, drafter.d2t, seed=2), drafter.d2t)
+    batch = collate(samples(drafter.config, [12], seed=40), Batching(pack_tokens=15, batch_size=1, grad_accum=1))
+    loss_token, sums_token, grads_token = ttt_loss_and_grads(drafter, head, batch, 4, 0.8, "token")
+    loss_sequence, sums_sequence, grads_sequence = ttt_loss_and_grads(drafter, head, batch, 4, 0.8, "sequence")
+    assert float(loss_token) > 0 and grads_token.keys() == grads_sequence.keys()
+    torch.testing.assert_close(loss_sequence, loss_token, rtol=1e-6, atol=1e-6)
+    for name in grads_token:
+        torch.testing.assert_close(grads_sequence[name], grads_token[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert StepMetrics(sums_sequence).summary(0.8) == pytest.approx(StepMetrics(sums_token).summary(0.8), rel=1e-6)
+
+
+def each_target_ce(drafter, head, batch, steps: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The soft CE of every target at every step, scored one target at a time: [K, N] (0 where step k
+    does not score it), with the targets' validity [N] and each step's picks."""
+    selection = select_rows(batch["loss_mask"], batch["position_ids"], steps)
+    targets = head(batch["final"], selection.positions)
+    ttt, n = TrainingTimeTest(drafter, steps, "token"), len(selection.positions)
+    with torch.no_grad():
+        ce = [ttt(batch["input_ids"], batch["aux"], batch["position_ids"], Targets(targets.probs, targets.index, torch.arange(n) == j),
+                  selection)[0] for j in range(n)]
+    return torch.stack(ce, 1), targets.valid, selection.picks
+
+
+def test_sequence_normalisation_is_the_mean_over_documents_of_their_mean_ce():
+    """Documents of 11 and 5 tokens in one row: step k's loss is the mean, over the documents with a
+    valid target at step k, of each one's mean CE over its valid targets (the short one has none at
+    the last step); computed here from each target's own CE."""
+    drafter = make_drafter(seed=5).float()
+    head = VerifierHead(verifier_head_weight(drafter.config, drafter.d2t, seed=2), drafter.d2t)
+    K, decay = 4, 0.8
+    batch = collate(samples(drafter.config, [11, 5], seed=40), Batching(pack_tokens=18, batch_size=1, grad_accum=1))
+    ce, valid, picks = each_target_ce(drafter, head, batch, K)
+    positions = select_rows(batch["loss_mask"], batch["position_ids"], K).positions
+    document = (positions >= 11).long()  # [N]: 1 where s is in the second document
+    expected, counted = 0.0, []
+    for k in range(K):
+        means = []
+        for d in (0, 1):
+            mine = [int(j) for j in picks[k] if document[j] == d and valid[j]]
+            if mine:
+                means.append(sum(float(ce[k, j]) for j in mine) / len(mine))
+        expected += decay**k * sum(means) / max(len(means), 1)
+        counted.append(len(means))
+    assert counted == [2, 2, 2, 1]  # the short document's last target (s = 3) needs row s-k-1 >= 0: k <= 2
+    loss_sequence, _, _ = ttt_loss_and_grads(drafter, head, batch, K, decay, "sequence")
+    loss_token, _, _ = ttt_loss_and_grads(drafter, head, batch, K, decay, "token")
+    assert float(loss_sequence) == pytest.approx(expected, rel=1e-5)
+    assert abs(float(loss_sequence) - float(loss_token)) > 1e-3  # the documents' weights differ from their target counts'
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="training fuses its elementwise ops on CUDA only")
@@ -139,7 +196,7 @@ def test_metrics_by_hand():
     right = torch.tensor([[1, 1, 0], [1, 0, 1], [1, 1, 1]], dtype=torch.bool)  # [K, rows]
     valid = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 0, 0]], dtype=torch.bool)
     scored = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)  # row 2 has no target at step 2
-    summary = StepMetrics(metric_sums(torch.zeros(3), right, valid, scored)).summary(0.8)
+    summary = StepMetrics(metric_sums(torch.zeros(3), valid.sum(1).float(), right, valid, scored)).summary(0.8)
     # step 2: row 0 is right, row 1's target is no draft token (a miss, as in decoding), row 2 has none.
     assert [summary[f"acc_{k}"] for k in range(3)] == pytest.approx([2 / 3, 2 / 3, 1 / 2])
     # step 1: rows right at step 0 are {0, 1}; of those, row 0 is right at step 1.
@@ -163,7 +220,7 @@ def test_accuracy_counts_targets_outside_the_draft_vocab_as_misses():
     index = torch.zeros(n, dtype=torch.long).index_put_((selection.picks[0],), agree)
     valid = torch.arange(n) % 3 > 0  # a third of the targets are no draft token
     targets = Targets(torch.full((n, vd), 1 / vd), index, valid)
-    _, sums = TrainingTimeTest(drafter, 1)(batch["input_ids"], batch["aux"], position_ids, targets, selection)
+    _, sums = TrainingTimeTest(drafter, 1, "token")(batch["input_ids"], batch["aux"], position_ids, targets, selection)
     summary = StepMetrics(sums).summary(0.8)
     assert n >= 6 and summary["acc_0"] == pytest.approx(float(valid.float().mean()))
     assert summary["sim_accept_len"] == pytest.approx(summary["acc_0"])

@@ -232,6 +232,8 @@ def fused_cases() -> list[tuple]:
         (attention.merge_chain, [torch.randn(B, nh, R, 8), torch.randn(B, nh, R), torch.randn(B, nh, R) + 1, torch.randn(B, nh, R, 8)], []),
         (loss.soft_cross_entropy_sum, [torch.randn(N - 2, Vd), torch.randn(N, Vd).softmax(-1)],
          [torch.tensor([5, 0, 3, 3]), torch.tensor([True, True, False, True])]),
+        (loss.soft_cross_entropy_sum, [torch.randn(N - 2, Vd), torch.randn(N, Vd).softmax(-1)],  # train.loss_normalisation: sequence
+         [torch.tensor([5, 0, 3, 3]), torch.tensor([True, True, False, True]), torch.tensor([0.5, 0.5, 1.0, 1 / 3])]),
     ]
 
 

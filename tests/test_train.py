@@ -23,11 +23,11 @@ from torch.utils.data import Dataset
 from eagle3.common import UserError, read_json, read_jsonl, sha256_file, stage_main, write_json
 from eagle3.drafter.checkpoints import lock_run
 from eagle3.drafter.export import check_drafter
-from eagle3.drafter.loss import TrainingTimeTest, VerifierHead
+from eagle3.drafter.loss import StepMetrics, TrainingTimeTest, VerifierHead
 from eagle3.drafter.parallel import World
 from eagle3.hidden_states.loader import Batching, DataPlan, HiddenStates, InOrder, collate, pack
 from eagle3.lm.loading import verifier_parts
-from eagle3.train import TrainConfig, TrainPaths, fit, lr_factor, main, train
+from eagle3.train import TrainConfig, TrainPaths, collate_ttt, fit, lr_factor, main, train, train_step
 
 from support.repo import ROOT, project_params
 from support.tiny_drafter import make_drafter, one_thread, random_batch, verifier_head_weight  # noqa: F401 (autouse fixture)
@@ -151,13 +151,44 @@ class Items(Dataset):
         return self.items[i]
 
 
+def one_step(micro: list[dict], cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """``train_step`` of a fresh debug drafter (SGD, lr 1) over ``micro``: (metric sums, grad norm, new weights)."""
+    drafter = make_drafter(seed=11)
+    head = VerifierHead(verifier_head_weight(drafter.config, drafter.d2t), drafter.d2t)
+    model = TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    sums, norm = train_step(model, head, micro, optimizer, scheduler, cfg, CPU)
+    return sums, norm, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_sequence_normalisation_is_the_same_however_the_batch_is_cut():
+    """Two rows of two documents each, as one micro-batch of 2 rows or 2 micro-batches of 1 row: the same
+    step (loss, gradient norm, weights), since documents are counted over the whole global batch, as
+    token normalisation counts targets. The step is not token normalisation's."""
+    dcfg = make_drafter().config
+    items = [Items.item(n, dcfg, seed) for seed, n in enumerate([9, 3, 12, 6])]  # rows [9, 3] and [12, 6] of 18 tokens
+    cfg = train_config(loss_normalisation="sequence", ttt_steps=3, pack_tokens=18, batch_tokens=36)
+    whole = [collate_ttt(items, Batching(18, 2, 1), cfg.ttt_steps)]
+    cut = [collate_ttt(items[:2], Batching(18, 1, 1), cfg.ttt_steps), collate_ttt(items[2:], Batching(18, 1, 1), cfg.ttt_steps)]
+    assert torch.equal(torch.cat([b["position_ids"] for b in cut]), whole[0]["position_ids"])
+    (sums_whole, norm_whole, weights_whole), (sums_cut, norm_cut, weights_cut) = one_step(whole, cfg), one_step(cut, cfg)
+    loss_whole, loss_cut = (StepMetrics(sums).summary(cfg.step_decay)["loss"] for sums in (sums_whole, sums_cut))
+    assert loss_cut == pytest.approx(loss_whole, rel=1e-5)
+    torch.testing.assert_close(norm_cut, norm_whole, rtol=1e-5, atol=1e-6)
+    for name in weights_whole:
+        torch.testing.assert_close(weights_cut[name], weights_whole[name], rtol=1e-5, atol=1e-6, msg=name)
+    _, norm_token, _ = one_step(whole, train_config(loss_normalisation="token", ttt_steps=3, pack_tokens=18, batch_tokens=36))
+    assert abs(float(norm_token) - float(norm_whole)) > 1e-4 * float(norm_whole)
+
+
 def fit_debug(run_dir: Path, train_set: Dataset, val_set: Dataset, cfg: TrainConfig, live_dir: Path | None = None) -> dict:
     from dvclive import Live
 
     drafter = make_drafter(seed=11)
     head = VerifierHead(verifier_head_weight(drafter.config, drafter.d2t), drafter.d2t)
     live = Live(str(live_dir), dvcyaml=False, save_dvc_exp=False) if live_dir else None
-    summary = fit(TrainingTimeTest(drafter, cfg.ttt_steps), head, train_set, val_set, cfg, 0, run_dir, CPU, live)
+    summary = fit(TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation), head, train_set, val_set, cfg, 0, run_dir, CPU, live)
     if live:
         live.end()
     return summary

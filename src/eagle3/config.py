@@ -208,6 +208,7 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "merge.draft_vocab_size": POSITIVE,
     "train.ttt_steps": POSITIVE,
     "train.step_decay": (_number(0, 1, open_low=True), "a number in (0, 1]"),
+    "train.loss_normalisation": _one_of("token", "sequence"),
     "train.lr": (_number(0, open_low=True), "a number > 0"),
     "train.min_lr_ratio": FRACTION,
     "train.warmup_fraction": ((lambda v: _number(0, 1)(v) and v < 1), "a number in [0, 1)"),

@@ -58,6 +58,7 @@ class TrainConfig:
 
     ttt_steps: int  # K: draft steps unrolled in training
     step_decay: float  # loss weight of TTT step k is step_decay**k
+    loss_normalisation: str  # token: step k's loss is the mean over valid targets; sequence: over documents
     lr: float  # peak AdamW learning rate
     min_lr_ratio: float  # the cosine decays to lr * min_lr_ratio at the last step
     warmup_fraction: float  # share of the optimizer steps spent in linear warmup
@@ -166,12 +167,14 @@ def warn_if_undertrained(total: int, cfg: TrainConfig) -> None:
 def train_step(model, head: VerifierHead, micro: list[dict], optimizer, scheduler, cfg: TrainConfig, world: World) -> tuple[Tensor, Tensor]:
     """One optimizer step over this process's micro-batches; returns (metric sums [6, K], grad norm).
 
-    The loss is normalised by the valid-position counts of the *global* batch (all-reduced before
-    any backward), and multiplied by the world size because DDP/FSDP average gradients: the
-    gradient equals that of one process holding the whole global batch.
+    The loss is normalised by the counts (valid targets, or documents: ``cfg.loss_normalisation``)
+    of the *global* batch (all-reduced before any backward), and multiplied by the world size
+    because DDP/FSDP average gradients: the gradient equals that of one process holding the whole
+    global batch.
     """
     targets = [head(b["final"], b["selection"].positions) for b in micro]  # no grad, once per batch
-    counts = parallel.all_reduce_sum(sum(step_counts(t, b["selection"]) for t, b in zip(targets, micro)), world)
+    counts = sum(step_counts(t, b["selection"], cfg.loss_normalisation) for t, b in zip(targets, micro))
+    counts = parallel.all_reduce_sum(counts, world)
     sums = 0
     for i, (batch, target) in enumerate(zip(micro, targets)):
         with parallel.gradient_sync(model, enabled=i == len(micro) - 1), parallel.autocast(world.device):
@@ -324,7 +327,8 @@ def train(paths: TrainPaths, cfg: TrainConfig, seed: int, draft_head: dict[str, 
             from dvclive import Live
 
             live = Live(str(paths.live), dvcyaml=False, save_dvc_exp=False)  # a fresh record; fit replays a resumed history
-        summary = fit(TrainingTimeTest(drafter, cfg.ttt_steps), head, train_set, val_set, cfg, seed, run_dir, world, live)
+        ttt = TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation)
+        summary = fit(ttt, head, train_set, val_set, cfg, seed, run_dir, world, live)
         if world.main:
             best = torch.load(run_dir / "best.pt", map_location="cpu", weights_only=False)
             training = {**summary, "train": {k: v for k, v in summary["train"].items() if k not in CLOCK_METRICS},

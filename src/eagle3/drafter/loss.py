@@ -2,8 +2,8 @@
 
     selection = select_rows(loss_mask, position_ids, steps=7)      # on the host, from the batch
     targets = VerifierHead(lm_head_weight, d2t)(final, selection.positions)   # frozen, no grad
-    ce, sums = TrainingTimeTest(drafter, steps=7)(input_ids, aux, position_ids, targets, selection)
-    loss = ttt_loss(ce, step_counts(targets, selection), decay=0.8)
+    ce, sums = TrainingTimeTest(drafter, steps=7, normalisation="token")(input_ids, aux, position_ids, targets, selection)
+    loss = ttt_loss(ce, step_counts(targets, selection, "token"), decay=0.8)
     StepMetrics(sums).summary(0.8)  # loss, loss_k, acc_k, cond_acc_k, sim_accept_len
 
 Alignment (T = row length; rows t = 0..T-1 go through the layer in every step). A row packs
@@ -20,6 +20,12 @@ of a row counts as one more document without targets:
   steps > 0, but they have no target then, and no other row sees their keys of those steps.
   Only rows with a target get logits: the lm_head over Vd is most of the cost, and prompts are
   most of the rows.
+
+Normalisation (``train.loss_normalisation``): step k's loss is a mean over the global batch, either
+over its valid targets (``token``: a 2,000-token answer weighs 15 times a 130-token one) or over its
+documents with a valid target, each the mean over its own valid targets (``sequence``: every
+document weighs the same). Either way ``ttt_loss`` divides global sums by global counts, so the
+cut of the batch into micro-batches and processes changes nothing (a document lies in one row).
 
 Why a separate module: the model is one step; the unroll, the shifts and the metrics are the
 objective, and DDP/FSDP wrap ``TrainingTimeTest`` so one forward is one whole unroll.
@@ -55,10 +61,11 @@ class Selection:
     positions: Tensor  # [N] flat b*T + s of every target position (x_{s+1} under the loss mask)
     rows: list[Tensor]  # step k: [N_k] flat rows b*T + t with t = s-k-1 >= 0
     picks: list[Tensor]  # step k: [N_k] index into the N targets of each of those rows
+    documents: Tensor  # [N] the document of each target: 0, 1, ... over the micro-batch's documents with targets
 
     def to(self, device, non_blocking: bool = False) -> Selection:
         move = lambda x: x.to(device, non_blocking=non_blocking)  # noqa: E731
-        return Selection(move(self.positions), [move(r) for r in self.rows], [move(p) for p in self.picks])
+        return Selection(move(self.positions), [move(r) for r in self.rows], [move(p) for p in self.picks], move(self.documents))
 
 
 def select_rows(loss_mask: Tensor, position_ids: Tensor, steps: int) -> Selection:
@@ -72,14 +79,18 @@ def select_rows(loss_mask: Tensor, position_ids: Tensor, steps: int) -> Selectio
     [0, 1, 2, 0, 1, 2]), x_3 opens the second document: no target predicts it, and target s = 3
     (predicting x_4) needs row t = 2 at step 0, which is in the other document: nothing is scored.
     With B > 1, row b's flat indices are offset by b*T. Targets no step scores (a target at a
-    document's first token) are left out, so the verifier head never computes them.
+    document's first token) are left out, so the verifier head never computes them. ``documents``
+    numbers the documents that hold targets in flat order: targets at s = [2, 3] of row 0 and [1]
+    of row 1, each row one document, give [0, 0, 1].
     """
     next_continues = shift_left(position_ids, 1, -1) == position_ids + 1  # [B, T]: x_{s+1} is in s's document
     scored = shift_left(loss_mask.bool(), 1, False) & next_continues & (position_ids >= 1)  # step 0 has row s-1
     positions = scored.flatten().nonzero().squeeze(1)  # [N]
     offset = position_ids.flatten()[positions]  # [N] index of s in its document
     picks = [(offset >= k + 1).nonzero().squeeze(1) for k in range(steps)]  # t = s-k-1 must be in the document
-    return Selection(positions, [positions[p] - (k + 1) for k, p in enumerate(picks)], picks)
+    document = (position_ids.flatten() == 0).cumsum(0)  # [B*T] flat document index: each row and document starts at 0
+    documents = document[positions].unique_consecutive(return_inverse=True)[1]  # [N] (positions ascend)
+    return Selection(positions, [positions[p] - (k + 1) for k, p in enumerate(picks)], picks, documents)
 
 
 @dataclass
@@ -91,9 +102,25 @@ class Targets:
     valid: Tensor  # [N] bool: the argmax is a draft token (else the position is masked)
 
 
-def step_counts(targets: Targets, selection: Selection) -> Tensor:
-    """Valid targets of each TTT step [K] (float): the denominators of the per-step means."""
-    return torch.stack([targets.valid[pick].sum() for pick in selection.picks]).float()
+def step_counts(targets: Targets, selection: Selection, normalisation: str) -> Tensor:
+    """The denominators of the per-step means [K] (float), by ``train.loss_normalisation``: each
+    step's valid targets (``token``), or its documents with at least one valid target (``sequence``)."""
+    if normalisation == "token":
+        return torch.stack([targets.valid[pick].sum() for pick in selection.picks]).float()
+    return torch.stack([(size > 0).sum() for size in document_sizes(targets, selection)]).float()
+
+
+def document_sizes(targets: Targets, selection: Selection) -> list[Tensor]:
+    """Step k: [N] the valid targets each document (``Selection.documents``, numbered below N) has at
+    step k. On the device, without a host sync (the size is known: N)."""
+    zeros = torch.zeros(len(selection.positions), device=targets.valid.device)
+    return [zeros.index_add(0, selection.documents[pick], targets.valid[pick].float()) for pick in selection.picks]
+
+
+def document_scales(targets: Targets, selection: Selection) -> list[Tensor]:
+    """Step k: [N_k] 1 / (valid targets of the row's document at step k): with these weights a step's
+    CE sum is the sum over documents of their mean CE (``sequence`` normalisation)."""
+    return [1 / size[selection.documents[pick]].clamp(min=1) for size, pick in zip(document_sizes(targets, selection), selection.picks)]
 
 
 class VerifierHead(nn.Module):
@@ -132,12 +159,18 @@ class VerifierHead(nn.Module):
 
 
 class TrainingTimeTest(nn.Module):
-    """The drafter unrolled over K steps; forward returns (soft CE sums [K], metric sums [6, K])."""
+    """The drafter unrolled over K steps; forward returns (soft CE sums [K], metric sums [6, K]).
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int):
+    ``normalisation`` (``train.loss_normalisation``): ``token`` sums each step's CE over its valid targets;
+    ``sequence`` weighs each by 1 / its document's valid targets at that step, so the sum is over
+    documents of their mean CE. ``step_counts`` with the same value gives the matching denominators.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, normalisation: str):
         super().__init__()
         self.drafter = drafter
         self.steps = steps
+        self.normalisation = normalisation
 
     def forward(self, input_ids: Tensor, aux: Tensor, position_ids: Tensor, targets: Targets,
                 selection: Selection) -> tuple[Tensor, Tensor]:
@@ -147,6 +180,7 @@ class TrainingTimeTest(nn.Module):
         every_row = torch.arange(T, device=input_ids.device)
         cache = KVCache(starts=every_row - position_ids)  # [B, T]: row t's document begins at t - p_t
         hidden = self.drafter.fc(aux)  # [B, T, H]
+        scales = document_scales(targets, selection) if self.normalisation == "sequence" else [None] * self.steps
         ce, right, valid, scored = [], [], [], []
         for k in range(self.steps):
             tokens = shift_left(input_ids, k + 1)  # row t: x_{t+k+1}
@@ -154,12 +188,13 @@ class TrainingTimeTest(nn.Module):
             rows, pick = selection.rows[k], selection.picks[k]
             logits = self.drafter.logits(hidden.flatten(0, 1)[rows])  # [N_k, Vd]
             ok = targets.valid[pick]  # [N_k]
-            ce.append(soft_cross_entropy_sum(logits, targets.probs, pick, ok))
+            ce.append(soft_cross_entropy_sum(logits, targets.probs, pick, ok, scales[k]))
             right.append(on_rows(logits.detach().argmax(-1) == targets.index[pick], rows, B * T))
             valid.append(on_rows(ok, rows, B * T))
             scored.append(on_rows(torch.ones_like(ok), rows, B * T))
         ce = torch.stack(ce)  # [K]
-        return ce, metric_sums(ce.detach(), torch.stack(right), torch.stack(valid), torch.stack(scored))
+        counts = step_counts(targets, selection, self.normalisation)
+        return ce, metric_sums(ce.detach(), counts, torch.stack(right), torch.stack(valid), torch.stack(scored))
 
 
 def on_rows(values: Tensor, rows: Tensor, size: int) -> Tensor:
@@ -168,14 +203,16 @@ def on_rows(values: Tensor, rows: Tensor, size: int) -> Tensor:
 
 
 @fused_when_training_on_gpu
-def soft_cross_entropy_sum(logits: Tensor, probs: Tensor, pick: Tensor, ok: Tensor) -> Tensor:
-    """Σ_i -Σ_v probs[pick_i, v] log softmax(logits_i)_v over the rows i whose target is valid:
-    logits [N_k, Vd], probs [N, Vd], pick [N_k] (row i's target), ok [N_k] -> a scalar.
+def soft_cross_entropy_sum(logits: Tensor, probs: Tensor, pick: Tensor, ok: Tensor, scale: Tensor | None = None) -> Tensor:
+    """Σ_i scale_i · -Σ_v probs[pick_i, v] log softmax(logits_i)_v over the rows i whose target is valid:
+    logits [N_k, Vd], probs [N, Vd], pick [N_k] (row i's target), ok [N_k], scale [N_k] or None
+    (every row weighs 1) -> a scalar.
 
     The targets are picked inside (fused, no [N_k, Vd] copy of the probabilities per step).
     """
     ce = -(probs[pick] * logits.float().log_softmax(-1)).sum(-1)  # [N_k]
-    return torch.where(ok, ce, 0.0).sum()
+    ce = torch.where(ok, ce, 0.0)
+    return (ce if scale is None else ce * scale).sum()
 
 
 def ttt_loss(ce: Tensor, counts: Tensor, decay: float) -> Tensor:
@@ -188,19 +225,21 @@ def ttt_loss(ce: Tensor, counts: Tensor, decay: float) -> Tensor:
     return (weights * ce / counts.clamp(min=1)).sum()
 
 
-def metric_sums(ce: Tensor, right: Tensor, valid: Tensor, scored: Tensor) -> Tensor:
-    """Rows of ``StepMetrics`` [6, K] from ce [K] and right/valid/scored [K, R] (flat row r of step k;
-    scored: the row has a target at step k, valid: that target's argmax is a draft token)."""
+def metric_sums(ce: Tensor, counts: Tensor, right: Tensor, valid: Tensor, scored: Tensor) -> Tensor:
+    """Rows of ``StepMetrics`` [6, K] from the loss's sums ce [K] and denominators counts [K]
+    (``step_counts``) and right/valid/scored [K, R] (flat row r of step k; scored: the row has a
+    target at step k, valid: that target's argmax is a draft token)."""
     hit = right & valid
     chain = torch.cumprod(hit.int(), 0).bool()  # [K, R]: right and valid at every step <= k
     before = torch.cat([torch.ones_like(chain[:1]), chain[:-1]])  # right and valid at every step < k
-    return torch.stack([ce, valid.sum(1).float(), scored.sum(1).float(), hit.sum(1).float(), chain.sum(1).float(),
+    return torch.stack([ce, counts, scored.sum(1).float(), hit.sum(1).float(), chain.sum(1).float(),
                         (before & scored).sum(1).float()])
 
 
 @dataclass
 class StepMetrics:
-    """Per-step sums [6, K]: soft CE, valid targets, all targets, hits, chain hits, chain candidates.
+    """Per-step sums [6, K]: the loss's soft CE and denominator (``step_counts``), all targets, hits,
+    chain hits, chain candidates.
 
     Sums add across micro-batches and ranks (all-reduce ``sums``); ratios are taken only here.
     """
@@ -208,7 +247,8 @@ class StepMetrics:
     sums: Tensor
 
     def summary(self, decay: float) -> dict[str, float]:
-        """loss, loss_k (over valid targets: only those have a draft-vocabulary distribution), acc_k
+        """loss, loss_k (the objective: over valid targets, which alone have a draft-vocabulary
+        distribution, per token or per document as the run's normalisation says), acc_k
         (draft argmax == verifier argmax), cond_acc_k (given steps < k right), sim_accept_len =
         Σ_k Π_{j<=k} cond_acc_j: the draft tokens a greedy chain gets accepted per verify step (bonus
         token excluded), as decoding accepts them — draft k counts only where drafts 0..k-1 were
@@ -219,6 +259,8 @@ class StepMetrics:
         draft vocabulary is a miss, as it is when decoding (the drafter cannot propose it). Over
         the valid ones only, a small vocabulary inflates them by 1 / its coverage (the demo's 256
         tokens cover about half of its validation targets: acc_0 read twice what decoding accepts).
+        The accuracies and sim_accept_len are per token whatever the loss's normalisation: they
+        measure what decoding accepts, not the objective.
         """
         ce, count, targets, hit, chain, candidates = self.sums.double().cpu()  # host sync: log time only
         acc = hit / targets.clamp(min=1)
