@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from support.models import TINY_LLAMA
+from support.pipeline import SMALL_ROWS
 from support.repo import ROOT
 from eagle3 import evaluate, extract, generate, merge, prompts, train
 from eagle3.common import write_jsonl
@@ -74,7 +75,7 @@ def family_params(tmp: Path, family: str) -> Path:
     """params.yaml: the composed defaults at test size, the family as ``model``, a local prompt file."""
     path = tmp / "params.yaml"
     compose_params(["layout.threads=1", "generate.max_new_tokens=16", "merge.min_tokens=1", "merge.draft_vocab_size=2048",
-                    "train=debug", "evaluate.max_new_tokens=16", "evaluate.draft_tokens=3", "evaluate.sets=[heldout]"],
+                    *SMALL_ROWS, "evaluate.max_new_tokens=16", "evaluate.draft_tokens=3", "evaluate.sets=[heldout]"],
                    conf_dir=ROOT / "conf", output=path)
     params = OmegaConf.load(path)
     config = {**FAMILIES[family], "initializer_range": 0.2}  # larger random weights: varied answers, not one repeated token
@@ -83,10 +84,11 @@ def family_params(tmp: Path, family: str) -> Path:
         max_position_embeddings=config["max_position_embeddings"], aux_layers=[1, 2, 3],
         source={"kind": "random", "tokenizer": str(tmp / "tokenizer"), "config": config, "seed": 0, "dtype": "float32"},
     )
-    (tmp / "data" / "sources").mkdir(parents=True)
-    write_jsonl(tmp / "data" / "sources" / "questions.jsonl", [{"prompt": q + tail} for q in QUESTIONS for tail in ("", " Be brief.")])
+    questions = Path("data") / "sources" / "questions.jsonl"  # relative: the seeded order hashes the source's name
+    (tmp / questions.parent).mkdir(parents=True)
+    write_jsonl(tmp / questions, [{"prompt": q + tail} for q in QUESTIONS for tail in ("", " Be brief.")])
     params.dataset.update(name="families", shards=["000000-000012"], eval_sets={"heldout": 3},
-                          sources=[{"kind": "jsonl", "path": str(tmp / "data" / "sources" / "questions.jsonl")}], heldout_fraction=0.25)
+                          sources=[{"kind": "jsonl", "path": str(questions)}], heldout_fraction=0.25)
     OmegaConf.save(params, path)
     return path
 
@@ -128,7 +130,8 @@ def one_thread():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_family_goes_through_the_pipeline_losslessly(family, tmp_path, tiny_verifier_dir, one_thread):
+def test_family_goes_through_the_pipeline_losslessly(family, tmp_path, tiny_verifier_dir, one_thread, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the prompt source is named relative to it: the same prompts, order and packing every run
     (tmp_path / "tokenizer").symlink_to(tiny_verifier_dir)  # SmolLM2's tokenizer and chat template
     seconds = run_pipeline(tmp_path, family_params(tmp_path, family))
     metrics = json.loads((tmp_path / "dvclive" / "evaluate" / "metrics.json").read_text())["heldout"]

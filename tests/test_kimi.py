@@ -17,7 +17,7 @@ from eagle3.lm.loading import language_model, load_tokenizer, load_verifier, ver
 from eagle3.lm.spec import LanguageModel
 from eagle3.verifier import import_verifier
 from support import tiny_kimi
-from support.pipeline import SMALL, SMALL_ROWS, add_dataset
+from support.pipeline import LOCAL_SOURCE, SMALL, SMALL_ROWS, add_dataset, write_local_prompts
 from support.repo import run
 
 
@@ -72,7 +72,8 @@ def test_kimi_shaped_verifier_through_every_stage(make_project, tiny_kimi_dir):
             "evaluate.max_prompts=1", "evaluate.sets=[heldout]", "evaluate.tree=null", "evaluate.baseline=false",
             "layout.threads=1"]
     repo = make_project(*fast, model=kimi_model(tiny_kimi_dir))
-    add_dataset(repo, SMALL)
+    add_dataset(repo, {**SMALL, **LOCAL_SOURCE})
+    write_local_prompts(repo)
     run(["eagle3", "params", "-S", "model=tiny-kimi", "-S", "dataset=small", *[a for f in fast for a in ("-S", f)]], repo)
     ran = run(["dvc", "repro"], repo).stdout
     for stage in ("verifier", "prompts", "generate@000000-000008", "extract@000000-000008", "merge", "train", "evaluate"):

@@ -4,24 +4,21 @@ Scale A, push; scale-up B reuses A's shard; a storage change C re-extracts every
 `eagle3 gc` then removes exactly what only A and B referenced, and A comes back with `dvc pull`.
 """
 
-import json
 import subprocess
 import sys
 
 import pytest
 import yaml
 
+from support.pipeline import LOCAL_SOURCE, add_dataset, write_local_prompts
 from support.repo import run
 from eagle3.config import compose_params
 from eagle3.lifecycle.s3 import ServerHome, stop
 from support.local_s3 import add_remote, cache_objects, file_hashes, local_s3, lock_objects  # noqa: F401
 
 TARGET = "extract"  # the stages up to the hidden states, the artifact gc is about
-# A small local prompt file instead of the 755 MB `evals` registry keeps the `prompts` stage quick.
-SOURCE = {"sources": [{"kind": "jsonl", "path": "data/sources/prompts.jsonl"}], "heldout_fraction": 0.2,
-          "eval_sets": {"heldout": 1, "humaneval": 1, "math": 1}}
-SMALL = {"name": "small", "shards": ["000000-000006"], **SOURCE}
-BIGGER = {"name": "bigger", "shards": ["000000-000006", "000006-000009"], **SOURCE}
+SMALL = {"name": "small", "shards": ["000000-000006"], **LOCAL_SOURCE}
+BIGGER = {"name": "bigger", "shards": ["000000-000006", "000006-000009"], **LOCAL_SOURCE}
 FIXED = ["model=tiny-random", "generate.max_new_tokens=8"]
 
 
@@ -42,11 +39,9 @@ def repro_and_commit(repo, tag: str) -> list[str]:
 @pytest.mark.slow
 def test_push_invalidate_gc_and_restore(make_project, local_s3):
     repo = make_project(*FIXED[1:])
-    demo = yaml.safe_load((repo / "conf" / "dataset" / "demo.yaml").read_text())
     for spec in (SMALL, BIGGER):
-        (repo / "conf" / "dataset" / f"{spec['name']}.yaml").write_text(yaml.safe_dump({**demo, **spec}))
-    prompts = [{"messages": [{"role": "user", "content": f"Name a fact about the number {i}."}]} for i in range(30)]
-    (repo / "data" / "sources" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+        add_dataset(repo, spec)
+    write_local_prompts(repo)
     add_remote(repo)
     local_s3(repo)
 

@@ -8,7 +8,6 @@ of being recorded for outputs made with the old values.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -21,21 +20,17 @@ import yaml
 from support.processes import stage_processes
 from support.repo import project_params, run
 from eagle3.params import PARAMS, RESTORE
-from support.pipeline import overrides, stage_lines
+from support.pipeline import LOCAL_SOURCE, add_dataset, overrides, stage_lines, write_local_prompts
 from support.train import folder_bytes
 
-# A small local prompt file instead of the `evals` registry keeps the `prompts` stage quick.
-QUICK = {"name": "quick", "shards": ["000000-000004"], "sources": [{"kind": "jsonl", "path": "data/sources/quick.jsonl"}],
-         "heldout_fraction": 0.2, "eval_sets": {"heldout": 1, "humaneval": 1, "math": 1}}
+QUICK = {"name": "quick", "shards": ["000000-000004"], **LOCAL_SOURCE}
 CHOICES = ["model=tiny-random", "dataset=quick"]  # `dvc exp run -S` composes from the defaults: repeat them
 
 
 def quick_project(make_project) -> Path:
     repo = make_project(name="quick")
-    demo = yaml.safe_load((repo / "conf" / "dataset" / "demo.yaml").read_text())
-    (repo / "conf" / "dataset" / "quick.yaml").write_text(yaml.safe_dump({**demo, **QUICK}))
-    prompts = [{"messages": [{"role": "user", "content": f"Name a fact about the number {i}."}]} for i in range(12)]
-    (repo / "data" / "sources" / "quick.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    add_dataset(repo, QUICK)
+    write_local_prompts(repo, 12)
     run(["eagle3", "params", *overrides(*CHOICES)], repo)
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "quick dataset"], repo)

@@ -43,10 +43,12 @@ def test_repro_then_scale_up_recomputes_only_new_shards(make_project):
     run(["git", "commit", "-qm", "small"], repo)
 
     # Like Hydra, `dvc exp run -S` composes from the defaults: repeat every non-default choice.
-    scaled = run(["dvc", "exp", "run", *overrides(*FAST, "dataset=bigger")], repo)
+    # Up to merge, the first stage that reads every shard: what is reused is decided before it.
+    scaled = run(["dvc", "exp", "run", "merge", *overrides(*FAST, "dataset=bigger")], repo)
     ran = stage_lines(scaled.stdout)
     assert "verifier" not in ran and "prompts" in ran
     assert not [s for s in ran if s.endswith("@000000-000008")], ran  # the first shard is reused
+    assert {"generate@000008-000012", "extract@000008-000012", "merge"} <= set(ran), ran
     assert (repo / "data" / "prompts" / "shards" / "000000-000008.jsonl").read_bytes() == prompt_shard
     params = yaml.safe_load((repo / "params.yaml").read_text())
     assert params["dataset"]["name"] == "bigger" and params["model"]["name"] == "tiny-random"

@@ -69,17 +69,23 @@ def evals_folders(spec: DictConfig, where: str) -> dict[str, list[Path]]:
     return {f: paths for f, paths in files.items() if (not wanted or f in wanted) and f not in excluded}
 
 
-def folder_candidates(folder: str, paths: list[Path], root: Path, seed: int) -> list[Candidate]:
-    """Every line of one folder, in the seeded order of its content."""
-    candidates = []
-    for path in paths:
-        source = f"evals/{path.relative_to(root)}"
+def folder_candidates(folder: str, paths: list[Path], root: Path, seed: int) -> tuple[int, Iterator[Candidate]]:
+    """How many lines one folder has, and its lines in the seeded order of their content.
+
+    A folder holds up to 288k lines and the walk takes a few: each line is a (key, file, offset)
+    tuple until the walk reaches it (a Candidate per line cost seconds). Sorting the tuples orders
+    equal keys by file, then offset: as the stable sort by key of the lines in reading order.
+    """
+    sources = [f"evals/{path.relative_to(root)}" for path in paths]
+    lines = []
+    for index, (path, source) in enumerate(zip(paths, sources)):
         offset = 0
         with path.open("rb") as handle:
             for line in handle:
-                candidates.append(Candidate(order_key(seed, source.encode() + b"\0" + line), source, path, offset))
+                lines.append((order_key(seed, source.encode() + b"\0" + line), index, offset))
                 offset += len(line)
-    return sorted(candidates, key=lambda c: c.key)
+    lines.sort()
+    return len(lines), (Candidate(key, sources[index], paths[index], offset) for key, index, offset in lines)
 
 
 def evals_candidates(spec: DictConfig, seed: int, where: str) -> Iterator[Candidate]:
@@ -90,10 +96,10 @@ def evals_candidates(spec: DictConfig, seed: int, where: str) -> Iterator[Candid
     """
     folders = evals_folders(spec, where)
     root = package_file("evals", "registry/data", f"{where} (evals)")
-    lists = [folder_candidates(f, paths, root, seed) for f, paths in folders.items()]
+    sized = [folder_candidates(f, paths, root, seed) for f, paths in folders.items()]
     temperature = float(spec.get("folder_temperature", 1.0))
-    weights = [len(c) ** temperature if c else 0.0 for c in lists]
-    for _, candidate in interleave([iter(c) for c in lists], weights):
+    weights = [size ** temperature if size else 0.0 for size, _ in sized]
+    for _, candidate in interleave([lines for _, lines in sized], weights):
         yield candidate
 
 
