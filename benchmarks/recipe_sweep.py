@@ -56,12 +56,14 @@ RECIPES = dict([
     recipe(4096, 1e-3, 3, data="short"),
     recipe(4096, 1e-3, 6), recipe(4096, 1e-3, 10), recipe(4096, 2e-3, 10), recipe(4096, 5e-4, 10),  # >= pack_tokens
     # Smaller global batches (more optimizer steps for the same tokens), rows as short as the batch:
-    recipe(2048, 1e-3, 3, **ROW_2K), recipe(2048, 1e-3, 3, **ROW_2K, data="short"),
+    recipe(2048, 1e-3, 3, **ROW_2K, data="short"),  # full answers need rows of >= 3,072 tokens
     recipe(768, 3e-4, 1, **{"train.pack_tokens": 768, "train.micro_batch_rows": 1}, data="short"),  # the 1 x 768 row
     # train=1k (one 2,048-token row a step, 20 epochs, short answers) with each document weighing the same
     # in the loss (train.loss_normalisation: sequence), beside the same recipe per token, in one lease:
     recipe(2048, 1e-3, 20, **ROW_2K, data="short"),
     recipe(2048, 1e-3, 20, **ROW_2K, **{"train.loss_normalisation": "sequence"}, data="short"),
+    # train=1k's recipe at 10k prompts (--params of dataset=10k): 4 epochs of ~2M tokens, ~4,200 steps
+    recipe(2048, 1e-3, 4, **ROW_2K, data="short"),
 ])
 
 
