@@ -102,25 +102,23 @@ class Targets:
     valid: Tensor  # [N] bool: the argmax is a draft token (else the position is masked)
 
 
-def step_counts(targets: Targets, selection: Selection, normalisation: str) -> Tensor:
-    """The denominators of the per-step means [K] (float), by ``train.loss_normalisation``: each
-    step's valid targets (``token``), or its documents with at least one valid target (``sequence``)."""
+def step_weights(targets: Targets, selection: Selection, normalisation: str) -> tuple[Tensor, list[Tensor | None]]:
+    """By ``train.loss_normalisation``: the denominators of the per-step means [K] (float) and, step k,
+    each scored row's CE weight [N_k] (None: every row weighs 1). ``token``: each step's valid targets,
+    weights 1. ``sequence``: its documents with at least one valid target, and weights 1 / the valid
+    targets of the row's document at that step, so a step's CE sum is the sum over documents of their
+    mean CE. On the device, without a host sync."""
     if normalisation == "token":
-        return torch.stack([targets.valid[pick].sum() for pick in selection.picks]).float()
-    return torch.stack([(size > 0).sum() for size in document_sizes(targets, selection)]).float()
+        return torch.stack([targets.valid[pick].sum() for pick in selection.picks]).float(), [None] * len(selection.picks)
+    zeros = torch.zeros(len(selection.positions), device=targets.valid.device)  # documents are numbered below N
+    sizes = [zeros.index_add(0, selection.documents[pick], targets.valid[pick].float()) for pick in selection.picks]
+    counts = torch.stack([(size > 0).sum() for size in sizes]).float()
+    return counts, [1 / size[selection.documents[pick]].clamp(min=1) for size, pick in zip(sizes, selection.picks)]
 
 
-def document_sizes(targets: Targets, selection: Selection) -> list[Tensor]:
-    """Step k: [N] the valid targets each document (``Selection.documents``, numbered below N) has at
-    step k. On the device, without a host sync (the size is known: N)."""
-    zeros = torch.zeros(len(selection.positions), device=targets.valid.device)
-    return [zeros.index_add(0, selection.documents[pick], targets.valid[pick].float()) for pick in selection.picks]
-
-
-def document_scales(targets: Targets, selection: Selection) -> list[Tensor]:
-    """Step k: [N_k] 1 / (valid targets of the row's document at step k): with these weights a step's
-    CE sum is the sum over documents of their mean CE (``sequence`` normalisation)."""
-    return [1 / size[selection.documents[pick]].clamp(min=1) for size, pick in zip(document_sizes(targets, selection), selection.picks)]
+def step_counts(targets: Targets, selection: Selection, normalisation: str) -> Tensor:
+    """``step_weights``' denominators [K]: what the train loop all-reduces before any backward."""
+    return step_weights(targets, selection, normalisation)[0]
 
 
 class VerifierHead(nn.Module):
@@ -163,7 +161,7 @@ class TrainingTimeTest(nn.Module):
 
     ``normalisation`` (``train.loss_normalisation``): ``token`` sums each step's CE over its valid targets;
     ``sequence`` weighs each by 1 / its document's valid targets at that step, so the sum is over
-    documents of their mean CE. ``step_counts`` with the same value gives the matching denominators.
+    documents of their mean CE. ``step_counts`` with the same value gives the matching denominators (``step_weights``).
     """
 
     def __init__(self, drafter: Eagle3Drafter, steps: int, normalisation: str):
@@ -180,7 +178,7 @@ class TrainingTimeTest(nn.Module):
         every_row = torch.arange(T, device=input_ids.device)
         cache = KVCache(starts=every_row - position_ids)  # [B, T]: row t's document begins at t - p_t
         hidden = self.drafter.fc(aux)  # [B, T, H]
-        scales = document_scales(targets, selection) if self.normalisation == "sequence" else [None] * self.steps
+        counts, scales = step_weights(targets, selection, self.normalisation)
         ce, right, valid, scored = [], [], [], []
         for k in range(self.steps):
             tokens = shift_left(input_ids, k + 1)  # row t: x_{t+k+1}
@@ -193,7 +191,6 @@ class TrainingTimeTest(nn.Module):
             valid.append(on_rows(ok, rows, B * T))
             scored.append(on_rows(torch.ones_like(ok), rows, B * T))
         ce = torch.stack(ce)  # [K]
-        counts = step_counts(targets, selection, self.normalisation)
         return ce, metric_sums(ce.detach(), counts, torch.stack(right), torch.stack(valid), torch.stack(scored))
 
 
