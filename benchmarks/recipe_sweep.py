@@ -86,17 +86,22 @@ def write_params(base, overrides: dict, path: Path) -> Path:
     return path
 
 
-def make_data(base, name: str, work: Path) -> Path:
-    """generate -> extract for every shard of one answer length; returns its folder."""
+def make_data(base, name: str, work: Path, shards_at_once: int = 1) -> Path:
+    """generate -> extract for every shard of one answer length, ``shards_at_once`` shards side by side (each
+    stage process's start-up is most of a small shard's time); returns its folder."""
     folder = work / f"data-{name}"
     params = write_params(base, DATA[name], folder / "params.yaml")
     py = [sys.executable, "-m"]
-    for shard in base.dataset.shards:
+
+    def one(shard: str) -> None:
         run([*py, "eagle3.generate", "models/verifier", f"data/prompts/shards/{shard}.jsonl", str(folder / "generated" / shard),
              "--metrics", str(folder / "metrics" / f"generate-{shard}.json"), "--params", str(params),
-             "--journal-dir", str(folder / "journal")], folder / "generate.log")
+             "--journal-dir", str(folder / "journal")], folder / f"generate-{shard}.log")
         run([*py, "eagle3.extract", "models/verifier", str(folder / "generated" / shard), str(folder / "hidden_states" / shard),
-             "--params", str(params)], folder / "extract.log")
+             "--params", str(params)], folder / f"extract-{shard}.log")
+
+    with ThreadPoolExecutor(shards_at_once) as pool:
+        list(pool.map(one, base.dataset.shards))  # in order: a smaller scale's prefix of shards is ready first
     return folder
 
 
@@ -150,6 +155,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="recipe names (default: all)")
     parser.add_argument("--parallel", type=int, default=6, help="runs training/evaluating at once")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads per training process")
+    parser.add_argument("--shards-at-once", type=int, default=1, help="shards generated and extracted side by side")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--set", nargs="*", default=[], help="overrides of every run, e.g. train.max_steps=3 (smoke runs)")
     parser.add_argument("--commit", default="", help="the commit measured (where the tree has no .git)")
@@ -159,7 +165,7 @@ def main() -> None:
     needed = sorted({v.get("data", "long") for v in recipes.values()})
     started = time.time()
     data_pool = ThreadPoolExecutor(len(needed))  # answer lengths side by side: one GPU holds both
-    datasets = {name: data_pool.submit(make_data, base, name, args.work) for name in needed}
+    datasets = {name: data_pool.submit(make_data, base, name, args.work, args.shards_at_once) for name in needed}
     merging = threading.Lock()  # recipes sharing a merge wait for the first to write it
     report = {"commit": args.commit, "command": " ".join(sys.argv), "params": str(args.params), "runs": []}
 
