@@ -299,21 +299,32 @@ def steps_row(run: dict) -> list[str]:
             f"{long['tau']} / {long['tree_tau']}" if long else ""]
 
 
-def training_table(cells: int) -> dict[str, list[str]]:
-    """docs/training.md's rows of ``cells`` cells whose second names a run: {run: the cells after it}."""
+def scale_row(run: dict) -> list[str]:
+    """A recipe's cells after its name in docs/training.md's 10k table (recipe_10k.json)."""
+    sets = [" / ".join(str(run["sets"][s][key]) for key in ("tau", "tree_tau", "ngram_tau")) for s in ("heldout", "humaneval", "math")]
+    return [str(run["steps"]), f"{run['train_tokens']:,}", *sets, str(run["best_step"]), f"{run['val_acc_0']:.4f}"]
+
+
+def training_table(section: str, cells: int) -> dict[str, list[str]]:
+    """The rows of ``cells`` cells whose second names a run, in docs/training.md's section whose heading
+    starts with ``section``: {run: the cells after it}."""
+    text = (ROOT / "docs" / "training.md").read_text()
+    start = re.search(rf"^#+ {re.escape(section)}.*$", text, re.M).end()
+    after = re.search(r"^#+ ", text[start:], re.M)
     table = {}
-    for line in (ROOT / "docs" / "training.md").read_text().splitlines():
+    for line in text[start: start + after.start() if after else None].splitlines():
         row = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(row) == cells and re.fullmatch(r"`[\w.-]+`", row[1]):
             table[row[1].strip("`")] = row[2:]
     return table
 
 
-@pytest.mark.parametrize(("results", "cells", "row"), [("recipe_sweep_1k.json", 8, sweep_row), ("recipe_steps_1k.json", 9, steps_row)],
-                         ids=["sweep", "steps"])
-def test_the_recipe_tables_quote_their_json(results, cells, row):
+@pytest.mark.parametrize(("results", "section", "cells", "row"), [
+    ("recipe_sweep_1k.json", "The recipe, measured", 8, sweep_row), ("recipe_steps_1k.json", "Steps, not tokens", 9, steps_row),
+    ("recipe_10k.json", "Ten times the data", 9, scale_row)], ids=["sweep", "steps", "10k"])
+def test_the_recipe_tables_quote_their_json(results, section, cells, row):
     runs = {run["name"]: run for run in json.loads((ROOT / "benchmarks/results" / results).read_text())["runs"] if "sets" in run}
-    table = training_table(cells)
+    table = training_table(section, cells)
     assert table.keys() == runs.keys()
     for name, run in runs.items():
         assert table[name] == row(run), name
