@@ -11,6 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from support.generate import generate, shard_file, stage_params
+from support.models import TINY_LLAMA, cached_import, verifier_model
 
 from eagle3.backends.base import Generation, Request
 from eagle3.backends.local import LocalBackend
@@ -93,6 +94,24 @@ def test_sampled_answers_decode_eagerly_beside_slot_decoded_greedy_ones(tiny_ver
     local.slot_decoding = True  # as on CUDA (without it the slot steps run eagerly)
     assert answers(local, greedy + sampled) == eager and slotted == [r.id for r in greedy]
     assert all(eager[s.id].content != eager[g.id].content for g, s in zip(greedy, sampled))
+
+
+def test_a_sliding_window_shorter_than_a_group_decodes_that_group_and_the_rest_eagerly(smollm2_dir, caplog):
+    """A Mistral-style window of 300 tokens: the group of prompts up to 256 tokens (256 + 12 of cache) fits
+    it and is slot-decoded; the 512-wide group refuses at its first forward and is answered by generate,
+    where the window matters (prompts of 300 tokens): every answer is the eager path's, and the log says why."""
+    config = {**TINY_LLAMA, "model_type": "mistral", "sliding_window": 300, "tie_word_embeddings": False}
+    verifier = cached_import("tiny-mistral-window-300", verifier_model(name="tiny-mistral-window-300", copy_weights=True, source={
+        "kind": "random", "tokenizer": str(smollm2_dir), "config": config, "seed": 0, "dtype": "float32"}))
+    local = backend(verifier, "cpu", "float32", 12, graphs=True)
+    requests = random_requests()
+    eager = answers(local, requests)
+    slotted, run_slots = [], local.run_slots
+    local.run_slots = lambda requests, done: run_slots(requests, lambda r, a: (slotted.append(r.id), done(r, a)))
+    local.slot_decoding = True  # as on CUDA
+    assert answers(local, requests) == eager and not local.slot_decoding
+    assert sorted(slotted, key=int) == [r.id for r in requests if len(r.prompt_ids) <= 256]
+    assert "decoding the rest eagerly: the verifier's attention needs softcapping, sinks or a sliding window" in caplog.text
 
 
 def generated_tokens(local: LocalBackend, requests: list[Request]) -> dict[str, list[int]]:

@@ -16,7 +16,9 @@ memory-efficient SDPA kernels have no such cost.
 
 On CUDA with ``cuda_graphs``, ``backends.slots`` answers the greedy requests instead: a slot KV
 cache refilled as rows finish, each decode step a CUDA graph (eager decoding is host-bound there);
-groups by prompt width replace the batches above. The CPU, and sampled answers, keep ``generate``.
+groups by prompt width replace the batches above. The CPU, and sampled answers, keep ``generate``, as
+does every group from the first whose attention slots cannot hold (softcapping, sinks, a sliding window
+shorter than the group's cache: Gemma-2, gpt-oss, Mistral), with a warning.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from eagle3.backends.base import Answer, Done, Generation, Request, cut_at_stop, split_reasoning
 from eagle3.backends.padding import left_pad, padded_width
+from eagle3.backends.slots import SlotsCannotAttend, decode_groups, group_requests
 from eagle3.lm.loading import eos_token_ids, load_tokenizer, load_verifier
 
 log = logging.getLogger(__name__)
@@ -126,10 +129,15 @@ class LocalBackend:
 
     def run(self, requests: Sequence[Request], finished: Collection[str], done: Done) -> None:
         for part in by_sample(requests):
+            answered = set(finished)
             if self.slot_decoding and part[0].temperature == 0:
-                self.run_slots([r for r in part if r.id not in finished], done)
-            else:
-                self.run_batches(part, finished, done)
+                try:
+                    self.run_slots([r for r in part if r.id not in answered], lambda r, a: (answered.add(r.id), done(r, a)))
+                    continue
+                except SlotsCannotAttend as reason:  # at a group's first forward: a narrower group may have answered
+                    log.warning("local backend: decoding the rest eagerly: %s", reason)
+                    self.slot_decoding = False
+            self.run_batches(part, answered, done)  # what a resumed run would do with those answers journaled
 
     def run_batches(self, requests: Sequence[Request], finished: Collection[str], done: Done) -> None:
         """Answers by transformers ``generate``, a batch at a time (a batch with an unfinished row is re-run whole)."""
@@ -143,7 +151,6 @@ class LocalBackend:
     @torch.inference_mode()
     def run_slots(self, requests: Sequence[Request], done: Done) -> None:
         """Greedy answers by ``backends.slots``: a row's answer comes as soon as it finishes."""
-        from eagle3.backends.slots import decode_groups, group_requests
 
         max_new_tokens = self.generation.max_new_tokens
         groups = group_requests(requests, max_new_tokens, self.batch_size, self.batch_tokens)

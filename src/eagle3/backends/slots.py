@@ -45,7 +45,6 @@ from transformers import AttentionInterface
 
 from eagle3.backends.base import Request
 from eagle3.backends.padding import left_pad, padded_width
-from eagle3.common import UserError
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +102,10 @@ class Prefill:
     shift: torch.Tensor  # [n, T] the column of the padded chunk holding position j: row of length 2, T 4 -> [2, 3, 3, 3]
 
 
+class SlotsCannotAttend(Exception):
+    """Raised at a group's first forward, before any answer: the local backend decodes eagerly instead."""
+
+
 class SlotCache:
     """Keys and values of every layer, allocated on first write: [slots, kv_heads, length, head_dim] each,
     or with ``varlen`` [slots, length, kv_heads, head_dim] (the packed layout flash attention reads).
@@ -154,8 +157,8 @@ class SlotCache:
         a sliding window shorter than the cache)."""
         window = options.get("sliding_window")
         if options.get("softcap") or options.get("s_aux") is not None or (window and window < self.length):
-            raise UserError("params.yaml: backend.cuda_graphs: the verifier's attention needs softcapping, sinks or "
-                            "a sliding window, which slot decoding lacks; set it to false")
+            raise SlotsCannotAttend("the verifier's attention needs softcapping, sinks or a sliding window shorter than "
+                                    "the answers, which slot decoding lacks")
 
     def attend_prefill(self, query, key, value, mask, scaling, keys, values) -> torch.Tensor:
         n, kv_heads, width, head_dim = key.shape
