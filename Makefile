@@ -24,4 +24,4 @@ demo: setup
 	. $(BIN)/activate && dvc repro && dvc status && eagle3 report
 
 test: setup
-	. $(BIN)/activate && python -m pytest -q tests
+	. $(BIN)/activate && python -m pytest -q -n 2 tests  # two workers: most of a test's time is a stage process starting

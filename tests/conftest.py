@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from support import tiny_kimi
-from support.models import BASE_END_OF_TURN, TINY_LLAMA, cached_import, tiny_model_spec, verifier_model
+from support.models import BASE_END_OF_TURN, TINY_LLAMA, cache_lock, cached_import, tiny_model_spec, verifier_model
 from support.project import build_project
 from support.repo import CACHE, project_params
 
@@ -52,9 +52,10 @@ def tiny_kimi_dir(smollm2_dir: Path) -> Path:
     """A checkpoint folder shaped like Kimi-K2.5's (vision wrapper, DeepSeek-V3 text model under
     ``language_model.``, remote-code tokenizer), tiny and random: see tests/support/tiny_kimi.py."""
     target = CACHE / "tiny-kimi"
-    if not (target / "model.safetensors.index.json").is_file():
-        shutil.rmtree(target, ignore_errors=True)
-        tiny_kimi.build(smollm2_dir, target)
+    with cache_lock("tiny-kimi"):
+        if not (target / "model.safetensors.index.json").is_file():
+            shutil.rmtree(target, ignore_errors=True)
+            tiny_kimi.build(smollm2_dir, target)
     return target
 
 

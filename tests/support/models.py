@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from filelock import FileLock
 from omegaconf import OmegaConf
 
 from eagle3.common import UserError
@@ -50,16 +51,24 @@ def tiny_model_spec():
 
 
 def cached_import(name: str, model_cfg) -> Path:
-    """The verifier ``model_cfg`` imported into ``CACHE/name``, reused while its meta.json reads."""
+    """The verifier ``model_cfg`` imported into ``CACHE/name``, reused while its meta.json reads; one
+    pytest-xdist worker imports it while the others wait."""
     target = CACHE / name
-    if (target / "meta.json").is_file():
-        try:
-            read_meta(target)
-            return target
-        except UserError:
-            shutil.rmtree(target)
-    import_verifier(model_cfg, target)
+    with cache_lock(name):
+        if (target / "meta.json").is_file():
+            try:
+                read_meta(target)
+                return target
+            except UserError:
+                shutil.rmtree(target)
+        import_verifier(model_cfg, target)
     return target
+
+
+def cache_lock(name: str) -> FileLock:
+    """A lock on ``CACHE/name`` across test processes."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    return FileLock(CACHE / f"{name}.lock")
 
 
 # A chat template for a base model: BOS, plain-text turns, and an end-of-turn marker after every
