@@ -87,9 +87,9 @@ def test_evaluate_reports_every_method_per_set_lossless(tiny_verifier_dir):
         assert report["ngram"]["tau_matched_rounds"] >= report["ngram"]["tau"] and 0 <= report["ngram"]["matched_rounds"] <= 1
     assert reports["b"]["chain"]["forwards"] < reports["a"]["chain"]["forwards"]
     assert reports["a"]["plain"]["timed_prompts"] == 2 and reports["b"]["plain"]["timed_prompts"] == 1  # τ: all 3 prompts
-    sweep = reports["a"]["chain_k"]  # the first set only, on its timed prompts
-    assert "chain_k" not in reports["b"] and set(sweep["tau"]) == {"k2", "k3"} and sweep["best"] in (2, 3)
-    assert sweep["tau"]["k3"] >= 1 and reports["a"]["chain"]["forwards"] > 0
+    for name in sets:  # every set, on its timed prompts
+        sweep = reports[name]["chain_k"]
+        assert set(sweep["tau"]) == {"k2", "k3"} and sweep["best"] in (2, 3) and sweep["tau"]["k3"] >= 1
 
 
 @pytest.mark.parametrize("repeats", [2, 1])

@@ -25,7 +25,7 @@ Output (dvclive, ``dvcyaml=False``), written by ``log_report`` alone: ``metrics.
 ``wall_seconds`` and per set ``tau``, ``lossless`` (fraction of prompts whose output equals plain
 greedy), ``forwards`` (the chain's), ``tree/{tau, lossless, forwards}``, ``baseline/{tau, token}``,
 ``ngram/{tau, tau_matched_rounds, matched_rounds}``, ``tokens``, ``prompts``, ``seconds``; with graphs
-``draft_cost``, ``draft_step_cost``, ``verify_cost`` (and the tree's) and, on the first set,
+``draft_cost``, ``draft_step_cost``, ``verify_cost`` (and the tree's) and, per set,
 ``chain_k/k<K>/...`` and ``chain_k/best``; with repeats > 1 the timings: ``speedup``,
 ``speedup_spread``, ``tokens_per_s(_spread)``, ``plain_tokens_per_s(_spread)`` (and the tree's) at
 the first batch size, the same per size under ``batch/<B>/``, and ``unstable``. Plots
@@ -109,7 +109,7 @@ def summarize(run: Run, plain: Run, k: int) -> dict:
 
 
 def evaluate_set(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
-                 graphs: DecodeGraphs | None = None, sweep_chains: bool = False, stops: StopStrings | None = None) -> dict:
+                 graphs: DecodeGraphs | None = None, stops: StopStrings | None = None) -> dict:
     """Plain vs chain vs tree decoding of ``prompts`` (and the baselines): {"plain", "chain", "tree"?, ...,
     "batch": {batch size: ``timings``}, "unstable": [...], "chain_k"?: ``chain_sweep``}.
 
@@ -137,7 +137,7 @@ def evaluate_set(verifier, drafter, prompts: Sequence[torch.Tensor], settings: S
     for name, shape in settings.methods().items():
         if shape:
             report[name].update(step_costs(graphs, drafter, timed, settings.batch_sizes[0], shape))
-    if sweep_chains and settings.chain_sweep:
+    if settings.chain_sweep:  # per set: the K that pays differs with what is decoded (code, math, chat)
         report["chain_k"] = chain_sweep(verifier, drafter, timed, settings, eos_ids, graphs, stops)
     report["unstable"] = [f"batch {size}: {what}" for size, timing in report["batch"].items() for what in disagreeing(timing)]
     report["unstable"] += [f"chain K sweep: {what}" for what in disagreeing(report.get("chain_k", {}).get("timing", {}))]
@@ -235,20 +235,19 @@ def evaluate(verifier, drafter, eval_sets: Mapping[str, Sequence[torch.Tensor]],
              eos_ids: set[int], stops: StopStrings | None = None) -> dict[str, dict]:
     """The stage's work on loaded models: each set's report (``evaluate_set``), from prompts [n] each.
 
-    One warm-up on the first set comes first; the sets need none of their own. The chain K sweep
-    (``chain_sweep``) runs on the first set.
+    One warm-up on the first set comes first; the sets need none of their own.
     """
     graphs = decode_graphs(settings, eval_sets)
     counts = sorted({graph_rows(len(timed_prompts(prompts, settings)), size) for prompts in eval_sets.values()
                      for size in settings.batch_sizes} | {graph_rows(len(prompts), max(settings.batch_sizes)) for prompts in eval_sets.values()})
     first = next(iter(eval_sets.values()))
     warm_up(verifier, drafter, first, settings, eos_ids, graphs, counts)
-    if graphs is not None and settings.chain_sweep:  # the sweep's chains: the first set at the first batch size
-        rows = graph_rows(len(timed_prompts(first, settings)), settings.batch_sizes[0])
-        warm_up(verifier, drafter, first, settings, eos_ids, graphs, [rows], settings.chain_methods())
+    if graphs is not None and settings.chain_sweep:  # the sweep's chains: every set's timed rows at the first batch size
+        rows = sorted({graph_rows(len(timed_prompts(prompts, settings)), settings.batch_sizes[0]) for prompts in eval_sets.values()})
+        warm_up(verifier, drafter, first, settings, eos_ids, graphs, rows, settings.chain_methods())
     reports = {}
-    for index, (name, prompts) in enumerate(eval_sets.items()):
-        reports[name] = report = evaluate_set(verifier, drafter, prompts, settings, eos_ids, graphs, index == 0, stops)
+    for name, prompts in eval_sets.items():
+        reports[name] = report = evaluate_set(verifier, drafter, prompts, settings, eos_ids, graphs, stops)
         log.info("%s: chain tau %.3f, speedup %.2fx at batch %d; tree tau %s; baselines tau %s (most frequent), %s (ngram); "
                  "%d prompts in %.1f s", name, report["chain"]["tau"], report["batch"][settings.batch_sizes[0]]["chain"]["speedup"],
                  settings.batch_sizes[0],

@@ -27,7 +27,7 @@ class Settings:
     batch_sizes: tuple[int, ...]  # prompts decoded together, one timing per size; τ and outputs at the largest
     repeats: int  # timings per batch size (median and spread); one: no spread, so no speedup metric
     timed_prompts: int | None  # timings on the first this many prompts of a set (at least the largest batch); None: all
-    chain_sweep: tuple[int, ...]  # chain K also timed, on the first set at the first batch size (the best K)
+    chain_sweep: tuple[int, ...]  # chain K also timed, on every set at the first batch size (the best K)
     cuda_graphs: bool  # on a GPU, static caches and captured steps (``eagle3.drafter.graphed``); False: eager
     max_new_tokens: int  # tokens generated per prompt (fewer at EOS)
     sets: tuple[str, ...]  # eval sets: data/prompts/eval/<set>.jsonl
