@@ -214,10 +214,11 @@ def peer_logits(model, batch: dict[str, torch.Tensor], steps: int) -> list[torch
     """Its forward over one shifted sample: the lm_head's logits [T-1, Vd] of every TTT step (a forward hook)."""
     seen: list[torch.Tensor] = []
     hook = model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out[0]))
-    try:
-        model(hidden_states=batch["hidden_states"][None], input_ids=batch["input_ids"][None],
-              document_ids=torch.zeros(1, len(batch["input_ids"]), dtype=torch.long), position_ids=batch["position_ids"][None],
-              ttt_steps=steps)
+    try:  # eager: its compiled pieces are for training, and inductor's CPU build of them fails on some hosts
+        with torch.compiler.set_stance("force_eager"):
+            model(hidden_states=batch["hidden_states"][None], input_ids=batch["input_ids"][None],
+                  document_ids=torch.zeros(1, len(batch["input_ids"]), dtype=torch.long),
+                  position_ids=batch["position_ids"][None], ttt_steps=steps)
     finally:
         hook.remove()
     return seen

@@ -34,7 +34,9 @@ all four, which our drafter format and ``evaluate`` cannot hold, and no weight f
 the other; its own ``convert`` builds our layer from EAGLE checkpoints), and the data facts (our draft
 vocabulary, taps, split and epochs). ``--peer-flags`` adds more of its flags, last, so they win (smoke
 runs: ``--peer-flags "--max-steps 2 --epochs 1 --total-seq-len 768"``; ours' depth: ``"--ttt-steps 7"``).
-On a CPU (our checks) its attention and loss run eager in float32 (``PEER_ON_CPU``).
+On a CPU (our checks) its attention and loss run eager in float32 (``PEER_ON_CPU``). Under torch 2.11
+(the H200 image of 2026-12) its default fused KL loss fails in its compiled backward: pass
+``--peer-flags "--loss-implementation eager"``, the same objective (results/peer_tau_1k.json did).
 
 Where its objective differs from ours on the same rows (read in its source, left as it is): its loss
 mask is the input token's (``shift_batch`` keeps ``loss_mask[1:]`` beside the target of the next

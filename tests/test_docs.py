@@ -319,6 +319,21 @@ def training_table(section: str, cells: int) -> dict[str, list[str]]:
     return table
 
 
+def peer_row(run: dict) -> list[str]:
+    """A run's cells after its name in docs/training.md's peer table (peer_tau_1k*.json)."""
+    sets = [f"{run['sets'][s]['chain_tau']} / {run['sets'][s]['tree_tau']}" for s in ("heldout", "humaneval", "math")]
+    return [str(run["steps"]), f"{run['tokens']:,}", str(run["train_seconds"]), *sets]
+
+
+def test_the_peer_table_quotes_its_json():
+    runs = {run["name"]: run for results in ("peer_tau_1k.json", "peer_tau_1k_ours_8k.json")
+            for run in json.loads((ROOT / "benchmarks/results" / results).read_text())["runs"]}
+    table = training_table("Beside a peer trainer", 8)
+    assert table.keys() == runs.keys()
+    for name, run in runs.items():
+        assert table[name] == peer_row(run), name
+
+
 @pytest.mark.parametrize(("results", "section", "cells", "row"), [
     ("recipe_sweep_1k.json", "The recipe, measured", 8, sweep_row), ("recipe_steps_1k.json", "Steps, not tokens", 9, steps_row),
     ("recipe_10k.json", "Ten times the data", 9, scale_row)], ids=["sweep", "steps", "10k"])
