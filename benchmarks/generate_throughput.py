@@ -170,15 +170,16 @@ def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, grap
     def extras() -> dict:
         found = {"slot_decoding": backend.slot_decoding, "graph_replays": backend.graph_replays}
         if backend.slot_decoding and backend.graph_replays:  # slots_eager captures nothing to time
-            found["step_ms"] = step_ms(backend, spec["batch_size"], 256 + max_new_tokens, varlen)
+            found["step_ms"], found["step_kernels"] = step_ms(backend, spec["batch_size"], 256 + max_new_tokens, varlen)
         return found
 
     return one_pass, extras
 
 
-def step_ms(backend, slots: int, length: int, varlen: bool, steps: int = 50) -> dict:
+def step_ms(backend, slots: int, length: int, varlen: bool, steps: int = 50) -> tuple[dict, dict]:
     """Milliseconds per replay of the captured decode step over ``slots`` rows of a ``length`` cache, every row
-    at position length / 2 (what the whole-row attention reads does not depend on it; varlen's does)."""
+    at position length / 2 (what the whole-row attention reads does not depend on it; varlen's does), and
+    where that step's GPU time goes (``step_kernels``: the same step run eagerly under the profiler)."""
     import traceback
 
     import torch
@@ -199,10 +200,29 @@ def step_ms(backend, slots: int, length: int, varlen: bool, steps: int = 50) -> 
             for _ in range(steps):
                 graph.replay()
             torch.cuda.synchronize()
-        return {key: round((time.perf_counter() - start) / steps * 1000, 2)}
+            replay_ms = round((time.perf_counter() - start) / steps * 1000, 2)
+            return {key: replay_ms}, {key: kernel_times(lambda: decoder.step(slots))}
     except Exception:  # a probe, not the measurement: report and go on
         traceback.print_exc()
-        return {key: "failed (traceback above)"}
+        return {key: "failed (traceback above)"}, {}
+
+
+def kernel_times(step, top: int = 12) -> dict:
+    """GPU time of one call of ``step`` by kernel (the profiler's self device time): its total, its kernel
+    launches and the ``top`` costliest kernels, so a slow step says which of its parts to make faster."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()  # warm: allocations and autotuning stay out of the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+                     key=lambda e: e.self_device_time_total, reverse=True)
+    return {"device_ms": round(sum(e.self_device_time_total for e in kernels) / 1000, 3),
+            "launches": sum(e.count for e in kernels),
+            "top": [{"kernel": e.key[:100], "calls": e.count, "ms": round(e.self_device_time_total / 1000, 3)} for e in kernels[:top]]}
 
 
 def tie_gaps(spec: dict, folder: Path) -> dict:
