@@ -48,8 +48,8 @@ def recipe(batch_tokens: int, lr: float, epochs: int, **extra) -> tuple[str, dic
 # default then) chose b4k-lr1e-3-e3; the longer schedules are the next to measure (τ still rose).
 ROW_2K = {"train.pack_tokens": 2048, "train.micro_batch_rows": 1}  # one 2,048-token row a step
 ROW_8K = {"train.pack_tokens": 8192, "train.micro_batch_rows": 1}  # one 8,192-token row a step, as the peer packs
-PEER_EACH = [{"train.freeze_lm_head": True}, {"train.ttt_steps": 3, "train.step_decay": 1.0}, {"train.weight_decay": 0.1},
-              {"train.min_lr_ratio": 0.0}]
+PEER_EACH = [{"train.optimizer": "muon"}, {"train.freeze_lm_head": True}, {"train.ttt_steps": 3, "train.step_decay": 1.0},
+             {"train.weight_decay": 0.1}, {"train.min_lr_ratio": 0.0}]
 PEER_CHOICES = [{}, *PEER_EACH, {key: value for choice in PEER_EACH for key, value in choice.items()}]
 RECIPES = dict([
     recipe(8192, 3e-4, 3), recipe(16384, 3e-4, 3), recipe(4096, 3e-4, 3), recipe(8192, 1e-3, 3), recipe(8192, 3e-4, 6),
@@ -70,7 +70,7 @@ RECIPES = dict([
     recipe(2048, 1e-3, 4, **ROW_2K, data="short"),
     # Why the peer trainer (results/peer_tau_1k.json) leads on held-out at equal time: ours at its rows and
     # tokens (ROW_8K, 44 epochs: peer_tau_1k_ours_8k.json's run again), then each of its choices ours can
-    # take alone (frozen lm_head, 3 TTT steps weighted equally, weight decay 0.1, a decay to 0), then all four.
+    # take alone (Muon, frozen lm_head, 3 TTT steps weighted equally, weight decay 0.1, a decay to 0), then all five.
     *(recipe(8192, 1e-3, 44, **ROW_8K, **peer, data="short") for peer in PEER_CHOICES),
 ])
 

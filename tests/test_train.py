@@ -27,7 +27,7 @@ from eagle3.drafter.loss import StepMetrics, TrainingTimeTest, VerifierHead
 from eagle3.drafter.parallel import World
 from eagle3.hidden_states.loader import Batching, DataPlan, HiddenStates, InOrder, collate, pack
 from eagle3.lm.loading import verifier_parts
-from eagle3.train import TrainConfig, TrainPaths, collate_ttt, fit, lr_factor, main, train, train_step
+from eagle3.train import TrainConfig, TrainPaths, collate_ttt, fit, lr_factor, main, make_optimizers, train, train_step
 
 from support.repo import ROOT, project_params
 from support.tiny_drafter import make_drafter, one_thread, random_batch, verifier_head_weight  # noqa: F401 (autouse fixture)
@@ -103,6 +103,14 @@ def test_a_frozen_random_head_is_refused():
     validate(OmegaConf.create({"train": {**OmegaConf.to_container(DEBUG), "lm_head_init": "verifier", "freeze_lm_head": True}}))
 
 
+def test_muon_with_fsdp_is_refused():
+    from eagle3.config import validate
+
+    with pytest.raises(UserError, match="train.optimizer = 'muon': must be adamw with train.fsdp"):
+        validate(OmegaConf.create({"train": {**OmegaConf.to_container(DEBUG), "optimizer": "muon", "fsdp": True}}))
+    validate(OmegaConf.create({"train": {**OmegaConf.to_container(DEBUG), "optimizer": "muon", "fsdp": False}}))
+
+
 def test_validation_takes_every_sample_once_in_index_order():
     """The worked example of ``InOrder``: the last step takes the rows left, a process without any gets none."""
     plans = [InOrder([3, 3, 2, 6, 1], Batching(6, 1, 1), rank=r, processes=3) for r in range(3)]
@@ -158,7 +166,7 @@ def one_step(micro: list[dict], cfg: TrainConfig) -> tuple[torch.Tensor, torch.T
     model = TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    sums, norm = train_step(model, head, micro, optimizer, scheduler, cfg, CPU)
+    sums, norm = train_step(model, head, micro, [optimizer], [scheduler], cfg, CPU)
     return sums, norm, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -199,8 +207,25 @@ def live_files(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, bytes]:
             if p.is_file() and not p.name.startswith(skip)}
 
 
-def test_resume_after_crash_equals_uninterrupted(tmp_path):
-    cfg = TrainConfig.from_params(OmegaConf.merge(DEBUG, {"max_steps": 7, "checkpoint_every": 3, "val_every": 2, "pack_tokens": 32, "batch_tokens": 32}))
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    model = TrainingTimeTest(make_drafter(), 2, "token")
+    muon, adamw = make_optimizers(model, train_config(optimizer="muon"), fused=False)
+    names = {id(p): name for name, p in model.named_parameters()}
+    on_muon = {names[id(p)] for group in muon.param_groups for p in group["params"]}
+    on_adamw = {names[id(p)] for group in adamw.param_groups for p in group["params"]}
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert "drafter.fc.weight" in on_muon and any(name.endswith("o_proj.weight") for name in on_muon)
+    assert "drafter.lm_head.weight" in on_adamw and any(name.endswith("norm.weight") for name in on_adamw)
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert on_muon | on_adamw == trained and not on_muon & on_adamw
+    (only,) = make_optimizers(model, train_config(optimizer="adamw"), fused=False)
+    assert {names[id(p)] for p in only.param_groups[0]["params"]} == trained
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_after_crash_equals_uninterrupted(tmp_path, optimizer):
+    cfg = TrainConfig.from_params(OmegaConf.merge(DEBUG, {"max_steps": 7, "checkpoint_every": 3, "val_every": 2, "pack_tokens": 32,
+                                                          "batch_tokens": 32, "optimizer": optimizer}))
     dcfg = make_drafter().config
     val = Items(dcfg, 3, seed=100)
     whole = fit_debug(tmp_path / "whole", Items(dcfg, 6, seed=0), val, cfg, tmp_path / "live-whole")

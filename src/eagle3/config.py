@@ -209,6 +209,7 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.ttt_steps": POSITIVE,
     "train.step_decay": (_number(0, 1, open_low=True), "a number in (0, 1]"),
     "train.loss_normalisation": _one_of("token", "sequence"),
+    "train.optimizer": _one_of("adamw", "muon"),
     "train.lr": (_number(0, open_low=True), "a number > 0"),
     "train.min_lr_ratio": FRACTION,
     "train.warmup_fraction": ((lambda v: _number(0, 1)(v) and v < 1), "a number in [0, 1)"),
@@ -376,5 +377,7 @@ def _check_relations(params: DictConfig) -> None:
         problem = batch_share_problem(batch, row, procs * nodes, "layout.train_procs x layout.nnodes")
         if problem:
             raise refuse("train.batch_tokens", batch, problem)
+    if _get(params, "train.optimizer") == "muon" and _get(params, "train.fsdp") is True:
+        raise refuse("train.optimizer", "muon", "adamw with train.fsdp (Muon orthogonalises whole matrices, FSDP shards them)")
     if _get(params, "train.freeze_lm_head") is True and _get(params, "train.lm_head_init") != "verifier":
         raise refuse("train.freeze_lm_head", True, "false unless train.lm_head_init is verifier (it keeps the lm_head at its start)")

@@ -59,10 +59,11 @@ class TrainConfig:
     ttt_steps: int  # K: draft steps unrolled in training
     step_decay: float  # loss weight of TTT step k is step_decay**k
     loss_normalisation: str  # token: step k's loss is the mean over valid targets; sequence: over documents
-    lr: float  # peak AdamW learning rate
+    optimizer: str  # adamw; or muon: Muon on the hidden matrices, AdamW on the rest
+    lr: float  # peak learning rate (Muon's scaled to AdamW's update size)
     min_lr_ratio: float  # the cosine decays to lr * min_lr_ratio at the last step
     warmup_fraction: float  # share of the optimizer steps spent in linear warmup
-    weight_decay: float  # AdamW decoupled weight decay
+    weight_decay: float  # decoupled weight decay (AdamW's and Muon's)
     epochs: int  # passes over the train split (when max_steps is 0)
     max_steps: int  # optimizer steps to run; 0: from epochs
     batch_tokens: int  # global batch: packed-row tokens per optimizer step, over all processes
@@ -164,7 +165,22 @@ def warn_if_undertrained(total: int, cfg: TrainConfig) -> None:
                 "than this data can teach. %s.\n%s", "!" * 100, total, MIN_STEPS, advice, "!" * 100)
 
 
-def train_step(model, head: VerifierHead, micro: list[dict], optimizer, scheduler, cfg: TrainConfig, world: World) -> tuple[Tensor, Tensor]:
+def make_optimizers(model: torch.nn.Module, cfg: TrainConfig, fused: bool) -> list[torch.optim.Optimizer]:
+    """``train.optimizer``'s optimizers over the trained parameters: AdamW alone, or (muon) Muon on the
+    hidden matrices (fc and the layer's projections) beside AdamW on the rest (norms, the lm_head:
+    an output head is no hidden transform to orthogonalise). Muon's update is scaled to AdamW's RMS
+    (``match_rms_adamw``), so one ``lr`` means the same step size in both."""
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    matrices = [p for name, p in trained if cfg.optimizer == "muon" and p.ndim == 2 and not name.endswith("lm_head.weight")]
+    rest = [p for _, p in trained if all(p is not m for m in matrices)]
+    adamw = torch.optim.AdamW(rest, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=fused)
+    if not matrices:
+        return [adamw]
+    return [torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"), adamw]
+
+
+def train_step(model, head: VerifierHead, micro: list[dict], optimizers: list, schedulers: list, cfg: TrainConfig,
+               world: World) -> tuple[Tensor, Tensor]:
     """One optimizer step over this process's micro-batches; returns (metric sums [6, K], grad norm).
 
     The loss is normalised by the counts (valid targets, or documents: ``cfg.loss_normalisation``)
@@ -183,9 +199,10 @@ def train_step(model, head: VerifierHead, micro: list[dict], optimizer, schedule
         loss.backward()
         sums = sums + step_sums
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    for optimizer, scheduler in zip(optimizers, schedulers):
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
     return sums, norm
 
 
@@ -227,10 +244,10 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: 
                  batching.batch_size, cfg.pack_tokens, world.size)
         warn_if_undertrained(total, cfg)
     model = parallel.wrap(ttt, world, cfg.fsdp)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
-                                  weight_decay=cfg.weight_decay, fused=world.device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, warmup=warmup, total=total, floor=cfg.min_lr_ratio))
-    state = resume(run_dir, model, optimizer, scheduler, world)
+    optimizers = make_optimizers(model, cfg, fused=world.device.type == "cuda")
+    factor = partial(lr_factor, warmup=warmup, total=total, floor=cfg.min_lr_ratio)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer, factor) for optimizer in optimizers]
+    state = resume(run_dir, model, optimizers, schedulers, world)
     if state.step:
         log.info("resumed %s at step %d", run_dir, state.step)
     replay(live, state)
@@ -239,13 +256,13 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: 
     window, clock = torch.zeros(6, cfg.ttt_steps, device=world.device), Window()
     while state.step < total:
         micro = [to_device(next(batches), world.device) for _ in range(batching.grad_accum)]
-        sums, norm = train_step(model, head, micro, optimizer, scheduler, cfg, world)
+        sums, norm = train_step(model, head, micro, optimizers, schedulers, cfg, world)
         state.step += 1
         window += sums
         clock.add(sum(b["tokens"] for b in micro), norm)
         done = state.step == total
         if state.step % cfg.log_every == 0 or done:
-            metrics = train_metrics(state.step, window, clock, scheduler.get_last_lr()[0], cfg.step_decay, world)  # host sync
+            metrics = train_metrics(state.step, window, clock, schedulers[0].get_last_lr()[0], cfg.step_decay, world)  # host sync
             record(live, state, "train", metrics)
             window.zero_()
         if state.step % cfg.val_every == 0 or done:
@@ -255,7 +272,7 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: 
                 state.best = {**metrics, "step": state.step}
                 save_best(run_dir, model, state, world)
         if state.step % cfg.checkpoint_every == 0 or done:
-            save_checkpoint(run_dir, model, optimizer, scheduler, state, world)
+            save_checkpoint(run_dir, model, optimizers, schedulers, state, world)
     last = next((metrics for _, prefix, metrics in reversed(state.history) if prefix == "train"), {})
     return {"steps": total, "train": last, "best": state.best}
 

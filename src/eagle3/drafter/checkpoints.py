@@ -2,9 +2,9 @@
 outside the DVC outputs, in ``<checkpoints>/<run id>/``).
 
     with run_folder(checkpoints, merged, hidden_states, shards, make_id, world) as run_dir:
-        state = resume(run_dir, model, optimizer, scheduler, world)      # or a fresh TrainState
+        state = resume(run_dir, model, optimizers, schedulers, world)      # or a fresh TrainState
         ...
-        save_checkpoint(run_dir, model, optimizer, scheduler, state, world)
+        save_checkpoint(run_dir, model, optimizers, schedulers, state, world)
 
 The run id hashes everything that determines the trained weights: the params, the source of every
 eagle3 module training runs (derived from the imports, ``training_code``: a superset of the code that
@@ -12,7 +12,7 @@ decides the weights, so an edit of e.g. ``config`` or ``common`` also starts a f
 resume weights that other code made), the verifier, the seed,
 the process count and the sha256 of every data file training reads. A run is resumed only by a
 trainer with the same id, so other data or other code never continues an old run's weights; a
-lock on the folder keeps a second trainer out. ``latest.pt`` holds model, optimizer, scheduler,
+lock on the folder keeps a second trainer out. ``latest.pt`` holds model, optimizers, schedulers,
 step, RNG states and the metric history; ``best.pt`` the weights of the best validation.
 """
 
@@ -191,19 +191,19 @@ def run_folder(checkpoints: Path, merged: Path, hidden_states: Path, shards: lis
 
 @dataclass
 class TrainState:
-    """What a checkpoint must restore besides model, optimizer and scheduler."""
+    """What a checkpoint must restore besides model, optimizers and schedulers."""
 
     step: int = 0  # optimizer steps done; also the data position
     best: dict | None = None  # best validation summary so far, with its "step"
     history: list = field(default_factory=list)  # every logged (step, prefix, metrics), replayed on resume
 
 
-def save_checkpoint(run_dir: Path, model, optimizer, scheduler, state: TrainState, world: World) -> None:
+def save_checkpoint(run_dir: Path, model, optimizers: list, schedulers: list, state: TrainState, world: World) -> None:
     """``latest.pt``: everything to resume; written atomically by the main process."""
-    model_state, optim_state = parallel.full_state(model, optimizer)  # a collective under FSDP
+    model_state, optim_state = parallel.full_state(model, optimizers)  # a collective under FSDP
     if world.main:
         save_atomic(run_dir / "latest.pt", {
-            "model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
+            "model": model_state, "optimizer": optim_state, "schedulers": [s.state_dict() for s in schedulers],
             "step": state.step, "best": state.best, "history": state.history, "rng": rng_state(),
         })
     parallel.barrier(world)
@@ -216,14 +216,15 @@ def save_best(run_dir: Path, model, state: TrainState, world: World) -> None:
         save_atomic(run_dir / "best.pt", {"model": model_state, "step": state.step, "metrics": state.best})
 
 
-def resume(run_dir: Path, model, optimizer, scheduler, world: World) -> TrainState:
-    """The state of ``latest.pt`` loaded into model/optimizer/scheduler, or a fresh state."""
+def resume(run_dir: Path, model, optimizers: list, schedulers: list, world: World) -> TrainState:
+    """The state of ``latest.pt`` loaded into model/optimizers/schedulers, or a fresh state."""
     path = run_dir / "latest.pt"
     if not path.is_file():
         return TrainState()
     saved = torch.load(path, map_location="cpu", weights_only=False)
-    parallel.load_full_state(model, optimizer, saved["model"], saved["optimizer"])
-    scheduler.load_state_dict(saved["scheduler"])
+    parallel.load_full_state(model, optimizers, saved["model"], saved["optimizer"])
+    for scheduler, scheduler_state in zip(schedulers, saved["schedulers"], strict=True):
+        scheduler.load_state_dict(scheduler_state)
     set_rng_state(saved["rng"])
     best = run_dir / "best.pt"
     if world.main and best.is_file() and torch.load(best, map_location="cpu", weights_only=False)["step"] > saved["step"]:

@@ -119,22 +119,22 @@ def autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict | None]:
-    """Unsharded CPU state dicts of model and optimizer (None: model only), keyed by plain names.
+def full_state(model: nn.Module, optimizers: list[torch.optim.Optimizer] | None = None) -> tuple[dict, dict | None]:
+    """Unsharded CPU state dicts of the model and of its optimizers as one (None: model only), keyed by plain names.
 
     A collective under FSDP: every process calls it; the main process gets the tensors.
     """
     from torch.distributed.checkpoint import state_dict as dcp  # slow import: only here
 
     options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    if optimizer is None:
+    if optimizers is None:
         return dcp.get_model_state_dict(model, options=options), None
-    return dcp.get_state_dict(model, optimizer, options=options)
+    return dcp.get_state_dict(model, optimizers, options=options)
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
+def load_full_state(model: nn.Module, optimizers: list[torch.optim.Optimizer], model_state: dict, optim_state: dict) -> None:
     """Inverse of ``full_state``, on every process."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+    set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state,
                    options=StateDictOptions(full_state_dict=True))
