@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -69,7 +70,8 @@ def main() -> None:
         ends = [t - start for t in record.pop("step_ends")]
         record.update(steps=len(ends), seconds=round(time.perf_counter() - start, 2),
                       first_step_end=round(ends[0], 2) if ends else None,
-                      step_seconds=round((ends[-1] - ends[0]) / (len(ends) - 1), 4) if len(ends) > 1 else None)
+                      step_seconds=round((ends[-1] - ends[0]) / (len(ends) - 1), 4) if len(ends) > 1 else None,
+                      step_median_seconds=round(statistics.median(b - a for a, b in zip(ends, ends[1:])), 4) if len(ends) > 1 else None)
         args.record.write_text(json.dumps(record, indent=1))
 
 
