@@ -170,9 +170,11 @@ def make_optimizers(model: torch.nn.Module, cfg: TrainConfig, fused: bool) -> li
     hidden matrices (fc and the layer's projections) beside AdamW on the rest (norms, the lm_head:
     an output head is no hidden transform to orthogonalise). Muon's update is scaled to AdamW's RMS
     (``match_rms_adamw``), so one ``lr`` means the same step size in both."""
-    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    matrices = [p for name, p in trained if cfg.optimizer == "muon" and p.ndim == 2 and not name.endswith("lm_head.weight")]
-    rest = [p for _, p in trained if all(p is not m for m in matrices)]
+    matrices, rest = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            hidden_matrix = cfg.optimizer == "muon" and p.ndim == 2 and not name.endswith("lm_head.weight")
+            (matrices if hidden_matrix else rest).append(p)
     adamw = torch.optim.AdamW(rest, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=fused)
     if not matrices:
         return [adamw]
