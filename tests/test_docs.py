@@ -320,15 +320,17 @@ def training_table(section: str, cells: int) -> dict[str, list[str]]:
 
 
 def peer_row(run: dict) -> list[str]:
-    """A run's cells after its name in docs/training.md's peer table (peer_tau_1k*.json)."""
+    """A run's cells after its name in docs/training.md's peer tables (peer_tau_*.json)."""
     sets = [f"{run['sets'][s]['chain_tau']} / {run['sets'][s]['tree_tau']}" for s in ("heldout", "humaneval", "math")]
     return [str(run["steps"]), f"{run['tokens']:,}", str(run["train_seconds"]), *sets]
 
 
-def test_the_peer_table_quotes_its_json():
-    runs = {run["name"]: run for results in ("peer_tau_1k.json", "peer_tau_1k_ours_8k.json")
-            for run in json.loads((ROOT / "benchmarks/results" / results).read_text())["runs"]}
-    table = training_table("Beside a peer trainer", 8)
+@pytest.mark.parametrize(("section", "results"), [
+    ("Beside a peer trainer", ("peer_tau_1k.json", "peer_tau_1k_ours_8k.json")), ("The same at 10k", ("peer_tau_10k.json",))],
+    ids=["1k", "10k"])
+def test_the_peer_tables_quote_their_json(section, results):
+    runs = {run["name"]: run for name in results for run in json.loads((ROOT / "benchmarks/results" / name).read_text())["runs"]}
+    table = training_table(section, 8)
     assert table.keys() == runs.keys()
     for name, run in runs.items():
         assert table[name] == peer_row(run), name
