@@ -20,8 +20,13 @@ temporary folder: it never stops early, so every mode does the same work):
 - ``generate``: plain transformers ``generate`` on the same sorted, left-padded batches;
 - ``generate_batch``: transformers' continuous batching (paged attention) over all prompts;
 - ``openai``: the stage's core (``generate_shard``) against an OpenAI-compatible server;
-- ``ties``: not a speed: where ``after`` and ``before`` first differ, the gap between the two tokens'
-  logits (an eager forward of the common prefix): near-ties have small gaps.
+- ``ties``: not a speed: where ``after`` and ``before`` first differ (and ``after_varlen`` and ``after``),
+  the gap between the two tokens' logits (an eager forward of the common prefix): near-ties have small
+  gaps, a bug large ones; with the share of first differences under each of ``TIE_GAPS``.
+
+``after_varlen`` takes its own slot count (``--varlen-batch-size``, ``--varlen-batch-tokens``; default
+``after``'s): its step reads each row's used keys, so it affords rows that ``after``'s whole-row reads
+would make slow, and the two compare as each is best run.
 
 ``--compile-step`` (experimental, for ``after`` and ``after_varlen``): the slot decode step compiled by
 ``torch.compile`` (dynamic slot count) before its CUDA graphs are captured, so inductor's fused kernels
@@ -65,6 +70,8 @@ SHAPES = {  # random-weights verifiers, by the name of the model whose shape the
 MODES = ["after", "after_varlen", "before", "ties", "generate", "generate_batch"]  # in the order they run
 SHARES = {"after": 0.4, "after_varlen": 0.45}  # of the budget left when they start; the others split what is left
 PAIRS = [("after", "before"), ("after_varlen", "before"), ("after_varlen", "after")]  # greedy agreement between modes
+TIE_PAIRS = [("after", "before"), ("after_varlen", "after")]  # where ``ties`` measures the first differences' logit gaps
+TIE_GAPS = [0.125, 0.25, 0.5, 1.0]  # logit gaps counted (bf16 spaces logits of 16-32 by 0.125)
 SLOW = {"before", "generate", "generate_batch", "slots_eager", "ties"}  # on --slow-count prompts, answers capped at --slow-max-new-tokens
 
 Answers = dict[str, list[int]]  # request id -> generated tokens up to and including the stop token
@@ -156,8 +163,9 @@ def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, grap
     from eagle3.backends.base import Generation, Request
     from eagle3.backends.local import LocalBackend
 
+    slots, slot_tokens = (spec["varlen_batch_size"], spec["varlen_batch_tokens"]) if varlen else (spec["batch_size"], spec["batch_tokens"])
     cfg = OmegaConf.create({"device": spec["device"], "dtype": spec["dtype"], "threads": spec["threads"],
-                            "batch_size": spec["batch_size"], "batch_tokens": spec["batch_tokens"],
+                            "batch_size": slots, "batch_tokens": slot_tokens,
                             "pad_multiple": spec["pad_multiple"], "cuda_graphs": graphs})
     gen = Generation("bench", max_new_tokens, temperature=0.0, top_p=1.0, seed=0, think_tags=None,
                      context=1 << 30, stop=(), trust_remote_code=False)  # context: the prompts are token ids, never skipped
@@ -183,7 +191,7 @@ def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, grap
     def extras() -> dict:
         found = {"slot_decoding": backend.slot_decoding, "graph_replays": backend.graph_replays}
         if backend.slot_decoding and backend.graph_replays:  # slots_eager captures nothing to time
-            found["step_ms"], found["step_kernels"] = step_ms(backend, spec["batch_size"], 256 + max_new_tokens, varlen)
+            found["step_ms"], found["step_kernels"] = step_ms(backend, slots, 256 + max_new_tokens, varlen)
         return found
 
     return one_pass, extras
@@ -238,22 +246,33 @@ def kernel_times(step, top: int = 12) -> dict:
             "top": [{"kernel": e.key[:100], "calls": e.count, "ms": round(e.self_device_time_total / 1000, 3)} for e in kernels[:top]]}
 
 
-def tie_gaps(spec: dict, folder: Path) -> dict:
-    """Where ``after`` and ``before`` answers first differ, how far apart the two tokens' logits are for the
-    verifier (an eager forward of prompt + common prefix): a near-tie has a small gap, a bug a large one."""
+def ties(spec: dict, folder: Path) -> dict:
+    """``tie_gaps`` of every TIE_PAIRS pair whose answers this run has, by "a/b"."""
+    from eagle3.lm.loading import load_verifier
+
+    model = load_verifier(spec["verifier"], spec["device"], spec["dtype"])
+    found = {}
+    for a, b in TIE_PAIRS:
+        files = [folder / f"{mode}.answers.json" for mode in (a, b)]
+        if all(f.is_file() for f in files):
+            cap = spec["slow_max_new_tokens"] if {a, b} & SLOW else spec["max_new_tokens"]
+            found[f"{a}/{b}"] = tie_gaps(model, spec["prompt_ids"], *(json.loads(f.read_text()) for f in files), cap)
+    return {"pairs": found}
+
+
+def tie_gaps(model, prompt_ids: list[list[int]], first: Answers, second: Answers, cap: int) -> dict:
+    """Where two modes' answers (up to ``cap`` tokens) first differ, how far apart the two tokens' logits are for
+    the verifier (an eager forward of prompt + common prefix): a near-tie has a small gap, a bug a large one."""
     import torch
 
     from eagle3.backends.padding import left_pad
-    from eagle3.lm.loading import load_verifier
 
-    after, before = (json.loads((folder / f"{mode}.answers.json").read_text()) for mode in ("after", "before"))
-    cap, cases = spec["slow_max_new_tokens"], []
-    for key in sorted(after.keys() & before.keys(), key=int):
-        a, b = after[key][:cap], before[key][:cap]
+    cases = []
+    for key in sorted(first.keys() & second.keys(), key=int):
+        a, b = first[key][:cap], second[key][:cap]
         at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if at is not None:
-            cases.append((spec["prompt_ids"][int(key)] + a[:at], a[at], b[at]))
-    model = load_verifier(spec["verifier"], spec["device"], spec["dtype"])
+            cases.append((prompt_ids[int(key)] + a[:at], a[at], b[at]))
     gaps = []
     with torch.inference_mode():
         for start in range(0, len(cases), 16):
@@ -264,8 +283,10 @@ def tie_gaps(spec: dict, folder: Path) -> dict:
                            logits_to_keep=1).logits[:, -1].float()  # [n, V]
             gaps += [abs(row[a] - row[b]).item() for row, (_, a, b) in zip(logits, chunk)]
     gaps.sort()
-    return {"differing": len(gaps), "gap_median": round(statistics.median(gaps), 3) if gaps else None,
-            "gap_max": round(gaps[-1], 3) if gaps else None, "gaps": [round(g, 3) for g in gaps]}
+    return {"compared": len(first.keys() & second.keys()), "differing": len(gaps),
+            "gap_median": round(statistics.median(gaps), 3) if gaps else None, "gap_max": round(gaps[-1], 3) if gaps else None,
+            "share_under": {str(limit): round(sum(g < limit for g in gaps) / len(gaps), 3) for limit in TIE_GAPS} if gaps else {},
+            "gaps": [round(g, 3) for g in gaps]}
 
 
 def slots_eager_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int):
@@ -387,7 +408,7 @@ def worker(spec_path: Path, mode: str, answers_path: Path, seconds: float) -> No
     spec = json.loads(spec_path.read_text())
     torch.set_num_threads(spec["threads"])
     if mode == "ties":
-        print(json.dumps({"mode": mode, **tie_gaps(spec, spec_path.parent)}), flush=True)
+        print(json.dumps({"mode": mode, **ties(spec, spec_path.parent)}), flush=True)
         return
     slow = mode in SLOW
     prompts = spec["prompt_ids"][: spec["slow_count"] if slow else spec["count"]]
@@ -455,6 +476,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=512, help="backend.batch_size (slots of `after`)")
     parser.add_argument("--batch-tokens", type=int, default=1_500_000, help="backend.batch_tokens (KV-cache tokens)")
+    parser.add_argument("--varlen-batch-size", type=int, help="after_varlen's backend.batch_size (default: --batch-size)")
+    parser.add_argument("--varlen-batch-tokens", type=int, help="after_varlen's backend.batch_tokens (default: --batch-tokens)")
     parser.add_argument("--pad-multiple", type=int, default=64, help="backend.pad_multiple (eager modes)")
     parser.add_argument("--runs", type=int, default=1, help="warm passes after the first (median)")
     parser.add_argument("--compile-step", action="store_true", help="after, after_varlen: the decode step compiled (experimental)")
@@ -484,7 +507,8 @@ def main() -> None:
                 "slow_count": args.slow_count, "slow_max_new_tokens": args.slow_max_new_tokens,
                 "device": args.device, "dtype": args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"),
                 "threads": args.threads, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
-                "batch_tokens": args.batch_tokens, "pad_multiple": args.pad_multiple, "runs": args.runs,
+                "batch_tokens": args.batch_tokens, "varlen_batch_size": args.varlen_batch_size or args.batch_size,
+                "varlen_batch_tokens": args.varlen_batch_tokens or args.batch_tokens, "pad_multiple": args.pad_multiple, "runs": args.runs,
                 "compile_step": args.compile_step,
                 "base_url": args.base_url, "concurrency": args.concurrency}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
@@ -502,8 +526,8 @@ def main() -> None:
             left = args.budget_s - (time.monotonic() - started)
             share = SHARES.get(mode, 0) if modes else 1.0
             share = max(share, 1 / (len(modes) + 1))
-            if mode == "ties" and not (answers.get("after") and answers.get("before")):
-                row, answers[mode] = {"mode": mode, "error": "skipped: needs the answers of after and before"}, {}
+            if mode == "ties" and not any(answers.get(a) and answers.get(b) for a, b in TIE_PAIRS):
+                row, answers[mode] = {"mode": mode, "error": f"skipped: needs the answers of one of {TIE_PAIRS}"}, {}
             else:
                 row, answers[mode] = run_mode(mode, Path(tmp), left * share)
             report["modes"].append(row)
@@ -527,8 +551,8 @@ def print_table(report: dict) -> None:
               + (f"  {row['error']}" if "error" in row else "")
               + (f"  graph replays {row['graph_replays']}" if row.get("graph_replays") else "")
               + "".join(f"  step {shape}: {ms} ms" for shape, ms in row.get("step_ms", {}).items())
-              + (f"  {row['differing']} first differences, logit gap median {row['gap_median']}, max {row['gap_max']}"
-                 if "differing" in row else ""))
+              + "".join(f"  {pair}: {gaps['differing']} of {gaps['compared']} differ, logit gap median {gaps['gap_median']}, "
+                        f"max {gaps['gap_max']}" for pair, gaps in row.get("pairs", {}).items()))
     for pair, a in report.get("agreement", {}).items():
         print(f"greedy agreement {pair}: {a['identical']}/{a['prompts']} identical ({a['identical_share']})")
     print(f"total {report.get('total_s')} s")
