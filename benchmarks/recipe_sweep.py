@@ -72,6 +72,10 @@ RECIPES = dict([
     # tokens (ROW_8K, 44 epochs: peer_tau_1k_ours_8k.json's run again), then each of its choices ours can
     # take alone (Muon, frozen lm_head, 3 TTT steps weighted equally, weight decay 0.1, a decay to 0), then all five.
     *(recipe(8192, 1e-3, 44, **ROW_8K, **peer, data="short") for peer in PEER_CHOICES),
+    # At 10k (--params of dataset=10k) the peer's equal-time run (results/peer_tau_10k.json) trained 21 epochs of
+    # 8,192-token rows and led by 1.1 held-out τ: ours at its rows and epochs with its 3 equal TTT steps (about 3/7
+    # of a 7-step run's time), with all five of its choices, and with our 7 TTT steps (about twice as long).
+    *(recipe(8192, 1e-3, 21, **ROW_8K, **peer, data="short") for peer in (PEER_EACH[2], PEER_CHOICES[-1], {})),
 ])
 
 
