@@ -15,7 +15,7 @@ from support.models import TINY_LLAMA, cached_import, verifier_model
 
 from eagle3.backends.base import Generation, Request
 from eagle3.backends.local import LocalBackend
-from eagle3.backends.slots import by_kv_head, by_query_head, decode_groups, group_requests, varlen_attention
+from eagle3.backends.slots import decode_groups, group_requests, varlen_attention
 from eagle3.lm.loading import load_tokenizer
 
 LENGTHS = [3, 5, 9, 17, 40, 90, 200, 260, 300, 7, 11]  # two width buckets (256, 512)
@@ -56,18 +56,9 @@ def test_groups_follow_prompt_width_and_small_groups_join_the_next():
     assert [g.slots for g in group_requests(requests, 100, 8, 400)] == [2, 1]  # 400 // 164 rows, then 400 // 420: one
 
 
-def test_query_heads_regroup_by_kv_head_and_back():
-    """Row b's query heads h x group + i (kv head h serves heads h x group ...) sit at [b x group + i, h]."""
-    query = torch.arange(2 * 6 * 1).float().view(2, 6, 1)  # 2 rows, 6 heads over 2 kv heads (group 3)
-    packed = by_kv_head(query, kv_heads=2)
-    assert packed.shape == (6, 2, 1)
-    assert packed[:, :, 0].tolist() == [[0, 3], [1, 4], [2, 5], [6, 9], [7, 10], [8, 11]]
-    assert torch.equal(by_query_head(packed, n=2), query)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_varlen_kernel_reads_a_rows_used_keys_as_masked_attention_does():
-    """Flash attention's varlen kernel with each row's query heads grouped by kv head = masked SDPA, bf16."""
+    """Flash attention's varlen kernel over each row's used keys = masked SDPA over the whole row, bf16."""
     generator = torch.Generator().manual_seed(0)
     n, length, kv_heads, heads, dim = 5, 96, 3, 9, 64
     query = torch.randn(n, heads, dim, generator=generator).cuda().bfloat16()

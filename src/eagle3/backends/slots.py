@@ -179,35 +179,17 @@ class SlotCache:
 def varlen_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, used: torch.Tensor, scale) -> torch.Tensor:
     """One query per row over the row's first ``used[row]`` keys: query [n, heads, D], keys/values
     [n, length, kv_heads, D] -> [n, heads, D]. CUDA: flash attention's varlen kernel (row b's keys
-    start at b x length and it reads ``used[b]`` of them); elsewhere (tests) the same, masked.
-
-    The kernel reads a kv head's keys once per query head it serves; so each row's query heads go in
-    as ``group`` queries of ``kv_heads`` heads (``by_kv_head``): a kv head's keys are read once a row
-    (a third of the reads for SmolLM2's 9 heads over 3), the same softmax per query."""
+    start at b x length and it reads ``used[b]`` of them); elsewhere (tests) the same, masked."""
     n, length, kv_heads, head_dim = keys.shape
     if query.is_cuda:
-        group = query.shape[1] // kv_heads
         starts = torch.arange(n + 1, dtype=torch.int32, device=query.device)
-        out = torch.ops.aten._flash_attention_forward(
-            by_kv_head(query, kv_heads), keys.flatten(0, 1), values.flatten(0, 1), starts * group, starts * length, group, length,
-            0.0, False, False, scale=scale, seqused_k=used.to(torch.int32))[0]
-        return by_query_head(out, n)
+        return torch.ops.aten._flash_attention_forward(
+            query.contiguous(), keys.flatten(0, 1), values.flatten(0, 1), starts, starts * length, 1, length, 0.0, False, False,
+            scale=scale, seqused_k=used.to(torch.int32))[0]
     mask = (torch.arange(length, device=keys.device)[None] < used[:, None])[:, None, None, :]  # [n, 1, 1, length]
     grouped = query.reshape(n, kv_heads, -1, head_dim)  # [n, kv_heads, heads per kv head, D]
     out = F.scaled_dot_product_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale)
     return out.reshape(n, -1, head_dim)
-
-
-def by_kv_head(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[n, heads, D] -> [n x group, kv_heads, D]: row b's query i of kv head h (head h x group + i) at [b x group + i, h]."""
-    n, heads, head_dim = query.shape
-    return query.view(n, kv_heads, heads // kv_heads, head_dim).transpose(1, 2).reshape(-1, kv_heads, head_dim)
-
-
-def by_query_head(out: torch.Tensor, n: int) -> torch.Tensor:
-    """The inverse of ``by_kv_head``: [n x group, kv_heads, D] -> [n, heads, D]."""
-    _, kv_heads, head_dim = out.shape
-    return out.view(n, -1, kv_heads, head_dim).transpose(1, 2).reshape(n, -1, head_dim)
 
 
 @contextmanager

@@ -1,0 +1,98 @@
+"""Milliseconds of one decode-step attention call of the slot decoder (backends/slots.py), one layer, by how
+it reads the cache: ``varlen`` (flash attention's varlen kernel over each row's used keys, backend
+``varlen_decode``), ``masked`` (SDPA over the whole row, masked: the default) and ``grouped`` (a candidate:
+the varlen kernel with each row's query heads handed in as queries of their kv head, so a kv head's keys
+are read once a row rather than once per query head). SmolLM2's heads (9 over 3 kv heads, 64 wide), bf16.
+
+    python benchmarks/decode_attention.py --json benchmarks/results/decode_attention.json   # CUDA, < 20 s
+
+Per shape: rows x cache length with every row's used keys at half the length, uniform in [1, length] or
+300; each time the median of 5 timings of 50 calls (CUDA events) and the 5's spread over the median;
+the largest difference of each output from ``varlen``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's eagle3, installed or not
+from eagle3.backends.slots import varlen_attention  # noqa: E402
+
+HEADS, KV_HEADS, DIM = 9, 3, 64
+
+
+def grouped(query, keys, values, used, scale):
+    """The varlen kernel with row b's query i of kv head h as query b x group + i of head h."""
+    n, length, kv_heads, dim = keys.shape
+    group = query.shape[1] // kv_heads
+    starts = torch.arange(n + 1, dtype=torch.int32, device=query.device)
+    packed = query.view(n, kv_heads, group, dim).transpose(1, 2).reshape(-1, kv_heads, dim)
+    out = torch.ops.aten._flash_attention_forward(packed, keys.flatten(0, 1), values.flatten(0, 1), starts * group,
+                                                  starts * length, group, length, 0.0, False, False, scale=scale,
+                                                  seqused_k=used.to(torch.int32))[0]
+    return out.view(n, group, kv_heads, dim).transpose(1, 2).reshape(n, -1, dim)
+
+
+def masked(query, keys_by_head, values_by_head, mask, scale):
+    """The default decode attention: kv-head-major cache [n, kv_heads, length, D], a kv head's queries together."""
+    n, kv_heads, _, dim = keys_by_head.shape
+    return F.scaled_dot_product_attention(query.reshape(n, kv_heads, -1, dim), keys_by_head, values_by_head,
+                                          attn_mask=mask, scale=scale).reshape(n, -1, dim)
+
+
+def milliseconds(call, reps: int = 50) -> tuple[float, float]:
+    """(median, spread over the median) of 5 timings of ``reps`` calls, after one untimed."""
+    call()
+    torch.cuda.synchronize()
+    start, end, times = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), []
+    for _ in range(5):
+        start.record()
+        for _ in range(reps):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    times.sort()
+    return round(times[2], 4), round((times[-1] - times[0]) / times[2], 3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[512, 1024])
+    parser.add_argument("--length", type=int, default=2304, help="cache positions a row (256-token prompts + 2,048 new)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    scale, found = DIM ** -0.5, {}
+    for n in args.rows:
+        query = torch.randn(n, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=generator)
+        keys = torch.randn(n, args.length, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=generator)
+        values = torch.randn_like(keys)
+        keys_by_head, values_by_head = keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
+        for name, used in (("half", torch.full((n,), args.length // 2, device="cuda")),
+                           ("uniform", torch.randint(1, args.length + 1, (n,), device="cuda", generator=generator)),
+                           ("short", torch.full((n,), 300, device="cuda"))):
+            mask = (torch.arange(args.length, device="cuda")[None] < used[:, None])[:, None, None, :]
+            calls = {"varlen": lambda: varlen_attention(query, keys, values, used, scale),
+                     "masked": lambda: masked(query, keys_by_head, values_by_head, mask, scale),
+                     "grouped": lambda: grouped(query, keys, values, used, scale)}
+            reference = calls["varlen"]().float()
+            row = {}
+            for method, call in calls.items():
+                row[f"{method}_ms"], row[f"{method}_spread"] = milliseconds(call)
+                row[f"{method}_max_diff"] = (call().float() - reference).abs().max().item()
+            found[f"{n}x{args.length}-{name}"] = row
+            print(f"{n}x{args.length}-{name}", json.dumps(row), flush=True)
+    if args.json:
+        report = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": found}
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
