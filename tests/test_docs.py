@@ -15,6 +15,7 @@ import shlex
 import shutil
 import textwrap
 from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 import pytest
@@ -334,6 +335,25 @@ def test_the_peer_tables_quote_their_json(section, results):
     assert table.keys() == runs.keys()
     for name, run in runs.items():
         assert table[name] == peer_row(run), name
+
+
+def two_places(value: float) -> str:
+    """A figure as the README rounds it: two decimals, halves up (2.145 -> 2.15)."""
+    return str(Decimal(str(value)).quantize(Decimal("0.01"), rounding=ROUND_HALF_UP))
+
+
+def test_the_readme_peer_table_rounds_the_json():
+    """Its rows in file order: 1k then 10k, each ours, the peer at equal tokens, at equal time."""
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in (ROOT / "README.md").read_text().splitlines()
+            if re.match(r"\| [^|]*\| (ours, `train=|peer, equal)", line)]
+    runs = [run for name in ("peer_tau_1k.json", "peer_tau_10k.json")
+            for run in json.loads((ROOT / "benchmarks/results" / name).read_text())["runs"]]
+    assert len(rows) == len(runs) == 6
+    for row, run in zip(rows, runs):
+        assert row[2] == f"{run['steps']:,}" and row[3] == f"{run['tokens'] / 1e6:.3g}M", run["name"]
+        assert row[4] == str(round(run["train_seconds"])), run["name"]
+        sets = [" / ".join(two_places(run["sets"][s][k]) for k in ("chain_tau", "tree_tau")) for s in ("heldout", "humaneval", "math")]
+        assert [cell.strip("*") for cell in row[5:]] == sets, run["name"]
 
 
 @pytest.mark.parametrize(("results", "section", "cells", "row"), [
