@@ -15,23 +15,25 @@ temporary folder: it never stops early, so every mode does the same work):
 - ``after``: the ``local`` backend now: on CUDA, slot decoding with CUDA graphs (backends/slots.py);
 - ``after_varlen``: the same with the experimental decode attention that reads each row's used keys
   only (flash attention's varlen kernel; ``after`` reads whole rows, masked);
+- ``after_compiled``: ``after_varlen`` with the slot decode step compiled by ``torch.compile`` (dynamic
+  slot count) before its CUDA graphs are captured, so inductor's fused kernels replace most of the
+  step's ~1,200 launches (experimental); its first pass pays the compilation, cold;
+- ``after_compiled_cached``: the same again in a new process, whose compilation reads what the first
+  wrote to inductor's on-disk cache: what the second and later shards of one ``dvc repro`` would see;
 - ``before``: the ``local`` backend's eager path (``backend.cuda_graphs: false``: transformers
   ``generate`` on sorted, left-padded batches, cuDNN SDPA off), what CUDA ran before;
 - ``generate``: plain transformers ``generate`` on the same sorted, left-padded batches;
 - ``generate_batch``: transformers' continuous batching (paged attention) over all prompts;
 - ``openai``: the stage's core (``generate_shard``) against an OpenAI-compatible server;
-- ``ties``: not a speed: where ``after`` and ``before`` first differ (and ``after_varlen`` and ``after``),
+- ``ties``: not a speed: where ``after`` and ``before`` first differ (``after_varlen`` and ``after``,
+  ``after_compiled`` and ``after_varlen``),
   the gap between the two tokens' logits (an eager forward of the common prefix): near-ties have small
   gaps, a bug large ones; with the share of first differences under each of ``TIE_GAPS``.
 
-``after_varlen`` takes its own slot count (``--varlen-batch-size``, ``--varlen-batch-tokens``; default
-``after``'s): its step reads each row's used keys, so it affords rows that ``after``'s whole-row reads
-would make slow, and the two compare as each is best run.
-
-``--compile-step`` (experimental, for ``after`` and ``after_varlen``): the slot decode step compiled by
-``torch.compile`` (dynamic slot count) before its CUDA graphs are captured, so inductor's fused kernels
-replace most of the step's ~1,200 launches; the compilation is paid in the first pass. On the CPU (the
-tiny test verifier, fp32) the compiled step gave the same answers as the plain one.
+``after_varlen`` and the compiled modes take their own slot count (``--varlen-batch-size``,
+``--varlen-batch-tokens``; default ``after``'s): their step reads each row's used keys, so they afford
+rows that ``after``'s whole-row reads would make slow, and the modes compare as each is best run. On
+the CPU (the tiny test verifier, fp32) the compiled step gave the same answers as the plain one.
 
 The eager modes are host-bound (every step pays ~30 ms of launches, however few rows): they run on
 the first ``--slow-count`` prompts with answers capped at ``--slow-max-new-tokens``, which only
@@ -67,10 +69,12 @@ SHAPES = {  # random-weights verifiers, by the name of the model whose shape the
                      "max_position_embeddings": 8192, "rope_theta": 100000.0, "tie_word_embeddings": True,
                      "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2},
 }
-MODES = ["after", "after_varlen", "before", "ties", "generate", "generate_batch"]  # in the order they run
+MODES = ["after", "after_varlen", "after_compiled", "after_compiled_cached", "before", "ties", "generate",
+         "generate_batch"]  # in the order they run
 SHARES = {"after": 0.4, "after_varlen": 0.45}  # of the budget left when they start; the others split what is left
-PAIRS = [("after", "before"), ("after_varlen", "before"), ("after_varlen", "after")]  # greedy agreement between modes
-TIE_PAIRS = [("after", "before"), ("after_varlen", "after")]  # where ``ties`` measures the first differences' logit gaps
+PAIRS = [("after", "before"), ("after_varlen", "before"), ("after_varlen", "after"),
+         ("after_compiled", "after_varlen")]  # greedy agreement between modes
+TIE_PAIRS = [("after", "before"), ("after_varlen", "after"), ("after_compiled", "after_varlen")]  # ``ties``: first differences' logit gaps
 TIE_GAPS = [0.125, 0.25, 0.5, 1.0]  # logit gaps counted (bf16 spaces logits of 16-32 by 0.125)
 SLOW = {"before", "generate", "generate_batch", "slots_eager", "ties"}  # on --slow-count prompts, answers capped at --slow-max-new-tokens
 
@@ -147,13 +151,14 @@ def progress(start: float, answers: Answers, every_s: float = 10.0):
     return done
 
 
-def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, graphs: bool, varlen: bool = False):
+def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, graphs: bool, varlen: bool = False,
+                 compiled: bool = False):
     """One pass of the ``local`` backend as the stage builds it (``graphs``: backend.cuda_graphs; ``varlen``:
-    its experimental decode attention over each row's used keys only; ``spec["compile_step"]``: the slot
-    decode step compiled, in this worker process only)."""
+    its experimental decode attention over each row's used keys only; ``compiled``: the slot decode step
+    compiled, in this worker process only)."""
     from omegaconf import OmegaConf
 
-    if graphs and spec["compile_step"]:
+    if compiled:
         import torch
 
         from eagle3.backends import slots
@@ -417,6 +422,8 @@ def worker(spec_path: Path, mode: str, answers_path: Path, seconds: float) -> No
     one_pass, extras = {
         "after": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=True),
         "after_varlen": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=True, varlen=True),
+        "after_compiled": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=True, varlen=True, compiled=True),
+        "after_compiled_cached": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=True, varlen=True, compiled=True),
         "slots_eager": lambda: slots_eager_pass(spec, prompts, max_new_tokens),
         "before": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=False),
         "generate": lambda: generate_pass(spec, prompts, max_new_tokens),
@@ -480,7 +487,6 @@ def main() -> None:
     parser.add_argument("--varlen-batch-tokens", type=int, help="after_varlen's backend.batch_tokens (default: --batch-tokens)")
     parser.add_argument("--pad-multiple", type=int, default=64, help="backend.pad_multiple (eager modes)")
     parser.add_argument("--runs", type=int, default=1, help="warm passes after the first (median)")
-    parser.add_argument("--compile-step", action="store_true", help="after, after_varlen: the decode step compiled (experimental)")
     parser.add_argument("--budget-s", type=float, default=420,  # 225 s left the eager modes 26-38 s: none finished
                         help="stop a mode that would end later than this")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -509,7 +515,6 @@ def main() -> None:
                 "threads": args.threads, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
                 "batch_tokens": args.batch_tokens, "varlen_batch_size": args.varlen_batch_size or args.batch_size,
                 "varlen_batch_tokens": args.varlen_batch_tokens or args.batch_tokens, "pad_multiple": args.pad_multiple, "runs": args.runs,
-                "compile_step": args.compile_step,
                 "base_url": args.base_url, "concurrency": args.concurrency}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         settings = {k: v for k, v in spec.items() if k not in ("prompt_ids", "base_url", "concurrency")}
@@ -544,9 +549,9 @@ def main() -> None:
 
 
 def print_table(report: dict) -> None:
-    print(f"{'mode':<16}{'prompts':>8}{'max new':>8}{'tokens':>10}{'first s':>9}{'first tok/s':>13}{'warm tok/s':>12}")
+    print(f"{'mode':<22}{'prompts':>8}{'max new':>8}{'tokens':>10}{'first s':>9}{'first tok/s':>13}{'warm tok/s':>12}")
     for row in report["modes"]:
-        print(f"{row['mode']:<16}{row.get('prompts', '-'):>8}{row.get('max_new_tokens', '-'):>8}{row.get('tokens', '-'):>10}"
+        print(f"{row['mode']:<22}{row.get('prompts', '-'):>8}{row.get('max_new_tokens', '-'):>8}{row.get('tokens', '-'):>10}"
               f"{row.get('first_s', '-'):>9}{row.get('first_tok_s', '-'):>13}{row.get('warm_tok_s') or '-':>12}"
               + (f"  {row['error']}" if "error" in row else "")
               + (f"  graph replays {row['graph_replays']}" if row.get("graph_replays") else "")
