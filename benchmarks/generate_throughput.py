@@ -26,9 +26,9 @@ temporary folder: it never stops early, so every mode does the same work):
 - ``generate_batch``: transformers' continuous batching (paged attention) over all prompts;
 - ``openai``: the stage's core (``generate_shard``) against an OpenAI-compatible server;
 - ``ties``: not a speed: where ``after`` and ``before`` first differ (``after_varlen`` and ``after``,
-  ``after_compiled`` and ``after_varlen``),
-  the gap between the two tokens' logits (an eager forward of the common prefix): near-ties have small
-  gaps, a bug large ones; with the share of first differences under each of ``TIE_GAPS``.
+  ``after_compiled`` and ``after_varlen``), the gap between the two tokens' logits (an eager forward of
+  the common prefix): near-ties have small gaps, a bug large ones; with the share of first differences
+  under each of ``TIE_GAPS``.
 
 ``after_varlen`` and the compiled modes take their own slot count (``--varlen-batch-size``,
 ``--varlen-batch-tokens``; default ``after``'s): their step reads each row's used keys, so they afford
