@@ -490,6 +490,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=420,  # 225 s left the eager modes 26-38 s: none finished
                         help="stop a mode that would end later than this")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--commit", help="the commit measured (default: the checkout's; where the tree has no .git)")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="openai")
     parser.add_argument("--concurrency", type=int, default=4, help="openai")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -518,7 +519,7 @@ def main() -> None:
                 "base_url": args.base_url, "concurrency": args.concurrency}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         settings = {k: v for k, v in spec.items() if k not in ("prompt_ids", "base_url", "concurrency")}
-        report = {"commit": commit(), "command": " ".join(sys.argv), "shape": args.random_shape,
+        report = {"commit": args.commit or commit(), "command": " ".join(sys.argv), "shape": args.random_shape,
                   "prompt_tokens": sum(map(len, prompt_ids[: args.count])), **settings, **environment(args.device),
                   "budget_s": args.budget_s, "modes": [],
                   "note": f"eager modes ({', '.join(sorted(SLOW))}) ran on the first {args.slow_count} prompts, answers capped at "

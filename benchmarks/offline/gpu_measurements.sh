@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU measurements the docs wait for, one after the other, each skipped once its JSON exists (rerun
+# to resume), run in a run folder made for dataset=10k (params.yaml, models/verifier, data/prompts:
+# see docs/benchmarks.md "On a GPU host with no package registry"):
+#
+#   1. generate_throughput.py on the 968-prompt shard, answers up to 2,048 tokens: the local backend as it
+#      is (512 slots), its varlen and compiled decode steps at 1,024 slots, the eager ways, greedy ties;
+#   2. recipe_sweep.py: our trainer at the peer trainer's rows and epochs on the 10k data (RECIPES).
+#
+#   COMMIT=<sha> PYTHONPATH=src:/root/site bash benchmarks/offline/gpu_measurements.sh /root/run /root/res   # COMMIT: no .git there
+#   SMOKE=1 bash benchmarks/offline/gpu_measurements.sh RUN RES     # the CPU: tiny counts, 2 training steps
+set -uo pipefail
+run=$1 res=$2
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+commit=${COMMIT:-$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)}
+RECIPES=${RECIPES:-"b8k-lr1e-3-e21-pack_tokens8192-micro_batch_rows1-ttt_steps3-step_decay1.0-datashort
+b8k-lr1e-3-e21-pack_tokens8192-micro_batch_rows1-optimizermuon-freeze_lm_headTrue-ttt_steps3-step_decay1.0-weight_decay0.1-min_lr_ratio0.0-datashort"}
+mkdir -p "$res/logs"
+export PYTHONUNBUFFERED=1
+if [ -n "${SMOKE:-}" ]; then
+  generate=(--device cpu --count 6 --slow-count 6 --max-new-tokens 8 --slow-max-new-tokens 8 --batch-size 4
+            --varlen-batch-size 6 --threads 1 --budget-s 600)
+  sweep=(--device cpu --parallel 1 --threads 1 --set train.max_steps=2 train.lm_head_init=verifier evaluate.max_prompts=1)
+  shard=000000-000032
+else
+  generate=(--device cuda --count 1000 --max-new-tokens 2048 --varlen-batch-size 1024 --varlen-batch-tokens 4000000
+            --budget-s 600)
+  sweep=(--device cuda --parallel 2 --shards-at-once 3)
+  shard=000032-001000
+fi
+step() {  # name json command...: unless json exists, the command (its --json: json.partial), json once it exits 0
+  local name=$1 json=$2; shift 2
+  if [ -f "$json" ]; then echo "=== $name: $json exists, skipped"; return; fi
+  echo "=== $name $(date +%T)"
+  "$@" --json "$json.partial" > "$res/logs/$name.log" 2>&1
+  local code=$?
+  echo "=== $name exit $code $(date +%T)"; tail -n 12 "$res/logs/$name.log"
+  [ "$code" = 0 ] && [ -f "$json.partial" ] && mv "$json.partial" "$json"
+}
+step generate "$res/generate_throughput.json" python "$repo/benchmarks/generate_throughput.py" --verifier "$run/models/verifier" \
+  --prompts "$run/data/prompts/shards/$shard.jsonl" --commit "$commit" "${generate[@]}"
+cd "$run"
+# shellcheck disable=SC2086  # RECIPES: one name a line
+step recipes "$res/recipes_10k.json" python "$repo/benchmarks/recipe_sweep.py" --params params.yaml --work "$res/sweep" \
+  --commit "$commit" --only $RECIPES "${sweep[@]}"
+echo "=== all done $(date +%T)"
