@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements the docs wait for, one after the other, each skipped once its JSON exists (rerun
-# to resume), run in a run folder made for dataset=10k (params.yaml, models/verifier, data/prompts:
-# see docs/benchmarks.md "On a GPU host with no package registry"):
+# to resume), run in a run folder made for dataset=10k (params.yaml and data/prompts; models/verifier is
+# imported first where missing: see docs/benchmarks.md "On a GPU host with no package registry"):
 #
 #   1. generate_throughput.py on the 968-prompt shard, answers up to 2,048 tokens: the local backend as it
 #      is (512 slots), its varlen and compiled decode steps at 1,024 slots, the eager ways, greedy ties;
@@ -37,6 +37,9 @@ step() {  # name json command...: unless json exists, the command (its --json: j
   echo "=== $name exit $code $(date +%T)"; tail -n 12 "$res/logs/$name.log"
   [ "$code" = 0 ] && [ -f "$json.partial" ] && mv "$json.partial" "$json"
 }
+if [ ! -f "$run/models/verifier/meta.json" ]; then  # the verifier stage where it was not run yet (its import differs by host)
+  (cd "$run" && python -m eagle3.verifier models/verifier > "$res/logs/verifier.log" 2>&1) || { tail -n 20 "$res/logs/verifier.log"; exit 1; }
+fi
 step generate "$res/generate_throughput.json" python "$repo/benchmarks/generate_throughput.py" --verifier "$run/models/verifier" \
   --prompts "$run/data/prompts/shards/$shard.jsonl" --commit "$commit" "${generate[@]}"
 cd "$run"
