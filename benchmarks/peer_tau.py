@@ -46,19 +46,12 @@ of its document's end is scored against the next packed document's target (no do
 ``align_for_step``); a target whose verifier argmax lies outside the draft vocabulary is trained
 towards, where ours masks it; its lm_head stays frozen, ours trains from the verifier's rows.
 
-Installing the peer, never into the project's dependencies: the GPU machine (python 3.12, torch 2.11,
-transformers 5.17, no package registry) needs these wheels carried (sizes of the cp312 builds):
-speculators 0.9.0 (263 kB), hs_connectors 0.9.0 (24 kB), datasets 5.1.0 (604 kB), dill 0.4.1 (120 kB),
-multiprocess 0.70.19 (150 kB), xxhash 4.1.0 (472 kB), pandas 3.1.1 (12.0 MB), python-dateutil (93 kB),
-six (11 kB), loguru 0.7.3 (62 kB), openai 2.54.0 (1.7 MB), jiter (338 kB), sniffio (10 kB), distro
-(20 kB): 15.9 MB; and pyarrow 26.0.1 (55 MB) only where its pyarrow is older than 24 (datasets needs >= 24).
-Download them on a machine with a registry, install them there into a folder on PYTHONPATH::
-
-    pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \\
-        --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d peer-wheels \\
-        speculators==0.9.0 hs_connectors==0.9.0 datasets==5.1.0 dill==0.4.1 multiprocess==0.70.19 \\
-        xxhash==4.1.0 pandas==3.1.1 python-dateutil six loguru==0.7.3 openai==2.54.0 jiter sniffio distro
-    pip install --no-deps --target /root/peer-site peer-wheels/*.whl
+Installing the peer, never into the project's dependencies: ``benchmarks/offline/kit.sh`` downloads its
+wheels (speculators 0.9.0, hs_connectors 0.9.0, datasets 5.1.0, dill, multiprocess, loguru, openai and
+theirs: 3.2 MB) and ``benchmarks/offline/install.sh`` installs them into ``/root/peer-site`` on the GPU
+machine (python 3.12, torch 2.11, transformers 5.17, no package registry), whose image has pandas,
+python-dateutil, six and xxhash; datasets needs pyarrow >= 24 (that image: 25.0.1), so carry pyarrow
+too where a host's is older.
 """
 
 from __future__ import annotations

@@ -173,6 +173,9 @@ def main() -> None:
     parser.add_argument("--commit", default="", help="the commit measured (where the tree has no .git)")
     args = parser.parse_args()
     base = OmegaConf.merge(OmegaConf.load(args.params), OmegaConf.from_dotlist(args.set))
+    unknown = sorted(set(args.only or ()) - RECIPES.keys())
+    if unknown:
+        parser.error(f"--only: no recipe named {', '.join(unknown)}; the recipes: {', '.join(RECIPES)}")
     recipes = {k: v for k, v in RECIPES.items() if not args.only or k in args.only}
     needed = sorted({v.get("data", "long") for v in recipes.values()})
     started = time.time()

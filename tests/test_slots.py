@@ -67,8 +67,8 @@ def test_varlen_kernel_reads_a_rows_used_keys_as_masked_attention_does():
     out = varlen_attention(query, keys, values, used, dim ** -0.5)
     mask = (torch.arange(length, device="cuda")[None] < used[:, None])[:, None, None, :]
     expected = torch.nn.functional.scaled_dot_product_attention(
-        query.float()[:, :, None], keys.float().transpose(1, 2).repeat_interleave(3, 1),
-        values.float().transpose(1, 2).repeat_interleave(3, 1), attn_mask=mask, scale=dim ** -0.5)[:, :, 0]
+        query.float()[:, :, None], keys.float().transpose(1, 2).repeat_interleave(heads // kv_heads, 1),
+        values.float().transpose(1, 2).repeat_interleave(heads // kv_heads, 1), attn_mask=mask, scale=dim ** -0.5)[:, :, 0]
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
