@@ -15,7 +15,11 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 commit=${COMMIT:-$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)}
 RECIPES=${RECIPES:-"b8k-lr1e-3-e21-pack_tokens8192-micro_batch_rows1-ttt_steps3-step_decay1.0-datashort
 b8k-lr1e-3-e21-pack_tokens8192-micro_batch_rows1-optimizermuon-freeze_lm_headTrue-ttt_steps3-step_decay1.0-weight_decay0.1-min_lr_ratio0.0-datashort"}
+for need in params.yaml data/prompts; do
+  [ -e "$run/$need" ] || { echo "error: $run/$need not found: a run folder holds params.yaml and data/prompts (eagle3 params -S ..., then the prompts stage)"; exit 2; }
+done
 mkdir -p "$res/logs"
+failed=()
 export PYTHONUNBUFFERED=1
 if [ -n "${SMOKE:-}" ]; then
   generate=(--device cpu --count 6 --slow-count 6 --max-new-tokens 8 --slow-max-new-tokens 8 --batch-size 4
@@ -35,7 +39,7 @@ step() {  # name json command...: unless json exists, the command (its --json: j
   "$@" --json "$json.partial" > "$res/logs/$name.log" 2>&1
   local code=$?
   echo "=== $name exit $code $(date +%T)"; tail -n 12 "$res/logs/$name.log"
-  [ "$code" = 0 ] && [ -f "$json.partial" ] && mv "$json.partial" "$json"
+  if [ "$code" = 0 ] && [ -f "$json.partial" ]; then mv "$json.partial" "$json"; else failed+=("$name"); fi
 }
 if [ ! -f "$run/models/verifier/meta.json" ]; then  # the verifier stage where it was not run yet (its import differs by host)
   (cd "$run" && python -m eagle3.verifier models/verifier > "$res/logs/verifier.log" 2>&1) || { tail -n 20 "$res/logs/verifier.log"; exit 1; }
@@ -46,4 +50,5 @@ cd "$run"
 # shellcheck disable=SC2086  # RECIPES: one name a line
 step recipes "$res/recipes_10k.json" python "$repo/benchmarks/recipe_sweep.py" --params params.yaml --work "$res/sweep" \
   --commit "$commit" --only $RECIPES "${sweep[@]}"
+if [ ${#failed[@]} -gt 0 ]; then echo "=== all done, failed: ${failed[*]} (logs in $res/logs; rerun to retry) $(date +%T)"; exit 1; fi
 echo "=== all done $(date +%T)"
