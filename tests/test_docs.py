@@ -306,17 +306,17 @@ def scale_row(run: dict) -> list[str]:
     return [str(run["steps"]), f"{run['train_tokens']:,}", *sets, str(run["best_step"]), f"{run['val_acc_0']:.4f}"]
 
 
-def training_table(section: str, cells: int) -> dict[str, list[str]]:
-    """The rows of ``cells`` cells whose second names a run, in docs/training.md's section whose heading
+def doc_table(section: str, cells: int, page: str = "training.md", name_cell: int = 1) -> dict[str, list[str]]:
+    """The rows of ``cells`` cells whose ``name_cell`` names a run, in docs/``page``'s section whose heading
     starts with ``section``: {run: the cells after it}."""
-    text = (ROOT / "docs" / "training.md").read_text()
+    text = (ROOT / "docs" / page).read_text()
     start = re.search(rf"^#+ {re.escape(section)}.*$", text, re.M).end()
     after = re.search(r"^#+ ", text[start:], re.M)
     table = {}
     for line in text[start: start + after.start() if after else None].splitlines():
         row = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(row) == cells and re.fullmatch(r"`[\w.-]+`", row[1]):
-            table[row[1].strip("`")] = row[2:]
+        if len(row) == cells and re.fullmatch(r"`[\w.-]+`", row[name_cell]):
+            table[row[name_cell].strip("`")] = row[name_cell + 1:]
     return table
 
 
@@ -331,10 +331,21 @@ def peer_row(run: dict) -> list[str]:
     ids=["1k", "10k"])
 def test_the_peer_tables_quote_their_json(section, results):
     runs = {run["name"]: run for name in results for run in json.loads((ROOT / "benchmarks/results" / name).read_text())["runs"]}
-    table = training_table(section, 8)
+    table = doc_table(section, 8)
     assert table.keys() == runs.keys()
     for name, run in runs.items():
         assert table[name] == peer_row(run), name
+
+
+def test_the_generation_table_quotes_its_json():
+    report = json.loads((ROOT / "benchmarks/results/generate_throughput_varlen.json").read_text())
+    slots = {"after": report["batch_size"], "after_varlen": report["varlen_batch_size"]}
+    table = doc_table("The shard at 1,024 varlen slots", 8, page="benchmarks.md", name_cell=0)
+    assert table.keys() == slots.keys()
+    for mode in (row for row in report["modes"] if row["mode"] in slots):
+        cells = [slots[mode["mode"]], f"{mode['tokens']:,}", mode["first_s"], mode["first_tok_s"], mode["warm_tok_s"],
+                 *mode["step_ms"].values(), mode["max_memory_gib"]]
+        assert table[mode["mode"]] == [str(cell) for cell in cells], mode["mode"]
 
 
 def two_places(value: float) -> str:
@@ -361,7 +372,7 @@ def test_the_readme_peer_table_rounds_the_json():
     ("recipe_10k.json", "Ten times the data", 9, scale_row)], ids=["sweep", "steps", "10k"])
 def test_the_recipe_tables_quote_their_json(results, section, cells, row):
     runs = {run["name"]: run for run in json.loads((ROOT / "benchmarks/results" / results).read_text())["runs"] if "sets" in run}
-    table = training_table(section, cells)
+    table = doc_table(section, cells)
     assert table.keys() == runs.keys()
     for name, run in runs.items():
         assert table[name] == row(run), name
