@@ -1,8 +1,8 @@
-"""Milliseconds of one decode-step attention call of the slot decoder (backends/slots.py), one layer, by how
-it reads the cache: ``varlen`` (flash attention's varlen kernel over each row's used keys, backend
-``varlen_decode``), ``masked`` (SDPA over the whole row, masked: the default) and ``grouped`` (a candidate:
-the varlen kernel with each row's query heads handed in as queries of their kv head, so a kv head's keys
-are read once a row rather than once per query head). SmolLM2's heads (9 over 3 kv heads, 64 wide), bf16.
+"""Milliseconds of one decode-step attention call of the slot decoder (backends/slots.py), one layer, by
+its kernel: ``split`` (Triton: each row's used keys split across programs, a kv head's query heads
+together; the default where it runs), ``varlen`` (flash attention's varlen kernel over each row's used
+keys: ``flash``) and ``masked`` (SDPA over the whole row, masked). SmolLM2's heads (9 over 3 kv heads,
+64 wide), bf16.
 
     python benchmarks/decode_attention.py --json benchmarks/results/decode_attention.json   # CUDA, < 20 s
 
@@ -19,31 +19,11 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's eagle3, installed or not
-from eagle3.backends.slots import varlen_attention  # noqa: E402
+from eagle3.backends.slots import split_attention, varlen_attention, whole_row_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
-
-
-def grouped(query, keys, values, used, scale):
-    """The varlen kernel with row b's query i of kv head h as query b x group + i of head h."""
-    n, length, kv_heads, dim = keys.shape
-    group = query.shape[1] // kv_heads
-    starts = torch.arange(n + 1, dtype=torch.int32, device=query.device)
-    packed = query.view(n, kv_heads, group, dim).transpose(1, 2).reshape(-1, kv_heads, dim)
-    out = torch.ops.aten._flash_attention_forward(packed, keys.flatten(0, 1), values.flatten(0, 1), starts * group,
-                                                  starts * length, group, length, 0.0, False, False, scale=scale,
-                                                  seqused_k=used.to(torch.int32))[0]
-    return out.view(n, group, kv_heads, dim).transpose(1, 2).reshape(n, -1, dim)
-
-
-def masked(query, keys_by_head, values_by_head, mask, scale):
-    """The default decode attention: kv-head-major cache [n, kv_heads, length, D], a kv head's queries together."""
-    n, kv_heads, _, dim = keys_by_head.shape
-    return F.scaled_dot_product_attention(query.reshape(n, kv_heads, -1, dim), keys_by_head, values_by_head,
-                                          attn_mask=mask, scale=scale).reshape(n, -1, dim)
 
 
 def milliseconds(call, reps: int = 50) -> tuple[float, float]:
@@ -79,9 +59,11 @@ def main() -> None:
                            ("uniform", torch.randint(1, args.length + 1, (n,), device="cuda", generator=generator)),
                            ("short", torch.full((n,), 300, device="cuda"))):
             mask = (torch.arange(args.length, device="cuda")[None] < used[:, None])[:, None, None, :]
-            calls = {"varlen": lambda: varlen_attention(query, keys, values, used, scale),
-                     "masked": lambda: masked(query, keys_by_head, values_by_head, mask, scale),
-                     "grouped": lambda: grouped(query, keys, values, used, scale)}
+            used = used.to(torch.int32)
+            starts = torch.arange(n + 1, dtype=torch.int32, device="cuda")
+            calls = {"varlen": lambda: varlen_attention(query, keys, values, used, scale, starts, starts * args.length),
+                     "split": lambda: split_attention(query, keys, values, used, scale),
+                     "masked": lambda: whole_row_attention(query, keys_by_head, values_by_head, mask, scale)}
             reference = calls["varlen"]().float()
             row = {}
             for method, call in calls.items():

@@ -12,9 +12,12 @@ Modes, on the same prompts (the shard's first ones under the chat template, or w
 random token prompts of shard-like lengths and a random-weights model of that shape, written to a
 temporary folder: it never stops early, so every mode does the same work):
 
-- ``after``: the ``local`` backend now: on CUDA, slot decoding with CUDA graphs (backends/slots.py);
-- ``after_varlen``: the same with the experimental decode attention that reads each row's used keys
-  only (flash attention's varlen kernel; ``after`` reads whole rows, masked);
+- ``after``: the ``local`` backend now: on CUDA, slot decoding with CUDA graphs (backends/slots.py), its
+  decode attention the fastest kernel that runs (``split``: Triton, each row's used keys split across
+  programs);
+- ``after_varlen``: the same with the ``flash`` kernel (flash attention's varlen kernel over each row's
+  used keys), ``after_masked`` with ``masked`` (SDPA over whole rows, masked: the default until the
+  eighth lease);
 - ``after_compiled``: ``after_varlen`` with the slot decode step compiled by ``torch.compile`` (dynamic
   slot count) before its CUDA graphs are captured, so inductor's fused kernels replace most of the
   step's ~1,200 launches (experimental); its first pass pays the compilation, cold;
@@ -31,8 +34,7 @@ temporary folder: it never stops early, so every mode does the same work):
   under each of ``TIE_GAPS``.
 
 ``after_varlen`` and the compiled modes take their own slot count (``--varlen-batch-size``,
-``--varlen-batch-tokens``; default ``after``'s): their step reads each row's used keys, so they afford
-rows that ``after``'s whole-row reads would make slow, and the modes compare as each is best run. On
+``--varlen-batch-tokens``; default ``after``'s, whose slots are ``--batch-size`` / ``--batch-tokens``). On
 the CPU (the tiny test verifier, fp32) the compiled step gave the same answers as the plain one.
 
 The eager modes are host-bound (every step pays ~30 ms of launches, however few rows): they run on
@@ -69,7 +71,7 @@ SHAPES = {  # random-weights verifiers, by the name of the model whose shape the
                      "max_position_embeddings": 8192, "rope_theta": 100000.0, "tie_word_embeddings": True,
                      "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2},
 }
-MODES = ["after", "after_varlen", "after_compiled", "after_compiled_cached", "before", "ties", "generate",
+MODES = ["after", "after_varlen", "after_masked", "after_compiled", "after_compiled_cached", "before", "ties", "generate",
          "generate_batch"]  # in the order they run
 SHARES = {"after": 0.4, "after_varlen": 0.45}  # of the budget left when they start; the others split what is left
 PAIRS = [("after", "before"), ("after_varlen", "before"), ("after_varlen", "after"),
@@ -151,10 +153,10 @@ def progress(start: float, answers: Answers, every_s: float = 10.0):
     return done
 
 
-def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, graphs: bool, varlen: bool = False,
+def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, graphs: bool, kernel: str | None = None,
                  compiled: bool = False):
-    """One pass of the ``local`` backend as the stage builds it (``graphs``: backend.cuda_graphs; ``varlen``:
-    its experimental decode attention over each row's used keys only; ``compiled``: the slot decode step
+    """One pass of the ``local`` backend as the stage builds it (``graphs``: backend.cuda_graphs; ``kernel``: its
+    decode attention instead of the fastest, over the ``--varlen-*`` slots; ``compiled``: the slot decode step
     compiled, in this worker process only)."""
     from omegaconf import OmegaConf
 
@@ -168,14 +170,15 @@ def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, grap
     from eagle3.backends.base import Generation, Request
     from eagle3.backends.local import LocalBackend
 
-    slots, slot_tokens = (spec["varlen_batch_size"], spec["varlen_batch_tokens"]) if varlen else (spec["batch_size"], spec["batch_tokens"])
+    own = kernel in ("flash", "split")
+    slots, slot_tokens = (spec["varlen_batch_size"], spec["varlen_batch_tokens"]) if own else (spec["batch_size"], spec["batch_tokens"])
     cfg = OmegaConf.create({"device": spec["device"], "dtype": spec["dtype"], "threads": spec["threads"],
                             "batch_size": slots, "batch_tokens": slot_tokens,
                             "pad_multiple": spec["pad_multiple"], "cuda_graphs": graphs})
     gen = Generation("bench", max_new_tokens, temperature=0.0, top_p=1.0, seed=0, think_tags=None,
                      context=1 << 30, stop=(), trust_remote_code=False)  # context: the prompts are token ids, never skipped
     backend = LocalBackend(cfg, Path(spec["verifier"]), gen)
-    backend.varlen_decode = varlen
+    backend.decode_kernel = kernel
     requests = [Request(str(i), str(i), [], ids, 0) for i, ids in enumerate(prompts)]
     answers: Answers = {}
     to_answer = backend.to_answer
@@ -196,29 +199,30 @@ def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, grap
     def extras() -> dict:
         found = {"slot_decoding": backend.slot_decoding, "graph_replays": backend.graph_replays}
         if backend.slot_decoding and backend.graph_replays:  # slots_eager captures nothing to time
-            found["step_ms"], found["step_kernels"] = step_ms(backend, slots, 256 + max_new_tokens, varlen)
+            found["step_ms"], found["step_kernels"] = step_ms(backend, slots, 256 + max_new_tokens, kernel)
         return found
 
     return one_pass, extras
 
 
-def step_ms(backend, slots: int, length: int, varlen: bool, steps: int = 50) -> tuple[dict, dict]:
+def step_ms(backend, slots: int, length: int, kernel: str | None, steps: int = 50) -> tuple[dict, dict]:
     """Milliseconds per replay of the captured decode step over ``slots`` rows of a ``length`` cache, every row
-    at position length / 2 (what the whole-row attention reads does not depend on it; varlen's does), and
+    live at position length / 2 (what the masked attention reads does not depend on it; the others' does), and
     where that step's GPU time goes (``step_kernels``: the same step run eagerly under the profiler)."""
     import traceback
 
     import torch
 
-    from eagle3.backends.slots import Group, SlotDecoder, slot_attention
+    from eagle3.backends.slots import Group, SlotDecoder, fastest_kernel, slot_attention
 
     key = f"{slots}x{length}"
     try:
         decoder = SlotDecoder(backend.model, Group([], slots, length), backend.generation.max_new_tokens,
-                              sorted(backend.eos_ids), backend.pad_id, varlen)
+                              sorted(backend.eos_ids), backend.pad_id, kernel or fastest_kernel(backend.model))
         with torch.inference_mode(), slot_attention(backend.model, decoder.cache):
             decoder.capture()
             decoder.positions.fill_(length // 2)
+            decoder.done.fill_(False)  # every row live: a finished row reads one key
             graph = decoder.graphs[slots]
             graph.replay()
             torch.cuda.synchronize()
@@ -421,9 +425,10 @@ def worker(spec_path: Path, mode: str, answers_path: Path, seconds: float) -> No
     start = time.perf_counter()
     one_pass, extras = {
         "after": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=True),
-        "after_varlen": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=True, varlen=True),
-        "after_compiled": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=True, varlen=True, compiled=True),
-        "after_compiled_cached": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=True, varlen=True, compiled=True),
+        "after_varlen": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=True, kernel="flash"),
+        "after_masked": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=True, kernel="masked"),
+        "after_compiled": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=True, kernel="flash", compiled=True),
+        "after_compiled_cached": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=True, kernel="flash", compiled=True),
         "slots_eager": lambda: slots_eager_pass(spec, prompts, max_new_tokens),
         "before": lambda: backend_pass(spec, prompts, max_new_tokens, graphs=False),
         "generate": lambda: generate_pass(spec, prompts, max_new_tokens),

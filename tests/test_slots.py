@@ -15,7 +15,8 @@ from support.models import TINY_LLAMA, cached_import, verifier_model
 
 from eagle3.backends.base import Generation, Request
 from eagle3.backends.local import LocalBackend
-from eagle3.backends.slots import decode_groups, group_requests, varlen_attention
+from eagle3.backends.slots import (KERNELS, decode_groups, fastest_kernel, group_requests, masked_attention, split_attention,
+                                  varlen_attention)
 from eagle3.lm.loading import load_tokenizer
 
 LENGTHS = [3, 5, 9, 17, 40, 90, 200, 260, 300, 7, 11]  # two width buckets (256, 512)
@@ -38,13 +39,13 @@ def answers(local: LocalBackend, requests: list[Request]) -> dict:
     return found
 
 
-def slot_answers(local: LocalBackend, requests: list[Request], batch_size: int, varlen: bool) -> dict:
+def slot_answers(local: LocalBackend, requests: list[Request], batch_size: int, kernel: str) -> dict:
     """Slot decoding on the backend's device, graphs or not (without CUDA the steps run eagerly)."""
     found, max_new_tokens = {}, local.generation.max_new_tokens
     with torch.inference_mode():
         decode_groups(local.model, group_requests(requests, max_new_tokens, batch_size, None), max_new_tokens,
                       sorted(local.eos_ids), local.pad_id, lambda r, tokens: found.__setitem__(r.id, local.to_answer(r, tokens)),
-                      varlen)
+                      kernel)
     return found
 
 
@@ -57,25 +58,30 @@ def test_groups_follow_prompt_width_and_small_groups_join_the_next():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_varlen_kernel_reads_a_rows_used_keys_as_masked_attention_does():
-    """Flash attention's varlen kernel over each row's used keys = masked SDPA over the whole row, bf16."""
+@pytest.mark.parametrize("kernel", ["flash", "split"])
+def test_packed_kernels_read_a_rows_used_keys_as_masked_attention_does(kernel):
+    """Flash attention's varlen kernel and the Triton split kernel over each row's used keys (one key, part of
+    a slice, whole slices, the whole row) = masked SDPA over the whole row in fp32, bf16."""
     generator = torch.Generator().manual_seed(0)
-    n, length, kv_heads, heads, dim = 5, 96, 3, 9, 64
+    n, length, kv_heads, heads, dim = 6, 600, 3, 9, 64
     query = torch.randn(n, heads, dim, generator=generator).cuda().bfloat16()
-    keys, values = (torch.randn(n, length, kv_heads, dim, generator=generator).cuda().bfloat16() for _ in range(2))
-    used = torch.tensor([1, 7, 64, 95, 96], device="cuda")
-    out = varlen_attention(query, keys, values, used, dim ** -0.5)
-    mask = (torch.arange(length, device="cuda")[None] < used[:, None])[:, None, None, :]
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        query.float()[:, :, None], keys.float().transpose(1, 2).repeat_interleave(heads // kv_heads, 1),
-        values.float().transpose(1, 2).repeat_interleave(heads // kv_heads, 1), attn_mask=mask, scale=dim ** -0.5)[:, :, 0]
+    cache = [torch.randn(n + 2, length, kv_heads, dim, generator=generator).cuda().bfloat16() for _ in range(2)]
+    keys, values = (c[:n] for c in cache)  # a view of a bigger cache's first rows, as slot decoding passes it
+    used = torch.tensor([1, 7, 256, 257, 512, 600], dtype=torch.int32, device="cuda")
+    if kernel == "split":
+        out = split_attention(query, keys, values, used, dim ** -0.5)
+    else:
+        starts = torch.arange(n + 1, dtype=torch.int32, device="cuda")
+        out = varlen_attention(query, keys, values, used, dim ** -0.5, starts, starts * length)
+    expected = masked_attention(query.float(), keys.float(), values.float(), used, dim ** -0.5)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("varlen", [False, True], ids=["sdpa", "varlen"])
-def test_slot_decoding_gives_generate_answers_on_the_cpu(tiny_verifier_dir, varlen):
+@pytest.mark.parametrize("kernel", ["masked", "flash"])
+def test_slot_decoding_gives_generate_answers_on_the_cpu(tiny_verifier_dir, kernel):
     """fp32: rows refilled as others finish (3 slots, 11 prompts, a common token as a second EOS) and two
-    width groups give every answer of the eager path, in either cache layout."""
+    width groups give every answer of the eager path, in either cache layout (flash's packed one reads each
+    row's used keys, a finished row's one key: on the CPU through masked SDPA)."""
     local = backend(tiny_verifier_dir, "cpu", "float32", 12, graphs=True)
     assert not local.slot_decoding  # the CPU keeps generate
     requests = random_requests()
@@ -83,7 +89,15 @@ def test_slot_decoding_gives_generate_answers_on_the_cpu(tiny_verifier_dir, varl
     local.eos_ids = {*local.eos_ids, common[0][0]}  # answers now end at different steps
     eager = answers(local, requests)
     assert {a.finish_reason for a in eager.values()} == {"stop", "length"}
-    assert slot_answers(local, requests, batch_size=3, varlen=varlen) == eager
+    assert slot_answers(local, requests, batch_size=3, kernel=kernel) == eager
+
+
+def test_the_decode_kernel_is_the_fastest_that_runs_for_the_verifier(tiny_verifier_dir):
+    """The CPU (and fp32 anywhere) masks whole rows; a CUDA GPU in bf16 runs the first of KERNELS."""
+    assert fastest_kernel(backend(tiny_verifier_dir, "cpu", "float32", 4, graphs=True).model) == "masked"
+    if torch.cuda.is_available():
+        assert fastest_kernel(backend(tiny_verifier_dir, "cuda", "float32", 4, graphs=True).model) == "masked"
+        assert fastest_kernel(backend(tiny_verifier_dir, "cuda", "bfloat16", 4, graphs=True).model) == KERNELS[0]
 
 
 def test_cpu_answers_are_byte_identical_with_cuda_graphs_on_or_off(tmp_path, tiny_verifier_dir):
@@ -145,16 +159,17 @@ def generated_tokens(local: LocalBackend, requests: list[Request]) -> dict[str, 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(("varlen", "dtype", "compared", "share"), [(False, "float32", 32, 0.9), (True, "bfloat16", 4, 0.6)],
-                         ids=["sdpa-fp32", "varlen-bf16"])
-def test_cuda_graph_decoding_replays_graphs_and_agrees_with_eager_generate(tiny_verifier_dir, varlen, dtype, compared, share):
+@pytest.mark.parametrize(("kernel", "dtype", "compared", "share"),
+                         [("masked", "float32", 32, 0.9), ("flash", "bfloat16", 4, 0.6), ("split", "bfloat16", 4, 0.6)],
+                         ids=["masked-fp32", "flash-bf16", "split-bf16"])
+def test_cuda_graph_decoding_replays_graphs_and_agrees_with_eager_generate(tiny_verifier_dir, kernel, dtype, compared, share):
     """CUDA: greedy tokens equal the eager path's for most prompts, and the steps are graph replays. A random
     model's logits are near-ties everywhere (the top two of 49,152 are ~0.2 sigma apart), so bf16 (the only
     dtype flash attention takes) is compared on the first tokens; fp32 on whole answers."""
     requests = random_requests(LENGTHS * 3)
     eager = generated_tokens(backend(tiny_verifier_dir, "cuda", dtype, 32, graphs=False), requests)
     graphs = backend(tiny_verifier_dir, "cuda", dtype, 32, graphs=True, batch_size=8)
-    graphs.varlen_decode = varlen
+    graphs.decode_kernel = kernel
     assert graphs.slot_decoding
     fast = generated_tokens(graphs, requests)
     assert graphs.graph_replays >= 32

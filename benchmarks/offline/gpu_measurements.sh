@@ -3,9 +3,11 @@
 # to resume), run in a run folder made for dataset=10k (params.yaml and data/prompts; models/verifier is
 # imported first where missing: see docs/benchmarks.md "On a GPU host with no package registry"):
 #
-#   1. generate_throughput.py on the 968-prompt shard, answers up to 2,048 tokens: the local backend as it
-#      is (512 slots), its varlen and compiled decode steps at 1,024 slots, the eager ways, greedy ties;
-#   2. recipe_sweep.py: our trainer at the peer trainer's rows and epochs on the 10k data (RECIPES).
+#   1. decode_attention.py: one layer's decode attention by kernel (split, flash's varlen, masked);
+#   2. generate_throughput.py on the 968-prompt shard, answers up to 2,048 tokens, 1,024 slots: the local
+#      backend as it is (the split kernel) and with flash's varlen kernel, the eager path, greedy ties;
+#   3. recipe_sweep.py: our trainer at the peer trainer's rows and epochs on the 10k data (RECIPES), with
+#      the CUDA tests of tests/test_slots.py beside it (their log: RES/logs/cuda-tests.log).
 #
 #   COMMIT=<sha> PYTHONPATH=src:/root/site bash benchmarks/offline/gpu_measurements.sh /root/run /root/res   # COMMIT: no .git there
 #   SMOKE=1 bash benchmarks/offline/gpu_measurements.sh RUN RES     # the CPU: tiny counts, 2 training steps
@@ -27,8 +29,8 @@ if [ -n "${SMOKE:-}" ]; then
   sweep=(--device cpu --parallel 1 --threads 1 --set train.max_steps=2 train.lm_head_init=verifier evaluate.max_prompts=1)
   shard=000000-000032
 else
-  generate=(--device cuda --count 1000 --max-new-tokens 2048 --varlen-batch-size 1024 --varlen-batch-tokens 4000000
-            --budget-s 600)
+  generate=(--device cuda --count 1000 --max-new-tokens 2048 --batch-size 1024 --batch-tokens 4000000
+            --varlen-batch-size 1024 --varlen-batch-tokens 4000000 --modes after after_varlen before ties --budget-s 420)
   sweep=(--device cuda --parallel 2 --shards-at-once 3)
   shard=000032-001000
 fi
@@ -44,8 +46,14 @@ step() {  # name json command...: unless json exists, the command (its --json: j
 if [ ! -f "$run/models/verifier/meta.json" ]; then  # the verifier stage where it was not run yet (its import differs by host)
   (cd "$run" && python -m eagle3.verifier models/verifier > "$res/logs/verifier.log" 2>&1) || { tail -n 20 "$res/logs/verifier.log"; exit 1; }
 fi
+if [ -z "${SMOKE:-}" ]; then
+  step kernels "$res/decode_attention.json" python "$repo/benchmarks/decode_attention.py"
+fi
 step generate "$res/generate_throughput.json" python "$repo/benchmarks/generate_throughput.py" --verifier "$run/models/verifier" \
   --prompts "$run/data/prompts/shards/$shard.jsonl" --commit "$commit" "${generate[@]}"
+if [ -z "${SMOKE:-}" ]; then  # beside the sweep: tiny models, no timing
+  (cd "$repo" && python -m pytest -q -p no:cacheprovider tests/test_slots.py > "$res/logs/cuda-tests.log" 2>&1 &)
+fi
 cd "$run"
 # shellcheck disable=SC2086  # RECIPES: one name a line
 step recipes "$res/recipes_10k.json" python "$repo/benchmarks/recipe_sweep.py" --params params.yaml --work "$res/sweep" \

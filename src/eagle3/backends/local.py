@@ -15,8 +15,8 @@ shape, about 10 s per 256 prompts on an H200, which dominated a shard; the flash
 memory-efficient SDPA kernels have no such cost.
 
 On CUDA with ``cuda_graphs``, ``backends.slots`` answers the greedy requests instead: a slot KV
-cache refilled as rows finish, each decode step a CUDA graph (eager decoding is host-bound there);
-groups by prompt width replace the batches above. The CPU, and sampled answers, keep ``generate``, as
+cache refilled as rows finish, each decode step a CUDA graph (eager decoding is host-bound there) whose
+attention reads each row's used keys only; groups by prompt width replace the batches above. The CPU, and sampled answers, keep ``generate``, as
 does every group from the first whose attention slots cannot hold (softcapping, sinks, a sliding window
 shorter than the group's cache: Gemma-2, gpt-oss, Mistral), with a warning.
 """
@@ -102,7 +102,7 @@ class SeededSampling(LogitsProcessor):
 
 
 class LocalBackend:
-    varlen_decode = False  # slot decoding reads each row's used keys only (flash varlen; experimental: benchmarks set it)
+    decode_kernel: str | None = None  # slot decoding's attention (slots.KERNELS); None: the fastest that runs here
 
     def __init__(self, cfg: DictConfig, verifier: Path, generation: Generation):
         torch.set_num_threads(int(cfg.threads))
@@ -156,7 +156,7 @@ class LocalBackend:
         groups = group_requests(requests, max_new_tokens, self.batch_size, self.batch_tokens)
         self.graph_replays += decode_groups(self.model, groups, max_new_tokens, sorted(self.eos_ids), self.pad_id,
                                             lambda request, tokens: done(request, self.to_answer(request, tokens)),
-                                            self.varlen_decode)
+                                            self.decode_kernel)
 
     @torch.inference_mode()
     def answer_batch(self, batch: Sequence[Request]) -> list[Answer]:

@@ -18,9 +18,11 @@ How, in the verifier's own modules (any family whose attention goes through tran
   over, and refills free rows once enough are free (a prefill is an eager forward: batched so its
   launches are paid rarely); with no prompt left, live rows move to the front and the graph over
   fewer slots runs (the drain of the longest answers);
-- a decode step's attention reads whole rows, masked past each row's position (SDPA): with long
-  caps most of what it reads is unused. ``varlen`` (experimental, off by default) packs the cache
-  as flash attention's varlen kernel wants it and reads each row's used keys only.
+- a decode step's attention (``KERNELS``, the first that runs here by default) reads each live row's
+  used keys only: ``split`` (split_attention.py: Triton, the keys split across programs) or ``flash``
+  (flash attention's varlen kernel) over a packed cache [slots, length, kv_heads, head_dim]; a finished
+  row reads one key. ``masked`` (SDPA over whole rows, masked past each row's position) runs anywhere:
+  the CPU, fp32, GPUs older than Ampere.
 
 Requests are grouped by prompt width (``group_requests``): a group's cache is as long as its widest
 prompt + max_new_tokens and has as many rows as ``batch_size`` and ``batch_tokens`` allow.
@@ -55,6 +57,7 @@ MIN_WIDTH = 256  # narrowest prompt-width bucket: groups by width 256, 512, 1024
 WIDTH_MULTIPLE = 64  # a group's cache length: its widest prompt rounded up to this, + max_new_tokens
 MIN_SLOTS = 16  # smallest graph the drain moves down to
 REFILL_SHARE = 8  # refill when 1/REFILL_SHARE of the rows are free (or none is decoding)
+KERNELS = ("split", "flash", "masked")  # decode attention, fastest first (docs/benchmarks.md measures them)
 
 
 @dataclass(frozen=True)
@@ -107,29 +110,40 @@ class SlotsCannotAttend(Exception):
 
 
 class SlotCache:
-    """Keys and values of every layer, allocated on first write: [slots, kv_heads, length, head_dim] each,
-    or with ``varlen`` [slots, length, kv_heads, head_dim] (the packed layout flash attention reads).
+    """Keys and values of every layer, allocated on first write: [slots, kv_heads, length, head_dim] each for
+    the ``masked`` kernel, [slots, length, kv_heads, head_dim] (packed: each row's keys in a row) for the others.
 
     ``attend`` is the attention function: during a prefill (``prefill`` set) it attends within the
     prompts and copies their keys/values into their rows; otherwise (a decode step, one token per
-    row) it writes each row's key/value at ``positions[row]`` and attends over the row's cache:
-    the whole row, masked past the position (SDPA), or with ``varlen`` only its used keys (flash
-    attention's varlen kernel, which reads a row's keys up to ``positions[row]`` and no further).
+    row) it writes each row's key/value at ``positions[row]`` and attends over the row's cache with
+    ``kernel``: the whole row, masked past the position (SDPA), or only the keys up to the position
+    (``used``, which ``begin_step`` sets once a step for every layer: one key for a finished row).
     """
 
-    def __init__(self, slots: int, length: int, positions: torch.Tensor, varlen: bool = False):
-        self.slots, self.length, self.varlen = slots, length, varlen
-        self.positions = positions  # [slots] each row's position in a decode step (the decoder's tensor)
+    def __init__(self, slots: int, length: int, positions: torch.Tensor, done: torch.Tensor, kernel: str):
+        self.slots, self.length, self.kernel = slots, length, kernel
+        self.positions, self.done = positions, done  # [slots] each row's position, whether it finished (the decoder's)
         self.rows = torch.arange(slots, device=positions.device)
+        self.row_starts = torch.arange(slots + 1, dtype=torch.int32, device=positions.device)  # flash's query offsets
+        self.key_starts = self.row_starts * length  # flash's key offsets: row b's keys start at b x length
+        self.used = torch.ones(slots, dtype=torch.int32, device=positions.device)
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.prefill: Prefill | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.kernel != "masked"
+
+    def begin_step(self, n: int) -> None:
+        """Keys each of rows [:n] attends to in this step, shared by the layers: up to its position, one if finished."""
+        self.used[:n] = torch.where(self.done[:n], 0, self.positions[:n]) + 1
 
     def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache of layer ``index``, zeroed at first (masked positions must be finite: 0 x NaN is NaN)."""
         if index not in self.keys:
             kv_heads, head_dim = like.shape[1], like.shape[3]
-            shape = (self.slots, self.length, kv_heads, head_dim) if self.varlen else (self.slots, kv_heads, self.length, head_dim)
+            shape = (self.slots, self.length, kv_heads, head_dim) if self.packed else (self.slots, kv_heads, self.length, head_dim)
             self.keys[index] = torch.zeros(shape, dtype=like.dtype, device=like.device)
             self.values[index] = torch.zeros(shape, dtype=like.dtype, device=like.device)
         return self.keys[index], self.values[index]
@@ -142,15 +156,19 @@ class SlotCache:
             return self.attend_prefill(query, key, value, attention_mask, scaling, keys, values), None
         n, kv_heads, _, head_dim = key.shape
         keys, values, rows, positions = keys[:n], values[:n], self.rows[:n], self.positions[:n]
-        if self.varlen:
+        scale = scaling if scaling is not None else head_dim ** -0.5
+        if self.packed:
             keys[rows, positions] = key[:, :, 0]  # [n, kv_heads, D] at each row's position
             values[rows, positions] = value[:, :, 0]
-            return varlen_attention(query[:, :, 0], keys, values, positions + 1, scaling)[:, None], None  # [n, 1, heads, D]
+            if self.kernel == "split":
+                out = split_attention(query[:, :, 0], keys, values, self.used[:n], scale)
+            else:
+                out = varlen_attention(query[:, :, 0], keys, values, self.used[:n], scale, self.row_starts[: n + 1],
+                                       self.key_starts[: n + 1])
+            return out[:, None], None  # [n, 1, heads, D]
         keys[rows, :, positions] = key[:, :, 0]
         values[rows, :, positions] = value[:, :, 0]
-        grouped = query.reshape(n, kv_heads, -1, head_dim)  # q is 1: a kv head's query heads act as its queries
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=attention_mask, scale=scaling)
-        return out.reshape(n, -1, 1, head_dim).transpose(1, 2), None  # [n, 1, heads, D]
+        return whole_row_attention(query[:, :, 0], keys, values, attention_mask, scale)[:, None], None  # [n, 1, heads, D]
 
     def check(self, options: dict) -> None:
         """Refuse what this plain causal attention would silently get wrong (Gemma's softcap, gpt-oss's sinks,
@@ -167,7 +185,7 @@ class SlotCache:
                                              attn_mask=mask, scale=scaling)
         index = self.prefill.shift[:, None, :, None].expand(n, kv_heads, width, head_dim)
         rolled_keys, rolled_values = key.gather(2, index), value.gather(2, index)  # position j of row b = column shift[b, j]
-        if self.varlen:
+        if self.packed:
             keys[self.prefill.slots, :width] = rolled_keys.transpose(1, 2)  # [n, T, kv_heads, D]
             values[self.prefill.slots, :width] = rolled_values.transpose(1, 2)
         else:
@@ -176,20 +194,71 @@ class SlotCache:
         return out.transpose(1, 2)  # [n, T, heads, D]
 
 
-def varlen_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, used: torch.Tensor, scale) -> torch.Tensor:
-    """One query per row over the row's first ``used[row]`` keys: query [n, heads, D], keys/values
-    [n, length, kv_heads, D] -> [n, heads, D]. CUDA: flash attention's varlen kernel (row b's keys
-    start at b x length and it reads ``used[b]`` of them); elsewhere (tests) the same, masked."""
-    n, length, kv_heads, head_dim = keys.shape
-    if query.is_cuda:
-        starts = torch.arange(n + 1, dtype=torch.int32, device=query.device)
-        return torch.ops.aten._flash_attention_forward(
-            query.contiguous(), keys.flatten(0, 1), values.flatten(0, 1), starts, starts * length, 1, length, 0.0, False, False,
-            scale=scale, seqused_k=used.to(torch.int32))[0]
-    mask = (torch.arange(length, device=keys.device)[None] < used[:, None])[:, None, None, :]  # [n, 1, 1, length]
-    grouped = query.reshape(n, kv_heads, -1, head_dim)  # [n, kv_heads, heads per kv head, D]
-    out = F.scaled_dot_product_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale)
-    return out.reshape(n, -1, head_dim)
+def whole_row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale) -> torch.Tensor:
+    """The ``masked`` kernel: one query per row over its whole row, masked (SDPA): query [n, heads, D],
+    keys/values [n, kv_heads, length, D], mask [n, 1, 1, length] -> [n, heads, D]."""
+    n, kv_heads, _, head_dim = keys.shape
+    grouped = query.reshape(n, kv_heads, -1, head_dim)  # one query a row: a kv head's query heads act as its queries
+    return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale).reshape(n, -1, head_dim)
+
+
+def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, used: torch.Tensor, scale) -> torch.Tensor:
+    """One query per row over the row's first ``used[row]`` keys of a packed cache, masked: query [n, heads, D],
+    keys/values [n, length, kv_heads, D] -> [n, heads, D] (the packed kernels off CUDA)."""
+    mask = (torch.arange(keys.shape[1], device=keys.device)[None] < used[:, None])[:, None, None, :]  # [n, 1, 1, length]
+    return whole_row_attention(query, keys.transpose(1, 2), values.transpose(1, 2), mask, scale)
+
+
+def varlen_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, used: torch.Tensor, scale,
+                     row_starts: torch.Tensor, key_starts: torch.Tensor) -> torch.Tensor:
+    """``masked_attention`` by flash attention's varlen kernel on CUDA: row b's keys start at
+    ``key_starts[b]`` (b x length) of the flattened cache and it reads ``used[b]`` of them (int32, as are
+    ``row_starts``, 0..n: one query a row)."""
+    n, length = keys.shape[:2]
+    if not query.is_cuda:
+        return masked_attention(query, keys, values, used, scale)
+    return torch.ops.aten._flash_attention_forward(
+        query.contiguous(), keys.flatten(0, 1), values.flatten(0, 1), row_starts, key_starts, 1, length, 0.0, False, False,
+        scale=scale, seqused_k=used)[0]
+
+
+def split_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, used: torch.Tensor, scale) -> torch.Tensor:
+    """``masked_attention`` by the Triton kernels of split_attention.py on CUDA."""
+    if not query.is_cuda:
+        return masked_attention(query, keys, values, used, scale)
+    from eagle3.backends.split_attention import decode_attention  # imports triton: CUDA hosts only
+
+    return decode_attention(query, keys, values, used, scale)
+
+
+def kernel_runs(kernel: str, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether ``kernel`` runs on ``device`` for this dtype and head shape: one call on a tiny cache (both packed
+    kernels take fp16/bf16 on CUDA; flash needs an Ampere or newer GPU, split Triton and a power-of-two head_dim)."""
+    if kernel == "masked":
+        return True
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):  # fp32 stays exact: masked SDPA
+        return False
+    query = torch.zeros(2, heads, head_dim, dtype=dtype, device=device)
+    keys = torch.zeros(2, 16, kv_heads, head_dim, dtype=dtype, device=device)
+    used = torch.tensor([1, 16], dtype=torch.int32, device=device)
+    try:
+        if kernel == "split":
+            split_attention(query, keys, keys, used, 1.0)
+        else:
+            starts = torch.arange(3, dtype=torch.int32, device=device)
+            varlen_attention(query, keys, keys, used, 1.0, starts, starts * 16)
+        return True
+    except Exception as reason:  # noqa: BLE001 (an unsupported GPU, dtype or shape, or no Triton: the next kernel)
+        log.info("slots: decode kernel %s does not run here (%s: %s)", kernel, type(reason).__name__, reason)
+        return False
+
+
+def fastest_kernel(model) -> str:
+    """The first of KERNELS that runs for this verifier on its device."""
+    config = model.config.get_text_config()
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return next(k for k in KERNELS if kernel_runs(k, model.device, model.dtype, heads, kv_heads, head_dim))
 
 
 @contextmanager
@@ -225,7 +294,7 @@ class SlotDecoder:
     """Greedy answers to one ``Group``: ``decode(requests, finished)`` calls ``finished(request, tokens)``
     per request (tokens: up to max_new_tokens, the stop token included)."""
 
-    def __init__(self, model, group: Group, max_new_tokens: int, eos_ids: Sequence[int], pad_id: int, varlen: bool = False):
+    def __init__(self, model, group: Group, max_new_tokens: int, eos_ids: Sequence[int], pad_id: int, kernel: str):
         device = model.device
         self.model, self.slots, self.max_new_tokens, self.pad_id = model, group.slots, max_new_tokens, pad_id
         self.tokens = torch.zeros(group.slots, dtype=torch.long, device=device)  # [slots] the token each row feeds next
@@ -235,7 +304,8 @@ class SlotDecoder:
         self.out = torch.zeros(group.slots, max_new_tokens, dtype=torch.long, device=device)  # [slots, N] generated
         self.columns = torch.arange(group.length, device=device)
         self.eos = torch.tensor(sorted(eos_ids), device=device)
-        self.cache = SlotCache(group.slots, group.length, self.positions, varlen)
+        self.cache = SlotCache(group.slots, group.length, self.positions, self.done, kernel)
+        self.unmasked = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)  # the packed kernels read ``used``
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # slot count -> the captured step
         self.replays = 0
         self.row_steps = 0  # rows x steps run, live or not: generated tokens / row_steps is the rows' use
@@ -244,7 +314,11 @@ class SlotDecoder:
     def step(self, n: int) -> None:
         """One decode step of rows [:n]: every live row feeds its token and appends the greedy next one."""
         positions = self.positions[:n]
-        mask = (self.columns[None, :] <= positions[:, None])[:, None, None, :]  # [n, 1, 1, length]: the row so far
+        if self.cache.packed:
+            self.cache.begin_step(n)
+            mask = self.unmasked
+        else:
+            mask = (self.columns[None, :] <= positions[:, None])[:, None, None, :]  # [n, 1, 1, length]: the row so far
         logits = self.model(input_ids=self.tokens[:n, None], position_ids=positions[:, None], attention_mask=mask,
                             use_cache=False, logits_to_keep=1).logits  # [n, 1, V]
         self.advance(n, logits[:, -1].argmax(-1))
@@ -368,15 +442,17 @@ class SlotDecoder:
 
 
 def decode_groups(model, groups: Sequence[Group], max_new_tokens: int, eos_ids: Sequence[int], pad_id: int,
-                  finished: Finished, varlen: bool = False) -> int:
-    """Decode every group (one cache at a time; ``varlen``: see SlotCache); returns the graph replays (0 without CUDA)."""
+                  finished: Finished, kernel: str | None = None) -> int:
+    """Decode every group (one cache at a time) with the decode attention ``kernel`` (default: the fastest
+    that runs here); returns the graph replays (0 without CUDA)."""
     replays = 0
+    kernel = kernel or fastest_kernel(model)
     for group in groups:
         start = time.perf_counter()
-        decoder = SlotDecoder(model, group, max_new_tokens, eos_ids, pad_id, varlen)
+        decoder = SlotDecoder(model, group, max_new_tokens, eos_ids, pad_id, kernel)
         decoder.decode(group.requests, finished)
         replays += decoder.replays
-        log.info("slots: %d requests over %d rows x %d positions in %.1f s: %d tokens, %d graph replays, rows %.0f%% used",
-                 len(group.requests), group.slots, group.length, time.perf_counter() - start, decoder.generated,
-                 decoder.replays, 100 * decoder.generated / max(decoder.row_steps, 1))
+        log.info("slots: %d requests over %d rows x %d positions in %.1f s (%s attention): %d tokens, %d graph replays, "
+                 "rows %.0f%% used", len(group.requests), group.slots, group.length, time.perf_counter() - start, kernel,
+                 decoder.generated, decoder.replays, 100 * decoder.generated / max(decoder.row_steps, 1))
     return replays
