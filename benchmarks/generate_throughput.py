@@ -33,8 +33,9 @@ temporary folder: it never stops early, so every mode does the same work):
   the common prefix): near-ties have small gaps, a bug large ones; with the share of first differences
   under each of ``TIE_GAPS``.
 
-``after_varlen`` and the compiled modes take their own slot count (``--varlen-batch-size``,
-``--varlen-batch-tokens``; default ``after``'s, whose slots are ``--batch-size`` / ``--batch-tokens``). On
+``after_varlen`` and the compiled modes take their own slot count (``--varlen-batch-size``; default
+``after``'s ``--batch-size``); on CUDA every slot mode's cache also stays within ``--cache-memory`` of the
+free GPU memory (``--batch-tokens`` bounds the eager batches). On
 the CPU (the tiny test verifier, fp32) the compiled step gave the same answers as the plain one.
 
 The eager modes are host-bound (every step pays ~30 ms of launches, however few rows): they run on
@@ -171,10 +172,10 @@ def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, grap
     from eagle3.backends.local import LocalBackend
 
     own = kernel in ("flash", "split")
-    slots, slot_tokens = (spec["varlen_batch_size"], spec["varlen_batch_tokens"]) if own else (spec["batch_size"], spec["batch_tokens"])
+    slots = spec["varlen_batch_size"] if own else spec["batch_size"]
     cfg = OmegaConf.create({"device": spec["device"], "dtype": spec["dtype"], "threads": spec["threads"],
-                            "batch_size": slots, "batch_tokens": slot_tokens,
-                            "pad_multiple": spec["pad_multiple"], "cuda_graphs": graphs})
+                            "batch_size": slots, "batch_tokens": spec["batch_tokens"],
+                            "pad_multiple": spec["pad_multiple"], "cuda_graphs": graphs, "cache_memory": spec["cache_memory"]})
     gen = Generation("bench", max_new_tokens, temperature=0.0, top_p=1.0, seed=0, think_tags=None,
                      context=1 << 30, stop=(), trust_remote_code=False)  # context: the prompts are token ids, never skipped
     backend = LocalBackend(cfg, Path(spec["verifier"]), gen)
@@ -487,9 +488,9 @@ def main() -> None:
     parser.add_argument("--dtype", help="default: bfloat16 on CUDA, float32 on the CPU")
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=512, help="backend.batch_size (slots of `after`)")
-    parser.add_argument("--batch-tokens", type=int, default=1_500_000, help="backend.batch_tokens (KV-cache tokens)")
+    parser.add_argument("--batch-tokens", type=int, default=1_500_000, help="backend.batch_tokens (KV-cache tokens of the eager modes)")
+    parser.add_argument("--cache-memory", type=float, default=0.8, help="backend.cache_memory (slot decoding's share of free GPU memory)")
     parser.add_argument("--varlen-batch-size", type=int, help="after_varlen's backend.batch_size (default: --batch-size)")
-    parser.add_argument("--varlen-batch-tokens", type=int, help="after_varlen's backend.batch_tokens (default: --batch-tokens)")
     parser.add_argument("--pad-multiple", type=int, default=64, help="backend.pad_multiple (eager modes)")
     parser.add_argument("--runs", type=int, default=1, help="warm passes after the first (median)")
     parser.add_argument("--budget-s", type=float, default=420,  # 225 s left the eager modes 26-38 s: none finished
@@ -520,7 +521,8 @@ def main() -> None:
                 "device": args.device, "dtype": args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"),
                 "threads": args.threads, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
                 "batch_tokens": args.batch_tokens, "varlen_batch_size": args.varlen_batch_size or args.batch_size,
-                "varlen_batch_tokens": args.varlen_batch_tokens or args.batch_tokens, "pad_multiple": args.pad_multiple, "runs": args.runs,
+                "pad_multiple": args.pad_multiple, "runs": args.runs,
+                "cache_memory": args.cache_memory,
                 "base_url": args.base_url, "concurrency": args.concurrency}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         settings = {k: v for k, v in spec.items() if k not in ("prompt_ids", "base_url", "concurrency")}

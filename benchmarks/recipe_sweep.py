@@ -102,7 +102,8 @@ def make_data(base, name: str, work: Path, shards_at_once: int = 1) -> Path:
     """generate -> extract for every shard of one answer length, ``shards_at_once`` shards side by side (each
     stage process's start-up is most of a small shard's time); returns its folder."""
     folder = work / f"data-{name}"
-    params = write_params(base, DATA[name], folder / "params.yaml")
+    shared = {"backend.cache_memory": round(base.backend.cache_memory / shards_at_once, 3)}  # the shards share one GPU
+    params = write_params(base, {**DATA[name], **shared}, folder / "params.yaml")
     py = [sys.executable, "-m"]
 
     def one(shard: str) -> None:

@@ -15,8 +15,8 @@ from support.models import TINY_LLAMA, cached_import, verifier_model
 
 from eagle3.backends.base import Generation, Request
 from eagle3.backends.local import LocalBackend
-from eagle3.backends.slots import (KERNELS, decode_groups, fastest_kernel, group_requests, masked_attention, split_attention,
-                                  varlen_attention)
+from eagle3.backends.slots import (KERNELS, cache_bytes_per_position, decode_groups, fastest_kernel, group_requests,
+                                  masked_attention, split_attention, varlen_attention)
 from eagle3.lm.loading import load_tokenizer
 
 LENGTHS = [3, 5, 9, 17, 40, 90, 200, 260, 300, 7, 11]  # two width buckets (256, 512)
@@ -24,7 +24,7 @@ LENGTHS = [3, 5, 9, 17, 40, 90, 200, 260, 300, 7, 11]  # two width buckets (256,
 
 def backend(verifier: Path, device: str, dtype: str, max_new_tokens: int, graphs: bool, batch_size: int = 3) -> LocalBackend:
     cfg = OmegaConf.create({"device": device, "dtype": dtype, "threads": 1, "batch_size": batch_size, "batch_tokens": None,
-                            "pad_multiple": 1, "cuda_graphs": graphs})
+                            "pad_multiple": 1, "cuda_graphs": graphs, "cache_memory": 0.5})
     return LocalBackend(cfg, verifier, Generation("t", max_new_tokens, 0.0, 1.0, 0, None, 1 << 30, (), False))
 
 
@@ -98,6 +98,20 @@ def test_the_decode_kernel_is_the_fastest_that_runs_for_the_verifier(tiny_verifi
     if torch.cuda.is_available():
         assert fastest_kernel(backend(tiny_verifier_dir, "cuda", "float32", 4, graphs=True).model) == "masked"
         assert fastest_kernel(backend(tiny_verifier_dir, "cuda", "bfloat16", 4, graphs=True).model) == KERNELS[0]
+
+
+def test_slot_rows_come_from_memory_on_cuda_and_from_batch_tokens_elsewhere(tiny_verifier_dir):
+    """A position's cache is K and V of every layer; the CPU keeps backend.batch_tokens, CUDA takes
+    backend.cache_memory of the free memory over that."""
+    local = backend(tiny_verifier_dir, "cpu", "float32", 4, graphs=True)
+    config = local.model.config
+    assert cache_bytes_per_position(local.model) == 2 * config.num_hidden_layers * config.num_key_value_heads * 16 * 4
+    local.batch_tokens = 4096
+    assert local.slot_cache_tokens() == 4096
+    if torch.cuda.is_available():
+        on_gpu = backend(tiny_verifier_dir, "cuda", "bfloat16", 4, graphs=True)
+        free = torch.cuda.mem_get_info()[0]
+        assert abs(on_gpu.slot_cache_tokens() - free // 2 // cache_bytes_per_position(on_gpu.model)) < 2 ** 20
 
 
 def test_cpu_answers_are_byte_identical_with_cuda_graphs_on_or_off(tmp_path, tiny_verifier_dir):

@@ -29,8 +29,8 @@ if [ -n "${SMOKE:-}" ]; then
   sweep=(--device cpu --parallel 1 --threads 1 --set train.max_steps=2 train.lm_head_init=verifier evaluate.max_prompts=1)
   shard=000000-000032
 else
-  generate=(--device cuda --count 1000 --max-new-tokens 2048 --batch-size 1024 --batch-tokens 4000000
-            --varlen-batch-size 1024 --varlen-batch-tokens 4000000 --modes after after_varlen before ties --budget-s 420)
+  generate=(--device cuda --count 1000 --max-new-tokens 2048 --batch-size 1024 --varlen-batch-size 1024
+            --modes after after_varlen before ties --budget-s 420)
   sweep=(--device cuda --parallel 2 --shards-at-once 3)
   shard=000032-001000
 fi

@@ -16,9 +16,11 @@ memory-efficient SDPA kernels have no such cost.
 
 On CUDA with ``cuda_graphs``, ``backends.slots`` answers the greedy requests instead: a slot KV
 cache refilled as rows finish, each decode step a CUDA graph (eager decoding is host-bound there) whose
-attention reads each row's used keys only; groups by prompt width replace the batches above. The CPU, and sampled answers, keep ``generate``, as
-does every group from the first whose attention slots cannot hold (softcapping, sinks, a sliding window
-shorter than the group's cache: Gemma-2, gpt-oss, Mistral), with a warning.
+attention reads each row's used keys only; groups by prompt width replace the batches above, with as
+many rows as ``batch_size`` and ``cache_memory`` (a share of the GPU memory free after loading the
+verifier) allow: ``batch_tokens`` bounds the eager batches only. The CPU, and sampled answers, keep
+``generate``, as does every group from the first whose attention slots cannot hold (softcapping, sinks,
+a sliding window shorter than the group's cache: Gemma-2, gpt-oss, Mistral), with a warning.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from eagle3.backends.base import Answer, Done, Generation, Request, cut_at_stop, split_reasoning
 from eagle3.backends.padding import left_pad, padded_width
-from eagle3.backends.slots import SlotsCannotAttend, decode_groups, group_requests
+from eagle3.backends.slots import SlotsCannotAttend, cache_bytes_per_position, decode_groups, group_requests
+from eagle3.common import UserError
 from eagle3.lm.loading import eos_token_ids, load_tokenizer, load_verifier
 
 log = logging.getLogger(__name__)
@@ -114,6 +117,7 @@ class LocalBackend:
         self.batch_size = int(cfg.batch_size)
         self.batch_tokens = int(cfg.batch_tokens) if cfg.get("batch_tokens") else None
         self.pad_multiple = int(cfg.get("pad_multiple") or 1)
+        self.cache_memory = float(cfg.cache_memory)
         self.generation = generation
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.stop_strings = list(generation.stop)
@@ -153,10 +157,22 @@ class LocalBackend:
         """Greedy answers by ``backends.slots``: a row's answer comes as soon as it finishes."""
 
         max_new_tokens = self.generation.max_new_tokens
-        groups = group_requests(requests, max_new_tokens, self.batch_size, self.batch_tokens)
-        self.graph_replays += decode_groups(self.model, groups, max_new_tokens, sorted(self.eos_ids), self.pad_id,
-                                            lambda request, tokens: done(request, self.to_answer(request, tokens)),
-                                            self.decode_kernel)
+        groups = group_requests(requests, max_new_tokens, self.batch_size, self.slot_cache_tokens())
+        try:
+            self.graph_replays += decode_groups(self.model, groups, max_new_tokens, sorted(self.eos_ids), self.pad_id,
+                                                lambda request, tokens: done(request, self.to_answer(request, tokens)),
+                                                self.decode_kernel)
+        except torch.cuda.OutOfMemoryError as error:
+            raise UserError(f"backend.cache_memory: a slot cache of {self.cache_memory:.0%} of the free GPU memory did not fit "
+                            f"({error}); lower it (generate processes sharing a GPU split it between them)") from None
+
+    def slot_cache_tokens(self) -> int | None:
+        """KV-cache positions slot decoding may hold: ``backend.cache_memory`` of the GPU memory free now over the
+        verifier's cache bytes a position (rows as big as memory allows); off CUDA, backend.batch_tokens."""
+        if self.model.device.type != "cuda":
+            return self.batch_tokens
+        free, _ = torch.cuda.mem_get_info(self.model.device)
+        return int(self.cache_memory * free) // cache_bytes_per_position(self.model)
 
     @torch.inference_mode()
     def answer_batch(self, batch: Sequence[Request]) -> list[Answer]:

@@ -25,7 +25,8 @@ How, in the verifier's own modules (any family whose attention goes through tran
   the CPU, fp32, GPUs older than Ampere.
 
 Requests are grouped by prompt width (``group_requests``): a group's cache is as long as its widest
-prompt + max_new_tokens and has as many rows as ``batch_size`` and ``batch_tokens`` allow.
+prompt + max_new_tokens and has as many rows as ``batch_size`` and ``batch_tokens`` allow (the local
+backend sizes the latter from the GPU memory free: ``cache_bytes_per_position``).
 
 Greedy only (sampling keeps the eager path); a row ends at an EOS token or max_new_tokens, and the
 backend cuts stop strings afterwards as it does for the eager path. Without CUDA (tests) the same
@@ -253,12 +254,23 @@ def kernel_runs(kernel: str, device: torch.device, dtype: torch.dtype, heads: in
         return False
 
 
-def fastest_kernel(model) -> str:
-    """The first of KERNELS that runs for this verifier on its device."""
+def head_shape(model) -> tuple[int, int, int]:
+    """(query heads, kv heads, head_dim) of the verifier's attention."""
     config = model.config.get_text_config()
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return next(k for k in KERNELS if kernel_runs(k, model.device, model.dtype, heads, kv_heads, head_dim))
+    return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def fastest_kernel(model) -> str:
+    """The first of KERNELS that runs for this verifier on its device."""
+    return next(k for k in KERNELS if kernel_runs(k, model.device, model.dtype, *head_shape(model)))
+
+
+def cache_bytes_per_position(model) -> int:
+    """Bytes of the slot cache a row position takes: keys and values of every layer (SmolLM2-135M in bf16:
+    2 x 30 layers x 3 kv heads x 64 x 2 bytes = 23,040; Llama-3.1-8B: 131,072)."""
+    _, kv_heads, head_dim = head_shape(model)
+    return 2 * model.config.get_text_config().num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
 
 
 @contextmanager
