@@ -337,10 +337,13 @@ def test_the_peer_tables_quote_their_json(section, results):
         assert table[name] == peer_row(run), name
 
 
-def test_the_generation_table_quotes_its_json():
-    report = json.loads((ROOT / "benchmarks/results/generate_throughput_varlen.json").read_text())
+@pytest.mark.parametrize(("results", "section"), [
+    ("generate_throughput_varlen.json", "The shard at 1,024 varlen slots"), ("generate_throughput_split.json", "The split decode kernel")],
+    ids=["seventh", "eighth"])
+def test_the_generation_tables_quote_their_json(results, section):
+    report = json.loads((ROOT / "benchmarks/results" / results).read_text())
     slots = {"after": report["batch_size"], "after_varlen": report["varlen_batch_size"]}
-    table = doc_table("The shard at 1,024 varlen slots", 8, page="benchmarks.md", name_cell=0)
+    table = doc_table(section, 8, page="benchmarks.md", name_cell=0)
     assert table.keys() == slots.keys()
     for mode in (row for row in report["modes"] if row["mode"] in slots):
         cells = [slots[mode["mode"]], f"{mode['tokens']:,}", mode["first_s"], mode["first_tok_s"], mode["warm_tok_s"],
@@ -353,13 +356,20 @@ def two_places(value: float) -> str:
     return str(Decimal(str(value)).quantize(Decimal("0.01"), rounding=ROUND_HALF_UP))
 
 
+def as_peer_run(run: dict) -> dict:
+    """A recipe_sweep run in peer_tau's terms (tokens; chain_tau for tau)."""
+    sets = {name: {"chain_tau": s["tau"], "tree_tau": s["tree_tau"]} for name, s in run["sets"].items()}
+    return {**run, "tokens": run["train_tokens"], "sets": sets}
+
+
 def test_the_readme_peer_table_rounds_the_json():
-    """Its rows in file order: 1k then 10k, each ours, the peer at equal tokens, at equal time."""
+    """Its rows in file order: 1k then 10k, each ours, the peer at equal tokens, at equal time; then ours now."""
     rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in (ROOT / "README.md").read_text().splitlines()
             if re.match(r"\| [^|]*\| (ours, `train=|peer, equal)", line)]
     runs = [run for name in ("peer_tau_1k.json", "peer_tau_10k.json")
             for run in json.loads((ROOT / "benchmarks/results" / name).read_text())["runs"]]
-    assert len(rows) == len(runs) == 6
+    runs.append(as_peer_run(json.loads((ROOT / "benchmarks/results/recipe_10k_e21.json").read_text())["runs"][0]))
+    assert len(rows) == len(runs) == 7
     for row, run in zip(rows, runs):
         assert row[2] == f"{run['steps']:,}" and row[3] == f"{run['tokens'] / 1e6:.3g}M", run["name"]
         assert row[4] == str(round(run["train_seconds"])), run["name"]
@@ -367,11 +377,19 @@ def test_the_readme_peer_table_rounds_the_json():
         assert [cell.strip("*") for cell in row[5:]] == sets, run["name"]
 
 
+E21 = "b8k-lr1e-3-e21-pack_tokens8192-micro_batch_rows1-"
+SHORT_NAMES = {  # recipe names too long for a table row -> what docs/training.md calls them
+    f"{E21}ttt_steps3-step_decay1.0-datashort": "ttt3",
+    f"{E21}optimizermuon-freeze_lm_headTrue-ttt_steps3-step_decay1.0-weight_decay0.1-min_lr_ratio0.0-datashort": "ttt3-peer"}
+
+
 @pytest.mark.parametrize(("results", "section", "cells", "row"), [
     ("recipe_sweep_1k.json", "The recipe, measured", 8, sweep_row), ("recipe_steps_1k.json", "Steps, not tokens", 9, steps_row),
-    ("recipe_10k.json", "Ten times the data", 9, scale_row)], ids=["sweep", "steps", "10k"])
+    ("recipe_10k.json", "Ten times the data", 9, scale_row), ("recipe_10k_e21.json", "Our trainer at the peer's rows", 9, scale_row)],
+    ids=["sweep", "steps", "10k", "10k-e21"])
 def test_the_recipe_tables_quote_their_json(results, section, cells, row):
-    runs = {run["name"]: run for run in json.loads((ROOT / "benchmarks/results" / results).read_text())["runs"] if "sets" in run}
+    runs = {SHORT_NAMES.get(run["name"], run["name"]): run
+            for run in json.loads((ROOT / "benchmarks/results" / results).read_text())["runs"] if "sets" in run}
     table = doc_table(section, cells)
     assert table.keys() == runs.keys()
     for name, run in runs.items():

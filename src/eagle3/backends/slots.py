@@ -15,9 +15,9 @@ How, in the verifier's own modules (any family whose attention goes through tran
 - prefill: new prompts left padded, at most ``PREFILL_TOKENS`` padded tokens per forward, eager;
   the shift of ``Prefill`` moves each row's keys to positions 0.. in its slot;
 - every ``SYNC_STEPS`` steps the host reads which rows finished (its only sync), hands their tokens
-  over, and refills free rows once enough are free (a prefill is an eager forward: batched so its
-  launches are paid rarely); with no prompt left, live rows move to the front and the graph over
-  fewer slots runs (the drain of the longest answers);
+  over while the GPU runs the next steps, and refills free rows once enough are free (a prefill is an
+  eager forward: batched so its launches are paid rarely); with no prompt left, live rows move to the
+  front and the graph over fewer slots runs (the drain of the longest answers);
 - a decode step's attention (``KERNELS``, the first that runs here by default) reads each live row's
   used keys only: ``split`` (split_attention.py: Triton, the keys split across programs) or ``flash``
   (flash attention's varlen kernel) over a packed cache [slots, length, kv_heads, head_dim]; a finished
@@ -404,17 +404,19 @@ class SlotDecoder:
             self.fill(slots[start:end], requests[start:end])
             start = end
 
-    def harvest(self, owners: list[Request | None], n: int, finished: Finished) -> None:
-        """Hand over the answers of the rows that finished since the last look (the host's sync point)."""
+    def harvest(self, owners: list[Request | None], n: int) -> list[tuple[Request, list[int]]]:
+        """The answers of the rows that finished since the last look (the host's sync point); their rows are free."""
         rows = [row for row in self.done[:n].nonzero().flatten().tolist() if owners[row] is not None]
         if not rows:
-            return
+            return []
         index = torch.tensor(rows, device=self.out.device)
         counts, tokens = self.counts[index].tolist(), self.out[index].tolist()
+        answers = []
         for row, count, row_tokens in zip(rows, counts, tokens):
-            finished(owners[row], row_tokens[:count])
+            answers.append((owners[row], row_tokens[:count]))
             self.generated += count
             owners[row] = None
+        return answers
 
     def shrink(self, owners: list[Request | None], n: int) -> int:
         """With no prompt left: move the live rows to the front and return the smallest graph's slot
@@ -435,6 +437,7 @@ class SlotDecoder:
     def decode(self, requests: Sequence[Request], finished: Finished) -> None:
         pending = deque(requests)
         owners: list[Request | None] = [None] * self.slots
+        harvested: list[tuple[Request, list[int]]] = []  # finished, not handed over yet
         n = self.slots
         with slot_attention(self.model, self.cache):
             if self.tokens.is_cuda:
@@ -450,7 +453,11 @@ class SlotDecoder:
                     n = self.shrink(owners, n)
                 for _ in range(SYNC_STEPS):
                     self.run_step(n)
-                self.harvest(owners, n, finished)
+                for request, tokens in harvested:  # the host hands answers over (a journal's fsyncs) while the GPU steps
+                    finished(request, tokens)
+                harvested = self.harvest(owners, n)
+            for request, tokens in harvested:
+                finished(request, tokens)
 
 
 def decode_groups(model, groups: Sequence[Group], max_new_tokens: int, eos_ids: Sequence[int], pad_id: int,
