@@ -3,6 +3,8 @@
 # params.yaml and data/prompts (composed elsewhere: `eagle3 params -S ...`, then the prompts stage); this
 # runs the stages' own commands in it: verifier, then generate and extract of each shard (AT_ONCE shards
 # side by side: a small verifier leaves most of a GPU idle), then merge. Logs in RUN/logs.
+# Shards side by side share the GPU's memory: compose the params with -S backend.cache_memory=<0.8 / AT_ONCE>
+# where the slot caches are big (long answers; each process sizes its cache from the memory free when it starts).
 #
 #   PYTHONPATH=src:/root/site bash benchmarks/offline/run_folder.sh /root/run 3
 #
