@@ -571,6 +571,15 @@ def print_table(report: dict) -> None:
     print(f"total {report.get('total_s')} s")
 
 
+def die_with_parent() -> None:
+    """In a mode's worker (Linux): killed when this benchmark is, even by SIGKILL, so no mode runs on unwatched."""
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
 def run_mode(mode: str, folder: Path, seconds_left: float) -> tuple[dict, Answers]:
     """One mode in a fresh interpreter (its traceback, if any, goes to stderr); a mode that fails or
     runs past ``seconds_left`` is reported, the others still run."""
@@ -581,7 +590,7 @@ def run_mode(mode: str, folder: Path, seconds_left: float) -> tuple[dict, Answer
         row = {"mode": mode, "error": "skipped: no budget left"}
     else:
         try:
-            result = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=seconds_left)
+            result = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=seconds_left, preexec_fn=die_with_parent)
             lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"mode"')]
             row = lines[-1] if lines and not result.returncode else {
                 "mode": mode, "error": f"failed (exit {result.returncode}): traceback above", "last": lines[-1:]}

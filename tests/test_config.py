@@ -112,6 +112,7 @@ BAD = [
     ("merge.max_tokens=4", "params.yaml: merge.max_tokens = 4: must be >= merge.min_tokens (8)"),
     ("generate.top_p=0", "params.yaml: generate.top_p = 0: must be a number in (0, 1]"),
     ("generate.samples=0", "params.yaml: generate.samples = 0: must be an integer >= 1"),
+    ("backend.cache_memory=1.5", "params.yaml: backend.cache_memory = 1.5: must be a number in (0, 1]"),
     ("generate.sample_temperatures=[0.7,-1]", "params.yaml: generate.sample_temperatures = [0.7, -1]: must be a non-empty "
      "list of numbers >= 0"),
     ("extract.dtype=float16", "params.yaml: extract.dtype = 'float16': must be one of ['bfloat16', 'float8_e4m3fn']"),

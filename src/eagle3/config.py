@@ -191,6 +191,7 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "backend.batch_tokens": ((lambda v: v is None or _int(1)(v)), "an integer >= 1, or null for no token budget"),
     "backend.pad_multiple": POSITIVE,
     "backend.cuda_graphs": BOOL,
+    "backend.cache_memory": (_number(0, 1, open_low=True), "a number in (0, 1]: the share of the GPU memory free"),
     "backend.concurrency": POSITIVE,
     "backend.timeout": (_number(0, open_low=True), "a number > 0"),
     "backend.max_retries": NON_NEGATIVE,
