@@ -157,8 +157,8 @@ def progress(start: float, answers: Answers, every_s: float = 10.0):
 def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, graphs: bool, kernel: str | None = None,
                  compiled: bool = False):
     """One pass of the ``local`` backend as the stage builds it (``graphs``: backend.cuda_graphs; ``kernel``: its
-    decode attention instead of the fastest, over the ``--varlen-*`` slots; ``compiled``: the slot decode step
-    compiled, in this worker process only)."""
+    decode attention instead of the fastest, ``flash`` and ``split`` over ``--varlen-batch-size`` slots; ``compiled``:
+    the slot decode step compiled, in this worker process only)."""
     from omegaconf import OmegaConf
 
     if compiled:

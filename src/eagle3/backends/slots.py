@@ -35,6 +35,7 @@ steps run eagerly.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -48,6 +49,7 @@ from transformers import AttentionInterface
 
 from eagle3.backends.base import Request
 from eagle3.backends.padding import left_pad, padded_width
+from eagle3.lm.spec import attention_shape
 
 log = logging.getLogger(__name__)
 
@@ -215,11 +217,10 @@ def varlen_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     """``masked_attention`` by flash attention's varlen kernel on CUDA: row b's keys start at
     ``key_starts[b]`` (b x length) of the flattened cache and it reads ``used[b]`` of them (int32, as are
     ``row_starts``, 0..n: one query a row)."""
-    n, length = keys.shape[:2]
     if not query.is_cuda:
         return masked_attention(query, keys, values, used, scale)
     return torch.ops.aten._flash_attention_forward(
-        query.contiguous(), keys.flatten(0, 1), values.flatten(0, 1), row_starts, key_starts, 1, length, 0.0, False, False,
+        query.contiguous(), keys.flatten(0, 1), values.flatten(0, 1), row_starts, key_starts, 1, keys.shape[1], 0.0, False, False,
         scale=scale, seqused_k=used)[0]
 
 
@@ -232,9 +233,11 @@ def split_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return decode_attention(query, keys, values, used, scale)
 
 
+@functools.cache
 def kernel_runs(kernel: str, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether ``kernel`` runs on ``device`` for this dtype and head shape: one call on a tiny cache (both packed
-    kernels take fp16/bf16 on CUDA; flash needs an Ampere or newer GPU, split Triton and a power-of-two head_dim)."""
+    """Whether ``kernel`` runs on ``device`` for this dtype and head shape: one call on a tiny cache, once a process
+    (both packed kernels take fp16/bf16 on CUDA; flash needs an Ampere or newer GPU, split Triton and a
+    power-of-two head_dim)."""
     if kernel == "masked":
         return True
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):  # fp32 stays exact: masked SDPA
@@ -254,23 +257,18 @@ def kernel_runs(kernel: str, device: torch.device, dtype: torch.dtype, heads: in
         return False
 
 
-def head_shape(model) -> tuple[int, int, int]:
-    """(query heads, kv heads, head_dim) of the verifier's attention."""
-    config = model.config.get_text_config()
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
-
-
 def fastest_kernel(model) -> str:
     """The first of KERNELS that runs for this verifier on its device."""
-    return next(k for k in KERNELS if kernel_runs(k, model.device, model.dtype, *head_shape(model)))
+    shape = attention_shape(model.config.get_text_config())
+    return next(k for k in KERNELS if kernel_runs(k, model.device, model.dtype, *shape))
 
 
 def cache_bytes_per_position(model) -> int:
     """Bytes of the slot cache a row position takes: keys and values of every layer (SmolLM2-135M in bf16:
     2 x 30 layers x 3 kv heads x 64 x 2 bytes = 23,040; Llama-3.1-8B: 131,072)."""
-    _, kv_heads, head_dim = head_shape(model)
-    return 2 * model.config.get_text_config().num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
+    config = model.config.get_text_config()
+    _, kv_heads, head_dim = attention_shape(config)
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
 
 
 @contextmanager

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from eagle3.drafter.attention import KVCache, cached_attention
 from eagle3.drafter.fused import fused_when_training_on_gpu
 from eagle3.drafter.rope import RotaryEmbedding, apply_rope, rope_frequencies, rope_settings
+from eagle3.lm.spec import attention_shape
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -68,14 +69,14 @@ class DraftConfig:
     @classmethod
     def from_verifier(cls, hf_config, draft_vocab_size: int, aux_layers, overrides: dict | None = None) -> DraftConfig:
         """Head shape of the verifier (an HF config), with ``overrides`` (conf/model ``draft_head``) on top."""
-        heads = hf_config.num_attention_heads
+        heads, kv_heads, head_dim = attention_shape(hf_config)
         theta, scaling = rope_settings(hf_config)
         values = dict(
             hidden_size=hf_config.hidden_size,
             intermediate_size=hf_config.intermediate_size,
             num_attention_heads=heads,
-            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
             vocab_size=hf_config.vocab_size,
             draft_vocab_size=draft_vocab_size,
             rms_norm_eps=getattr(hf_config, "rms_norm_eps", 1e-5),

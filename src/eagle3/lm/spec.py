@@ -70,6 +70,13 @@ def require_verifier(where: str, made: str, recorded: Any, fingerprint: str, cur
         raise UserError(f"{problem}; {fix}")
 
 
+def attention_shape(config) -> tuple[int, int, int]:
+    """(query heads, kv heads, head_dim) of a verifier's (text) config: kv heads default to the query heads
+    (no grouped-query attention), head_dim to hidden_size / heads."""
+    heads = config.num_attention_heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
 def tapped_features(hidden_states: Sequence, aux_layers: Sequence[int]):
     """The drafter's input features: the tapped residual streams concatenated, [B, T, H] x 3 -> [B, T, 3H].
 
