@@ -1,55 +1,72 @@
-"""Benchmark of the ``train`` stage: real-token throughput and model FLOP utilisation of ``train_step``.
+"""Benchmark of the ``train`` stage's step: eager against compiled (``train.compile``), at a recipe's shape.
 
-    python benchmarks/train_throughput.py                                  # CPU, SmolLM2-shaped drafter
-    python benchmarks/train_throughput.py --device cuda                    # GPU, Llama-3.1-8B-shaped drafter
-    python benchmarks/train_throughput.py --device cuda --doc-tokens 250   # ragged documents packed into the rows
-    python benchmarks/train_throughput.py --device cuda --lm-head frozen trainable   # both, one process
-    python benchmarks/train_throughput.py --device cuda --preset smollm2-135m --batch 8 \\
-        --merged data/merged --hidden-states data/hidden_states     # real hidden states, packed as `train` packs them
-    torchrun --nproc-per-node 2 benchmarks/train_throughput.py --device cuda         # DDP (--fsdp: FSDP2)
+    python benchmarks/train_throughput.py --smoke --out /tmp/smoke.json          # CPU, a tiny drafter, eager: seconds
+    python benchmarks/train_throughput.py --device cuda --recipe 10k --out benchmarks/results/train_step_10k.json
+    python benchmarks/train_throughput.py --device cuda --recipe 10k --modes compiled --iters 200 --out ...
+    python benchmarks/train_throughput.py --device cuda --preset llama3-8b --recipe default --batch 4 --seq 2048 --out ...
+    python benchmarks/train_throughput.py --device cuda --merged data/merged --hidden-states data/hidden_states --out ...
+    torchrun --nproc-per-node 2 benchmarks/train_throughput.py --device cuda --out ...   # DDP (--fsdp: FSDP2)
 
-Runs the stage's own ``eagle3.train.train_step`` (verifier targets, K-step TTT forward, backward,
-clipping, AdamW, schedule) on micro-batches of ``--batch`` rows of ``--seq`` tokens packed by the
-stage's own ``eagle3.hidden_states.loader.collate``, already on the device (the data loader is not measured), with
-bf16 autocast on GPUs and fp32 on CPUs, and no host sync inside the timed loop (one
-``synchronize`` after it). Documents are random (whole rows by default; ``--doc-tokens N``: lengths
-uniform in [N/2, 3N/2], the last ``--answer`` fraction of each under the loss mask) or, with
-``--merged``, the first samples of the train split in the order the stage's first steps take them.
-Random weights either way, the lm_head initialised from the verifier head's draft rows as ``train``
-does. Prints one JSON line per ``--lm-head`` setting: tokens/s of real (non-padding) tokens, step
-time, model TFLOP/s, MFU against ``--peak-tflops``, peak memory. Under torchrun every process
-trains its own batch and tokens/s counts all of them; MFU is per GPU.
+Runs the stage's own pieces: the recipe's ``TrainConfig`` (conf/train/<recipe>.yaml), ``make_optimizers``
+and its schedules, ``compile_step`` for the compiled mode, and ``train_step`` (verifier targets, the
+K-step TTT forward, backward, clipping, optimizer step) on packed rows collated by the stage's
+``collate_ttt`` on the host and moved by its ``to_device`` every step (pinned memory on GPUs), as
+the stage's DataLoader hands them over; reading the shards is not measured. No host sync inside
+the timed steps: on a GPU each step's time is the span between CUDA events recorded at the starts
+of consecutive steps, so a host that falls behind shows as step time.
 
-FLOPs counted (``step_flops``), real tokens only: 6 x params per token for fc and for the decoder
-layer on every row of every step; the lm_head on the rows with a target (6 x H x Vd, or 4 x when
-frozen: no weight gradient); causal attention within each document (plus the chain keys of steps
->= 1) x3 for the backward; 2 x H x V per target for the frozen verifier head (the draft logits and
-the best logit of the rest).
+Documents are random, shaped like the 10k data by default (lengths uniform in [doc_tokens/2,
+3 doc_tokens/2], the last ``--answer`` fraction of each under the loss mask), with random hidden
+states of the ``--preset`` verifier's shape (no verifier files needed), or with ``--merged`` the
+first samples of a real train split. Each mode starts from the same weights and takes the same
+batches; the losses of the first ``--check-steps`` steps are compared across modes.
+
+Writes JSON to ``--out``: {"commit", "command", "figures": {"shape": ..., "modes": {mode: {"median_step_s",
+"tokens_per_s", "first_step_s" (compilation included), "gpu_util" (NVML, sampled over the timed steps),
+"model_tflops", "mfu", "peak_memory_gib", "losses"}}, "loss_agreement": {"max_rel_diff", "agree"}}}.
+Tokens are real (non-padding) tokens over all processes. FLOPs (``step_flops``), real tokens only:
+6 x params per token for fc and the decoder layer on every row of every step; the lm_head on the
+rows with a target (6 x H x Vd, or 4 x when frozen); causal attention within each document (plus
+the chain keys of steps >= 1) x3 for the backward; 2 x H x V per target for the verifier head.
+Imports eagle3.train, and so omegaconf (eagle3.config).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import subprocess
+import sys
+import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-from eagle3.drafter.loss import TrainingTimeTest, VerifierHead
+from eagle3.drafter.loss import StepMetrics, TrainingTimeTest, VerifierHead
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
-from eagle3.drafter.parallel import close_world, init_world, wrap
+from eagle3.drafter.parallel import World, close_world, init_world, wrap
 from eagle3.hidden_states.loader import DataPlan, HiddenStates
-from eagle3.train import TrainConfig, collate_ttt, lr_factor, to_device, train_step
+from eagle3.train import TrainConfig, collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step
 from shapes import DRAFTER_SHAPES
 
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   vocab_size=512, draft_vocab_size=256, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                   max_position_embeddings=1024, aux_layers=(0, 1, 2))
 
-def train_config(**keys) -> TrainConfig:
-    """The committed params' train section with ``keys`` replaced (TrainConfig has no defaults of its own;
-    conf/train/default.yaml alone does not resolve: its batch size comes from the layout)."""
-    default = OmegaConf.load(Path(__file__).parents[1] / "params.yaml").train
-    return TrainConfig.from_params(OmegaConf.merge(default, keys))
+
+def recipe(name: str, rows: int, **keys) -> TrainConfig:
+    """conf/train/<name>.yaml over its ``defaults`` chain, the layout's ``micro_batch_rows`` = ``rows``, then ``keys``."""
+    def load(stem: str):
+        section = OmegaConf.load(ROOT / "conf" / "train" / f"{stem}.yaml")
+        parents = [load(parent) for parent in section.pop("defaults", []) if parent != "_self_"]
+        return OmegaConf.merge(*parents, section)
+
+    return TrainConfig.from_params(OmegaConf.merge(load(name), {"micro_batch_rows": rows}, keys))
 
 
 def random_draft_vocab(cfg: DraftConfig, generator: torch.Generator) -> torch.Tensor:
@@ -60,7 +77,8 @@ def random_draft_vocab(cfg: DraftConfig, generator: torch.Generator) -> torch.Te
 
 def random_documents(cfg: DraftConfig, rows: int, seq: int, doc_tokens: int, answer: float, generator) -> list[dict]:
     """Random documents filling ``rows`` rows of ``seq`` tokens: whole rows (doc_tokens 0) or
-    lengths uniform in [doc_tokens/2, 3 doc_tokens/2], as many as fit row by row."""
+    lengths uniform in [doc_tokens/2, 3 doc_tokens/2], as many as fit row by row; the last ``answer``
+    fraction of each under the loss mask (``peer_speculators.py`` draws the same ones)."""
     lengths = []
     for _ in range(rows):
         left = seq
@@ -80,17 +98,16 @@ def random_documents(cfg: DraftConfig, rows: int, seq: int, doc_tokens: int, ans
     return docs
 
 
-def real_micro_batches(merged: str, hidden_states: str, cfg: TrainConfig, count: int, world) -> list[list[dict]]:
-    """The first ``count`` micro-batches (items) the ``train`` stage would take from the train split."""
+def real_documents(merged: str, hidden_states: str, cfg: TrainConfig, count: int, world: World) -> list[list[dict]]:
+    """The items of the first ``count`` micro-batches the ``train`` stage would take from the train split."""
     dataset = HiddenStates(merged, hidden_states, "train")
     plan = DataPlan(dataset.lengths, cfg.batching(world.size), 0, world.rank, world.size)
-    batches = [b for step in range(count) for b in plan.micro_batches(step % (cfg.max_steps or plan.steps(cfg.epochs)))][:count]
+    batches = [b for step in range(count) for b in plan.micro_batches(step)][:count]
     return [[dataset[i] for i in indices] for indices in batches]
 
 
 def step_flops(cfg: DraftConfig, batch: dict, lengths: list[int], frozen_head: bool) -> float:
-    """Model FLOPs of one optimizer step on one micro-batch of documents of ``lengths`` tokens
-    (real tokens only; see the module docstring)."""
+    """Model FLOPs of one step on one micro-batch of documents of ``lengths`` tokens (the module docstring)."""
     H, I = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     layer = 2 * H * q + 2 * 2 * H * kv + q * H + 3 * H * I  # q, k, v (2H wide inputs), o, SwiGLU
@@ -104,50 +121,121 @@ def step_flops(cfg: DraftConfig, batch: dict, lengths: list[int], frozen_head: b
     return flops
 
 
-def measure(args, cfg: DraftConfig, micro: list[dict], flops: list[float], frozen: bool, world, dtype) -> dict:
-    """Warm up, then time ``args.iters`` optimizer steps cycling over the micro-batches (of ``flops``)."""
-    gpu = world.device.type == "cuda"
-    generator = torch.Generator().manual_seed(0)  # the same weights on every process
-    embed = (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=generator) * 0.02).to(world.device, dtype)
-    verifier_head = (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=generator) * 0.02).to(world.device, dtype)
-    drafter = Eagle3Drafter(cfg, embed).to(world.device)
-    d2t = random_draft_vocab(cfg, generator).to(world.device)
+class UtilisationSampler:
+    """GPU utilisation (NVML's share of time a kernel ran) sampled every ``interval`` s in a thread; None off GPUs."""
+
+    def __init__(self, device: torch.device, interval: float = 0.05):
+        self.samples: list[int] = []
+        self.handle, self.interval, self.stop = None, interval, threading.Event()
+        if device.type == "cuda":
+            import pynvml  # nvidia-ml-py, on GPU hosts only
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+
+    def __enter__(self):
+        if self.handle is not None:
+            self.thread = threading.Thread(target=self.sample, daemon=True)
+            self.thread.start()
+        return self
+
+    def sample(self) -> None:
+        while not self.stop.wait(self.interval):
+            self.samples.append(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.handle is not None:
+            self.thread.join()
+
+    def mean(self) -> float | None:
+        return round(statistics.fmean(self.samples) / 100, 3) if self.samples else None
+
+
+def make_model(draft: DraftConfig, cfg: TrainConfig, world: World, dtype: torch.dtype, compiled: bool):
+    """A fresh drafter (the same weights in every mode and process), its TTT module (compiled or not,
+    wrapped for the world) and verifier head."""
+    generator = torch.Generator().manual_seed(0)
+    embed = (torch.randn(draft.vocab_size, draft.hidden_size, generator=generator) * 0.02).to(world.device, dtype)
+    verifier_head = (torch.randn(draft.vocab_size, draft.hidden_size, generator=generator) * 0.02).to(world.device, dtype)
+    d2t = random_draft_vocab(draft, generator).to(world.device)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(draft, embed).to(world.device)
     drafter.set_draft_vocab(d2t)
-    drafter.init_head(verifier_head, torch.ones(cfg.hidden_size, device=world.device))
-    drafter.lm_head.requires_grad_(not frozen)
+    drafter.init_head(verifier_head, torch.ones(draft.hidden_size, device=world.device))
+    drafter.lm_head.requires_grad_(not cfg.freeze_lm_head)
     head = VerifierHead(verifier_head, d2t).to(world.device)
-    train_cfg = train_config(ttt_steps=args.ttt_steps)
-    model = wrap(TrainingTimeTest(drafter, args.ttt_steps, train_cfg.loss_normalisation), world, args.fsdp)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=train_cfg.lr, betas=(0.9, 0.95), fused=gpu)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, 10, 1000, 0.1))
-    for i in range(args.warmup):
-        train_step(model, head, [micro[i % len(micro)]], optimizer, scheduler, train_cfg, world)
+    ttt = TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation)
+    if compiled:
+        compile_step(ttt, head)
+    return wrap(ttt, world, cfg.fsdp), head
+
+
+def measure(args, draft: DraftConfig, cfg: TrainConfig, host_batches: list[dict], flops: list[float], world: World,
+            dtype: torch.dtype, compiled: bool) -> dict:
+    """``args.warmup`` untimed steps (the first ones' losses kept), then ``args.iters`` timed steps cycling over the batches."""
+    gpu = world.device.type == "cuda"
+    model, head = make_model(draft, cfg, world, dtype, compiled)
+    optimizers = make_optimizers(model, cfg, fused=gpu)
+    total = args.warmup + args.iters
+    factor = partial(lr_factor, warmup=max(1, round(cfg.warmup_fraction * total)), total=total, floor=cfg.min_lr_ratio)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer, factor) for optimizer in optimizers]
+
+    def step(i: int) -> torch.Tensor:
+        micro = [to_device(host_batches[i % len(host_batches)], world.device)]
+        return train_step(model, head, micro, optimizers, schedulers, cfg, world)[0]
+
+    start = time.perf_counter()
+    sums = [step(0)]
+    if gpu:
+        torch.cuda.synchronize()
+    first_step_s = time.perf_counter() - start
+    sums += [step(i) for i in range(1, args.warmup)]
+    losses = [StepMetrics(s).summary(cfg.step_decay)["loss"] for s in sums[: args.check_steps]]  # host syncs, untimed
     if gpu:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for i in range(args.iters):
-        sums, _ = train_step(model, head, [micro[i % len(micro)]], optimizer, scheduler, train_cfg, world)
-    if gpu:
-        torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / args.iters
-    tokens = sum(micro[i % len(micro)]["tokens"] for i in range(args.iters)) / args.iters
-    flops = sum(flops[i % len(micro)] for i in range(args.iters)) / args.iters
-    result = {"lm_head": "frozen" if frozen else "trainable", "step_s": round(seconds, 4),
-              "tokens_per_s": round(world.size * tokens / seconds, 1), "model_tflops": round(flops / seconds / 1e12, 3),
-              "loss_finite": bool(torch.isfinite(sums[0]).all())}
-    if gpu:
-        result["mfu"] = round(flops / seconds / 1e12 / args.peak_tflops, 4)
-        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    if args.profile and world.main:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
-            train_step(model, head, micro[:1], optimizer, scheduler, train_cfg, world)
+    marks = []
+    with UtilisationSampler(world.device) as utilisation:
+        for i in range(args.warmup, total):
+            marks.append(torch.cuda.Event(enable_timing=True) if gpu else time.perf_counter())
             if gpu:
-                torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="self_cuda_time_total" if gpu else "self_cpu_time_total", row_limit=15, max_name_column_width=60))
+                marks[-1].record()
+            step(i)
+        if gpu:
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record()
+            torch.cuda.synchronize()
+        else:
+            marks.append(time.perf_counter())
+    spans = [(a.elapsed_time(b) / 1000 if gpu else b - a) for a, b in zip(marks, marks[1:])]
+    median = statistics.median(spans)
+    tokens = statistics.fmean(host_batches[i % len(host_batches)]["tokens"] for i in range(args.warmup, total))
+    step_flop = statistics.fmean(flops[i % len(flops)] for i in range(args.warmup, total))
+    result = {"median_step_s": round(median, 5), "mean_step_s": round(statistics.fmean(spans), 5),
+              "tokens_per_s": round(world.size * tokens / median, 1), "first_step_s": round(first_step_s, 2),
+              "model_tflops": round(step_flop / median / 1e12, 3), "gpu_util": utilisation.mean(), "losses": losses}
+    if gpu:
+        result["mfu"] = round(step_flop / median / 1e12 / args.peak_tflops, 4)
+        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return result
+
+
+def loss_agreement(modes: dict[str, dict]) -> dict:
+    """Largest relative difference of the first steps' losses between any mode and the first (eager)."""
+    runs = [m["losses"] for m in modes.values() if "losses" in m]
+    if len(runs) < 2:
+        return {}
+    worst = max(abs(a - b) / max(abs(a), 1e-12) for other in runs[1:] for a, b in zip(runs[0], other))
+    return {"max_rel_diff": worst, "agree": worst < 1e-2}  # bf16 eager vs generated kernels: rounding only
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"  # a copy of the tree without its git folder
 
 
 def shape_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,48 +252,76 @@ def shape_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s of the GPU (H100/H200 SXM: 989)")
 
 
-def main() -> None:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     shape_arguments(parser)
-    parser.add_argument("--lm-head", nargs="+", default=["frozen"], choices=["frozen", "trainable"], help="one run each")
+    # Here the recipe fixes K and the row, and the documents are shaped like the 10k data's (~320 tokens, 128 of them answer).
+    parser.set_defaults(preset="smollm2-135m", batch=1, ttt_steps=None, doc_tokens=320, answer=0.4, iters=100, warmup=10)
+    parser.add_argument("--out", type=Path, required=True, help="where to write the JSON figures")
+    parser.add_argument("--smoke", action="store_true", help="a tiny drafter on the CPU, a few steps: seconds (tests run it)")
+    parser.add_argument("--recipe", default="10k", help="conf/train/<recipe>.yaml: K, decay, optimizer, row length (default 10k)")
+    parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], help="default: both (--smoke: eager)")
+    parser.add_argument("--batches", type=int, default=8, help="distinct batches cycled through")
+    parser.add_argument("--check-steps", type=int, default=5, help="first steps whose losses are compared across modes")
     parser.add_argument("--merged", help="real data: the merge output folder (with --hidden-states)")
     parser.add_argument("--hidden-states", help="real data: the extracted shards folder")
-    parser.add_argument("--batches", type=int, default=8, help="distinct micro-batches cycled through (real data)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
     parser.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
-    parser.add_argument("--profile", action="store_true", help="also print the ops that take the most time in one step")
-    args = parser.parse_args()
-    gpu = args.device == "cuda"
-    preset = args.preset or ("llama3-8b" if gpu else "smollm2-135m")
-    rows, seq = args.batch or (4 if gpu else 1), args.seq or (2048 if gpu else 512)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.device, args.recipe, args.seq, args.doc_tokens = "cpu", "debug", 128, 40
+        args.batches, args.iters, args.warmup, args.check_steps = 2, 2, 2, 2
+    args.modes = args.modes or (["eager"] if args.smoke else ["eager", "compiled"])  # compiling on a CPU takes minutes
+    args.warmup = max(args.warmup, args.check_steps, 1)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     world = init_world(args.device)
+    gpu = world.device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
-    cfg = DraftConfig.create(DRAFTER_SHAPES[preset], {})
-    packing = train_config(ttt_steps=args.ttt_steps, batch_tokens=rows * seq * world.size, micro_batch_rows=rows, pack_tokens=seq)
+    draft = DraftConfig.create(SMOKE_SHAPE if args.smoke else DRAFTER_SHAPES[args.preset], {})
+    rows = args.batch
+    base = recipe(args.recipe, rows)
+    seq, ttt_steps = args.seq or base.pack_tokens, args.ttt_steps or base.ttt_steps
+    cfg = recipe(args.recipe, rows, pack_tokens=seq, batch_tokens=rows * seq * world.size, ttt_steps=ttt_steps, fsdp=args.fsdp)
+    batching = cfg.batching(world.size)
     if args.merged:
-        items = real_micro_batches(args.merged, args.hidden_states, packing, args.batches, world)
+        items = real_documents(args.merged, args.hidden_states, cfg, args.batches, world)
     else:
-        generator = torch.Generator().manual_seed(1 + world.rank)  # a batch of its own on every process
-        items = [random_documents(cfg, rows, seq, args.doc_tokens, args.answer, generator)]
-    micro = [to_device(collate_ttt(docs, packing.batching(world.size), packing.ttt_steps), world.device) for docs in items]
-    for batch in micro:
-        batch["aux"], batch["final"] = batch["aux"].to(dtype), batch["final"].to(dtype)
-    doc_lengths = [[len(d["input_ids"]) for d in docs] for docs in items]
-    shape = {"device": torch.cuda.get_device_name(0) if gpu else f"cpu x{torch.get_num_threads()} threads",
-             "processes": world.size, "parallel": ("fsdp" if args.fsdp else "ddp") if world.size > 1 else "none",
-             "preset": preset, "H": cfg.hidden_size, "V": cfg.vocab_size, "Vd": cfg.draft_vocab_size, "rows": rows, "seq": seq,
-             "ttt_steps": args.ttt_steps, "data": args.merged or f"random, doc_tokens {args.doc_tokens or seq}",
-             "documents_per_row": round(sum(map(len, doc_lengths)) / len(doc_lengths) / rows, 2),
-             "padding_fraction": round(1 - sum(map(sum, doc_lengths)) / (len(doc_lengths) * rows * seq), 4),
-             "dtype": str(dtype).removeprefix("torch.")}
-    for setting in args.lm_head:
-        frozen = setting == "frozen"
-        flops = [step_flops(cfg, b, n, frozen) for b, n in zip(micro, doc_lengths)]
-        result = measure(args, cfg, micro, flops, frozen, world, dtype)
+        generator = torch.Generator().manual_seed(1 + world.rank)  # batches of its own on every process
+        items = [random_documents(draft, rows, seq, args.doc_tokens, args.answer, generator) for _ in range(args.batches)]
+    host_batches = [collate_ttt(docs, batching, cfg.ttt_steps) for docs in items]
+    if gpu:
+        host_batches = [{k: v.pin_memory() if hasattr(v, "pin_memory") else v for k, v in b.items()} for b in host_batches]
+    lengths = [[len(d["input_ids"]) for d in docs] for docs in items]
+    flops = [step_flops(draft, b, n, cfg.freeze_lm_head) for b, n in zip(host_batches, lengths)]
+    shape = {"device": torch.cuda.get_device_name(world.device) if gpu else f"cpu x{torch.get_num_threads()} threads",
+             "torch": torch.__version__, "processes": world.size, "parallel": ("fsdp" if args.fsdp else "ddp") if world.size > 1 else "none",
+             "preset": "smoke" if args.smoke else args.preset, "H": draft.hidden_size, "V": draft.vocab_size, "Vd": draft.draft_vocab_size,
+             "recipe": args.recipe, "rows": rows, "seq": seq, "ttt_steps": cfg.ttt_steps, "optimizer": cfg.optimizer,
+             "data": args.merged or f"random, doc_tokens {args.doc_tokens}, answer {args.answer}",
+             "documents_per_row": round(sum(map(len, lengths)) / len(lengths) / rows, 2),
+             "targets_per_step": round(statistics.fmean(len(b["selection"].positions) for b in host_batches), 1),
+             "padding_fraction": round(1 - sum(map(sum, lengths)) / (len(lengths) * rows * seq), 4),
+             "dtype": str(dtype).removeprefix("torch."), "warmup": args.warmup, "iters": args.iters}
+    modes = {}
+    for mode in args.modes:
+        try:
+            modes[mode] = measure(args, draft, cfg, host_batches, flops, world, dtype, compiled=mode == "compiled")
+        except Exception as err:  # noqa: BLE001 (a mode that fails is a figure too; the others still run)
+            modes[mode] = {"error": f"{type(err).__name__}: {err}"[:2000]}
         if world.main:
-            print(json.dumps({**shape, **result}), flush=True)
+            print(json.dumps({mode: modes[mode]}), flush=True)
+    if world.main:
+        figures = {"shape": shape, "modes": modes, "loss_agreement": loss_agreement(modes)}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        record = {"commit": commit(), "command": " ".join(["python", *sys.argv]), "figures": figures}
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        print(json.dumps(figures), flush=True)
     close_world(world)
 
 

@@ -27,7 +27,8 @@ from eagle3.drafter.loss import StepMetrics, TrainingTimeTest, VerifierHead
 from eagle3.drafter.parallel import World
 from eagle3.hidden_states.loader import Batching, DataPlan, HiddenStates, InOrder, collate, pack
 from eagle3.lm.loading import verifier_parts
-from eagle3.train import TrainConfig, TrainPaths, collate_ttt, fit, lr_factor, main, make_optimizers, train, train_step
+from eagle3.train import (TrainConfig, TrainPaths, collate_ttt, compile_step, fit, lr_factor, main, make_optimizers, to_device, train,
+                         train_step)
 
 from support.repo import ROOT, project_params
 from support.tiny_drafter import make_drafter, one_thread, random_batch, verifier_head_weight  # noqa: F401 (autouse fixture)
@@ -513,3 +514,95 @@ def test_learns_on_smollm2_hidden_states(tmp_path, smollm2_dir):
     metrics = read_json(args.live / "metrics.json")
     assert metrics["best"]["sim_accept_len"] == pytest.approx(summary["best"]["sim_accept_len"])
     assert {"acc_0", "acc_2", "cond_acc_1", "tokens_per_s", "lr"} <= set(metrics["train"])
+
+
+# --- the step on the CPU stays the eager one; the compiled step computes the same -------------------
+
+# A 6-step debug run's history (step, prefix, loss, grad norm) and final weight sums, recorded from the
+# eager step before train.compile existed (d196e95): the CPU path must still give them.
+RECORDED_HISTORY = [(1, "train", 11.6010046005, 7.500782012939453), (2, "train", 12.0928869247, 9.046989440917969),
+                    (3, "train", 12.2872247696, 7.707400798797607), (3, "val", 12.2625732422, None),
+                    (4, "train", 11.4623212814, 8.108936309814453), (5, "train", 10.5215120316, 6.896149635314941),
+                    (6, "train", 10.8031997681, 7.722618103027344), (6, "val", 12.2397937775, None)]
+RECORDED_WEIGHT_SUMS = {"drafter.fc.weight": 5.523046751543006, "drafter.midlayer.self_attn.q_proj.weight": -2.2992898474039976,
+                        "drafter.midlayer.mlp.down_proj.weight": 4.650217320813681, "drafter.lm_head.weight": 2.875307001195324,
+                        "drafter.norm.weight": 66.41917771100998}
+
+
+def recorded_run(run_dir: Path, **keys) -> dict:
+    cfg = TrainConfig.from_params(OmegaConf.merge(DEBUG, {"max_steps": 6, "checkpoint_every": 3, "val_every": 3, "pack_tokens": 32,
+                                                          "batch_tokens": 32, **keys}))
+    dcfg = make_drafter().config
+    fit_debug(run_dir, Items(dcfg, 6, seed=0), Items(dcfg, 3, seed=100), cfg)
+    return torch.load(run_dir / "latest.pt", weights_only=False)
+
+
+def test_the_cpu_step_is_the_eager_one_it_always_was(tmp_path):
+    """compile auto leaves CPUs eager: the same bytes as compile false, and the history and weights recorded before
+    the compiled step existed (metric lines now reach the host in batches: the same numbers)."""
+    auto, eager = recorded_run(tmp_path / "auto"), recorded_run(tmp_path / "eager", compile=False)
+    for name in auto["model"]:
+        assert torch.equal(auto["model"][name], eager["model"][name]), name
+    history = [(step, prefix, metrics["loss"], metrics.get("grad_norm")) for step, prefix, metrics in auto["history"]]
+    assert [h[:2] for h in history] == [h[:2] for h in RECORDED_HISTORY]
+    for (_, _, loss, norm), (_, _, want_loss, want_norm) in zip(history, RECORDED_HISTORY):
+        assert loss == pytest.approx(want_loss, rel=1e-6) and norm == (want_norm and pytest.approx(want_norm, rel=1e-6))
+    for name, total in RECORDED_WEIGHT_SUMS.items():
+        assert float(auto["model"][name].double().sum()) == pytest.approx(total, rel=1e-6), name
+
+
+def test_metric_lines_queue_on_the_device_and_keep_their_steps():
+    """Lines closed every 2 steps reach the host together, each with its own step, sums and mean grad norm; steps of an
+    open line (a sync between two lines) stay in that line."""
+    from eagle3.drafter.reporting import SYNC_EVERY, Window, train_metrics
+
+    clock, sums = Window(), torch.zeros(6, 2)
+    sums[:, 0] = torch.tensor([4.0, 2.0, 3.0, 1.0, 1.0, 3.0])
+    for step in range(1, 6):
+        clock.add(10, torch.tensor(float(step)))
+        if step % 2 == 0:
+            clock.close(step, sums * step, lr=0.1 * step)
+    lines = train_metrics(clock, 1.0, CPU)
+    assert [step for step, _ in lines] == [2, 4] and not clock.lines
+    assert [m["grad_norm"] for _, m in lines] == [1.5, 3.5] and [m["lr"] for _, m in lines] == [0.2, pytest.approx(0.4)]
+    assert lines[0][1]["loss_0"] == pytest.approx(2.0) and lines[0][1]["acc_0"] == pytest.approx(1 / 3)
+    clock.add(10, torch.tensor(6.0))
+    clock.close(6, sums, lr=0.6)
+    assert train_metrics(clock, 1.0, CPU)[0][1]["grad_norm"] == 5.5  # steps 5 and 6
+    for _ in range(SYNC_EVERY):
+        clock.add(1, torch.tensor(1.0))
+    assert clock.full()
+
+
+@pytest.mark.slow
+def test_the_compiled_step_matches_the_eager_one(monkeypatch):
+    """compile true on the CPU (inductor's C++ kernels): two steps whose batches select different numbers of rows give
+    the eager step's metric sums, gradient norm and weights within float tolerance, compiled once (the selection's
+    sizes are dynamic from the first step)."""
+    from torch._dynamo.utils import counters
+
+    dcfg = make_drafter().config
+    cfg = train_config(ttt_steps=2, pack_tokens=40, batch_tokens=40, compile=True)
+    batches = [collate_ttt([Items.item(n, dcfg, seed) for n in lengths], Batching(40, 1, 1), 2)
+               for seed, lengths in enumerate([[12, 20], [30, 9]])]
+    assert len(batches[0]["selection"].positions) != len(batches[1]["selection"].positions)
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        drafter = make_drafter(seed=11)
+        head = VerifierHead(verifier_head_weight(drafter.config, drafter.d2t), drafter.d2t)
+        model = TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation)
+        if compiled:
+            compile_step(model, head)
+        optimizers = make_optimizers(model, cfg, fused=False)
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0) for o in optimizers]
+        steps = [train_step(model, head, [to_device(b, torch.device("cpu"))], optimizers, schedulers, cfg, CPU) for b in batches]
+        runs.append((steps, {name: p.detach().clone() for name, p in model.named_parameters()}, counters["stats"]["unique_graphs"]))
+    (eager_steps, eager_weights, _), (compiled_steps, compiled_weights, graphs) = runs
+    for (sums, norm), (want_sums, want_norm) in zip(compiled_steps, eager_steps):
+        torch.testing.assert_close(sums, want_sums, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(norm, want_norm, rtol=1e-4, atol=1e-5)
+    for name in eager_weights:
+        torch.testing.assert_close(compiled_weights[name], eager_weights[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert graphs == 2  # the TTT unroll and the verifier head, each once for both batches

@@ -228,6 +228,7 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.checkpoint_every": POSITIVE,
     "train.fsdp": BOOL,
     "train.num_workers": NON_NEGATIVE,
+    "train.compile": _one_of("auto", True, False),
     "evaluate.draft_tokens": POSITIVE,
     "evaluate.batch_sizes": ((lambda v: isinstance(v, list) and bool(v) and all(_int(1)(x) for x in v)),
                              "a non-empty list of integers >= 1"),

@@ -72,11 +72,18 @@ class TrainConfig:
     lm_head_init: str  # random, or verifier: its lm_head rows of the draft vocabulary (and final norm)
     freeze_lm_head: bool  # keep the lm_head at its verifier start
     clip: float  # max global gradient norm
-    log_every: int  # optimizer steps between train metric lines (the only host syncs)
+    log_every: int  # optimizer steps between train metric lines (their numbers reach the host in batches: reporting.Window)
     val_every: int  # optimizer steps between validations (and at the end)
     checkpoint_every: int  # optimizer steps between resumable checkpoints (and at the end)
     fsdp: bool  # FSDP instead of DDP (multi-process only)
     num_workers: int  # DataLoader worker processes per training process
+    compile: bool | str  # auto: the TTT forward and the verifier head compiled on CUDA (not with fsdp); true, false
+
+    def compiles(self, world: World) -> bool:
+        """Whether ``train.compile`` compiles the step on this process's device."""
+        if self.compile == "auto":
+            return world.device.type == "cuda" and not self.fsdp
+        return bool(self.compile)
 
     @classmethod
     def from_params(cls, section) -> TrainConfig:
@@ -122,8 +129,24 @@ def collate_ttt(items: list[dict[str, Tensor]], batching: Batching, ttt_steps: i
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The micro-batch on ``device`` (asynchronous from pinned memory). The selection's sizes (targets, rows
+    each TTT step scores) differ from batch to batch: they are marked dynamic for torch.compile (nothing
+    else reads the mark), so a compiled step compiles once, not once static and then again dynamic."""
     moved = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, Tensor)}
-    return {**batch, **moved, "selection": batch["selection"].to(device, non_blocking=True)}
+    selection = batch["selection"].to(device, non_blocking=True)
+    selection.map(lambda x: torch._dynamo.maybe_mark_dynamic(x, 0))
+    return {**batch, **moved, "selection": selection}
+
+
+def compile_step(ttt: TrainingTimeTest, head: VerifierHead) -> None:
+    """``train.compile``: the TTT unroll (forward and, through autograd, backward: loss, metrics, attention,
+    the soft cross-entropy over the draft vocabulary) and the verifier head compiled into generated
+    kernels, in place (state dicts keep their names). Why: eager, each op of the unroll is a kernel
+    launched from Python, and at the 10k recipe's shape the host, not the GPU, set the pace (one H200
+    read 2-13 % busy). The optimizer (fused AdamW) and the clipping stay eager: a few multi-tensor
+    kernels each."""
+    ttt.compile()
+    head.compile()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,6 +268,8 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: 
                  "tokens (micro-batches x rows), %d processes", total, cfg.batch_tokens, warmup, batching.grad_accum,
                  batching.batch_size, cfg.pack_tokens, world.size)
         warn_if_undertrained(total, cfg)
+    if cfg.compiles(world):
+        compile_step(ttt, head)
     model = parallel.wrap(ttt, world, cfg.fsdp)
     optimizers = make_optimizers(model, cfg, fused=world.device.type == "cuda")
     factor = partial(lr_factor, warmup=warmup, total=total, floor=cfg.min_lr_ratio)
@@ -264,16 +289,19 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: 
         clock.add(sum(b["tokens"] for b in micro), norm)
         done = state.step == total
         if state.step % cfg.log_every == 0 or done:
-            metrics = train_metrics(state.step, window, clock, schedulers[0].get_last_lr()[0], cfg.step_decay, world)  # host sync
-            record(live, state, "train", metrics)
+            clock.close(state.step, window, schedulers[0].get_last_lr()[0])
             window.zero_()
-        if state.step % cfg.val_every == 0 or done:
+        validating, saving = state.step % cfg.val_every == 0 or done, state.step % cfg.checkpoint_every == 0 or done
+        if validating or saving or clock.full():  # the history is read in this order: train lines first
+            for step, metrics in train_metrics(clock, cfg.step_decay, world):  # one host sync for the queued lines
+                record(live, state, "train", metrics, step)
+        if validating:
             metrics = validate(model, head, val_set, cfg, world)
             record(live, state, "val", metrics)
             if state.best is None or metrics["sim_accept_len"] > state.best["sim_accept_len"]:
                 state.best = {**metrics, "step": state.step}
                 save_best(run_dir, model, state, world)
-        if state.step % cfg.checkpoint_every == 0 or done:
+        if saving:
             save_checkpoint(run_dir, model, optimizers, schedulers, state, world)
     last = next((metrics for _, prefix, metrics in reversed(state.history) if prefix == "train"), {})
     return {"steps": total, "train": last, "best": state.best}

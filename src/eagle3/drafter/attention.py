@@ -111,11 +111,19 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor, first: Tenso
     return out.reshape(B, nh, R, hd), lse.reshape(B, nh, R)
 
 
+def flex_attention_kernel():
+    """FlexAttention, compiled: uncompiled, it materialises the scores. Inside a step compiled as a
+    whole (``train.compile``) the step's compilation takes it in as it is."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+
+
 @functools.cache
 def compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)  # uncompiled, flex attention materialises the scores
+    return torch.compile(flex_attention)
 
 
 def document_block_mask(starts: Tensor):
@@ -133,7 +141,8 @@ def fused_causal_attention(q: Tensor, k: Tensor, v: Tensor, block_mask) -> tuple
     starts. The log-sum-exp is differentiable, which the chain keys of training-time test need:
     they are merged in outside the kernel.
     """
-    out, lse = compiled_flex_attention()(
+    attend = flex_attention_kernel()
+    out, lse = attend(
         q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1], return_lse=True,
     )
     return out, lse.float()

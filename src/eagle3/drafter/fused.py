@@ -25,13 +25,15 @@ def fused_when_training_on_gpu(fn):
     them once. Decoding (no gradients) and CPUs keep the eager ops: decoding's few rows are
     launch-bound and would recompile for every new length, and compiling on a CPU costs more than
     the demo's whole training saves. The first call of a new shape compiles (dynamic after that).
+    Inside a step that is compiled as a whole (``train.compile``), ``fn`` is traced as it is, into
+    the step's own kernels.
     """
     compiled = None
 
     @functools.wraps(fn)
     def call(x: Tensor, *args):
         nonlocal compiled
-        if not (x.is_cuda and torch.is_grad_enabled()):
+        if torch.compiler.is_compiling() or not (x.is_cuda and torch.is_grad_enabled()):
             return fn(x, *args)
         if compiled is None:
             compiled = torch.compile(fn, fullgraph=True)

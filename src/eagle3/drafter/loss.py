@@ -64,8 +64,14 @@ class Selection:
     documents: Tensor  # [N] the document of each target: 0, 1, ... over the micro-batch's documents with targets
 
     def to(self, device, non_blocking: bool = False) -> Selection:
-        move = lambda x: x.to(device, non_blocking=non_blocking)  # noqa: E731
-        return Selection(move(self.positions), [move(r) for r in self.rows], [move(p) for p in self.picks], move(self.documents))
+        return self.map(lambda x: x.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Selection:
+        """Page-locked copies (a DataLoader with ``pin_memory`` calls this), so the copy to the GPU does not block."""
+        return self.map(Tensor.pin_memory)
+
+    def map(self, fn) -> Selection:
+        return Selection(fn(self.positions), [fn(r) for r in self.rows], [fn(p) for p in self.picks], fn(self.documents))
 
 
 def select_rows(loss_mask: Tensor, position_ids: Tensor, steps: int) -> Selection:

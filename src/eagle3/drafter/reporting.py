@@ -2,7 +2,10 @@
 kept in the checkpointed history so a resumed run replays them, and the summary at its end.
 
     window, clock = torch.zeros(6, K), Window()        # metric sums and tokens/time since the last line
-    record(live, state, "train", train_metrics(step, window, clock, lr, step_decay, world))
+    clock.add(tokens, grad_norm)                       # every optimizer step
+    clock.close(step, window, lr)                      # every train.log_every steps: a line, still on the device
+    for step, metrics in train_metrics(clock, step_decay, world):   # now and then: the queued lines, one host sync
+        record(live, state, "train", metrics, step)
     replay(live, state)                                # after a resume: the history into a fresh record
     log_summary(live, summary, tokens)                 # best/..., tokens_trained, the ttt_acceptance plot
 
@@ -26,40 +29,75 @@ from eagle3.drafter.parallel import World
 log = logging.getLogger(__name__)
 
 
+# Train lines wait on the device for at most this many optimizer steps. Why: turning a line into
+# numbers waits for the GPU to finish every step queued before it, and the host cannot prepare the
+# next steps meanwhile: at one line a step (train.log_every 1) the GPU idled between steps.
+SYNC_EVERY = 50
+
+
 class Window:
-    """Tokens, time and gradient norms since the last log line."""
+    """Tokens and gradient norms since the last line, and the lines not yet turned into numbers.
+
+    A line keeps its step, metric sums, mean gradient norm and lr, the tensors still on the
+    device; ``train_metrics`` turns all queued lines into numbers at once (one host sync), at
+    least every ``SYNC_EVERY`` steps and before anything reads the history (validation, checkpoint,
+    the end). The numbers are those of one line a host sync, except tokens_per_s: a clock value,
+    the rate over all steps since the previous sync.
+    """
 
     def __init__(self):
-        self.tokens, self.start, self.norms = 0, time.perf_counter(), []
+        self.tokens, self.norms, self.lines = 0, [], []  # the open line's tokens and norms; the closed lines
+        self.restart()
+
+    def restart(self) -> None:
+        """Start the clock of the next sync: its tokens (all processes' are summed then) and steps."""
+        self.synced_tokens, self.steps, self.start = 0, 0, time.perf_counter()
 
     def add(self, tokens: int, norm: Tensor) -> None:
         self.tokens += tokens
+        self.synced_tokens += tokens
+        self.steps += 1
         self.norms.append(norm.detach())
 
-    def take(self, world: World) -> tuple[float, float]:
-        """(tokens/s over all processes, mean grad norm); resets the window."""
-        tokens = parallel.all_reduce_sum(torch.tensor([float(self.tokens)], device=world.device), world)
-        rate = float(tokens) / max(time.perf_counter() - self.start, 1e-9)
-        norm = float(torch.stack(self.norms).mean()) if self.norms else 0.0
-        self.__init__()
-        return rate, norm
+    def close(self, step: int, sums: Tensor, lr: float) -> None:
+        """End the current line at optimizer step ``step``: metric sums [6, K] of its steps (copied), lr."""
+        norm = torch.stack(self.norms).mean() if self.norms else torch.zeros((), device=sums.device)
+        self.lines.append((step, sums.clone(), norm, lr))
+        self.tokens, self.norms = 0, []
+
+    def full(self) -> bool:
+        return self.steps >= SYNC_EVERY
 
 
-def train_metrics(step: int, window: Tensor, clock: Window, lr: float, step_decay: float, world: World) -> dict[str, float]:
-    """The metrics of the steps since the last log line, over all processes, logged by the main process."""
-    metrics = StepMetrics(parallel.all_reduce_sum(window.clone(), world)).summary(step_decay)
-    tokens_per_s, grad_norm = clock.take(world)
-    metrics.update(lr=lr, tokens_per_s=tokens_per_s, grad_norm=grad_norm)
-    if world.main:
-        log.info("step %d loss %.4f acc_0 %.3f sim_accept_len %.3f lr %.2e %.0f tok/s", step, metrics["loss"],
-                 metrics["acc_0"], metrics["sim_accept_len"], lr, tokens_per_s)
-    return metrics
+def train_metrics(clock: Window, step_decay: float, world: World) -> list[tuple[int, dict[str, float]]]:
+    """The queued lines' metrics (each over the steps of its line and all processes) with their steps;
+    logged by the main process. Empties the queue and restarts the clock."""
+    if not clock.lines:
+        return []
+    steps, sums, norms, lrs = zip(*clock.lines)
+    sums = parallel.all_reduce_sum(torch.stack(sums), world).cpu()  # [lines, 6, K]: the host sync
+    tokens = parallel.all_reduce_sum(torch.tensor([float(clock.synced_tokens)], device=world.device), world)
+    tokens_per_s = float(tokens) / max(time.perf_counter() - clock.start, 1e-9)
+    norms = torch.stack(norms).cpu()
+    out = []
+    for step, line, norm, lr in zip(steps, sums, norms, lrs):
+        metrics = StepMetrics(line).summary(step_decay)
+        metrics.update(lr=lr, tokens_per_s=tokens_per_s, grad_norm=float(norm))
+        if world.main:
+            log.info("step %d loss %.4f acc_0 %.3f sim_accept_len %.3f lr %.2e %.0f tok/s", step, metrics["loss"],
+                     metrics["acc_0"], metrics["sim_accept_len"], lr, tokens_per_s)
+        out.append((step, metrics))
+    clock.lines = []
+    clock.restart()
+    return out
 
 
-def record(live, state: TrainState, prefix: str, metrics: dict[str, float]) -> None:
-    """Log ``metrics`` at the current step and keep them in the state (checkpointed, replayed on resume)."""
-    state.history.append((state.step, prefix, metrics))
-    log_metrics(live, state.step, prefix, metrics)
+def record(live, state: TrainState, prefix: str, metrics: dict[str, float], step: int | None = None) -> None:
+    """Log ``metrics`` at ``step`` (default: the current step) and keep them in the state (checkpointed,
+    replayed on resume)."""
+    step = state.step if step is None else step
+    state.history.append((step, prefix, metrics))
+    log_metrics(live, step, prefix, metrics)
 
 
 def replay(live, state: TrainState) -> None:

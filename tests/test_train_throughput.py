@@ -1,0 +1,24 @@
+"""benchmarks/train_throughput.py runs against the library as it is: its smoke mode (a tiny drafter on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+from support.repo import ROOT
+
+
+def test_the_train_benchmark_smoke_mode_writes_its_figures(tmp_path):
+    out = tmp_path / "figures.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--smoke", "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    record = json.loads(out.read_text())
+    assert set(record) == {"commit", "command", "figures"} and "--smoke" in record["command"]
+    figures = record["figures"]
+    assert figures["shape"]["recipe"] == "debug" and figures["shape"]["targets_per_step"] > 0
+    eager = figures["modes"]["eager"]
+    assert "error" not in eager, eager
+    assert eager["median_step_s"] > 0 and eager["tokens_per_s"] > 0 and eager["gpu_util"] is None
+    assert len(eager["losses"]) == 2 and all(math.isfinite(loss) for loss in eager["losses"])
