@@ -143,3 +143,21 @@ def test_real_smollm2_loads_renders_and_answers(smollm2_dir):
         out = model.generate(ids, max_new_tokens=20, do_sample=False)
     answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+def test_load_verifier_matches_a_plain_transformers_load_bit_for_bit(smollm2_dir):
+    """Loading straight onto the device (device_map) keeps the weights, buffers and logits of loading
+    on the host and moving: the CPU's answers and hidden states stay the same bytes."""
+    from transformers import AutoModelForCausalLM
+
+    before = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).to("cpu").eval()
+    after = load_verifier(smollm2_dir, "cpu", "float32")
+    for (name, x), (other, y) in zip([*before.named_parameters(), *before.named_buffers()],
+                                     [*after.named_parameters(), *after.named_buffers()], strict=True):
+        assert name == other and x.dtype == y.dtype == torch.float32 and torch.equal(x, y), name
+    assert after.get_output_embeddings().weight is after.get_input_embeddings().weight  # still tied
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    with torch.inference_mode():
+        a, b = (model(ids, output_hidden_states=True) for model in (before, after))
+    assert torch.equal(a.logits, b.logits)
+    assert all(torch.equal(x, y) for x, y in zip(a.hidden_states, b.hidden_states, strict=True))

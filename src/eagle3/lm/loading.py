@@ -262,7 +262,9 @@ def load_verifier(folder: str | Path, device: str = "cpu", dtype: str = "float32
 
     A nested language model is built from its own config and its weights are read with the prefix
     stripped (the vision tower's are left unread). A sharded ``placement`` loads this process's
-    shard under torchrun (transformers places it on the process's own device).
+    shard under torchrun (transformers places it on the process's own device). A whole copy is read
+    from its safetensors straight onto ``device`` in ``dtype`` (``device_map``): no copy in host
+    memory first, which a per-shard stage process would pay at every start.
     """
     from transformers import AutoModelForCausalLM
 
@@ -272,10 +274,12 @@ def load_verifier(folder: str | Path, device: str = "cpu", dtype: str = "float32
     extra = {"config": config, "key_mapping": lm.key_mapping()} if lm.nested else {}
     if placement.sharded:
         extra["distributed_config"] = placement.distributed_config()
+    else:
+        extra["device_map"] = device
     model = AutoModelForCausalLM.from_pretrained(
         weights_dir(folder), dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code, **extra
     )
-    return model.eval() if placement.sharded else model.to(device).eval()
+    return model.eval()
 
 
 def input_embedding(model):
