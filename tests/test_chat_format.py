@@ -15,11 +15,11 @@ from eagle3.backends.base import Request, cut_at_stop
 from eagle3.backends.local import LocalBackend
 from eagle3.backends.openai import parse_answer
 from eagle3.backends.sglang import launch_command
-from eagle3.common import UserError, read_jsonl
+from eagle3.common import UserError, read_json, read_jsonl
 from eagle3.lm.chat import ChatFormat, render
 from eagle3.verifier import import_verifier
 from eagle3.lm.chat import prompt_ids
-from eagle3.lm.loading import load_tokenizer, read_meta
+from eagle3.lm.loading import load_tokenizer
 from eagle3.lm.spec import VerifierSpec
 from support.generate import generate, shard_file, stage_params
 from support.pipeline import FAST, SMALL, add_dataset, overrides
@@ -46,7 +46,7 @@ def test_the_configured_template_is_written_into_the_verifier_folder(base_verifi
     assert tokenizer.decode(prompt_ids(tokenizer, messages)) == "<|im_start|>User: Hi\nAssistant: "  # BOS rendered
     other = import_verifier(random_model(base_tokenizer_dir, BASE_TEMPLATE.replace("Assistant", "A"), end_of_turn=BASE_END_OF_TURN),
                             tmp_path / "other")
-    assert other["fingerprint"]["tokenizer"] != read_meta(base_verifier)["fingerprint"]["tokenizer"]  # content-addressed
+    assert other["identity"]["tokenizer"] != read_json(base_verifier / "chat_identity.json")["tokenizer"]  # content-addressed
 
 
 def test_no_template_and_none_configured_is_one_clear_error(base_tokenizer_dir, tmp_path):

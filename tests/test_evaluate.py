@@ -17,12 +17,13 @@ from eagle3.drafter.export import verifier_facts, write_drafter
 from eagle3.drafter.speculative import StopStrings, greedy_decode, speculative_decode
 from eagle3.drafter.tree import EagleProposer, TreeShape
 from eagle3.evaluate import check_pair, evaluate, main
-from eagle3.lm.loading import load_tokenizer, load_verifier
+from eagle3.lm.loading import load_tokenizer, load_verifier, read_meta
 from eagle3.measurement.acceptance import acceptance_stats
 from eagle3.measurement.baselines import baselines, most_frequent_token
 from eagle3.measurement.settings import Settings
 from eagle3.measurement.timing import Run, disagreeing, median_spread, timings
 from eagle3.tokenizer_id import tokenizer_fingerprint
+from support.models import import_rounded_the_other_way, verifier_model
 from support.speculative import K, QUESTIONS, TINY_TAPS, TableDrafter, encode, greedy_tables, random_drafter
 
 
@@ -249,26 +250,17 @@ def test_throughput_benchmark_runs_on_the_cpu_with_a_tiny_shape(tmp_path):
     assert oracle["chain"]["tau_graph"] == oracle["chain"]["tau_eager"] > 4 and oracle["tree"]["same_accepted_as_eager"] == 1
 
 
-def reimported_elsewhere(verifier_dir, out):
-    """``verifier_dir`` as another machine's torch/transformers imports the same GGUF: other bf16 weight
-    bytes, so another fingerprint, and another transformers_version in the model's configs; same tokenizer."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(verifier_dir, out)
-    tensors = load_file(out / "model.safetensors")
-    save_file({name: t + 1e-3 if t.is_floating_point() else t for name, t in tensors.items()}, out / "model.safetensors")
-    for name in ("config.json", "generation_config.json"):
-        config = json.loads((out / name).read_text())
-        (out / name).write_text(json.dumps({**config, "transformers_version": "5.17.0"}, indent=2))
-    meta = json.loads((out / "meta.json").read_text())
-    meta["fingerprint"] = {**meta["fingerprint"], "id": "51c7b9e4aaaaaaaa"}
-    (out / "meta.json").write_text(json.dumps(meta))
+def reimported_elsewhere(monkeypatch, verifier_dir, out):
+    """``verifier_dir``'s source imported as another machine's torch imports it: some weights rounded the
+    other way, so another build of the same verifier."""
+    meta = read_meta(verifier_dir)
+    import_rounded_the_other_way(monkeypatch, verifier_model(name=meta["name"], copy_weights=True, source=meta["source"]), out)
     return out
 
 
-def test_prompts_are_checked_by_the_tokenizer_they_were_counted_with(tmp_path, tiny_verifier_dir):
-    """Prompts composed on one machine are evaluated with the verifier imported on another; a changed
-    chat template still refuses them."""
+def test_prompts_are_checked_by_the_tokenizer_they_were_counted_with(tmp_path, tiny_verifier_dir, monkeypatch):
+    """Prompts composed and a drafter trained on one machine are evaluated with the verifier imported on
+    another; a changed chat template still refuses them."""
     (tmp_path / "sources").mkdir()
     (tmp_path / "sources" / "mine.jsonl").write_text("".join(json.dumps({"prompt": f"Tell me about number {i}."}) + "\n"
                                                              for i in range(12)))
@@ -279,9 +271,10 @@ def test_prompts_are_checked_by_the_tokenizer_they_were_counted_with(tmp_path, t
     run([sys.executable, "-m", "eagle3.prompts", str(tiny_verifier_dir), str(tmp_path / "prompts"), "--sources",
          str(tmp_path / "sources"), "--params", str(tmp_path / "params.yaml")], tmp_path)
 
-    other = reimported_elsewhere(tiny_verifier_dir, tmp_path / "other-machine")
+    other = reimported_elsewhere(monkeypatch, tiny_verifier_dir, tmp_path / "other-machine")
     (tmp_path / "drafter").mkdir()
-    write_drafter(random_drafter(load_verifier(other), 512, TINY_TAPS), tmp_path / "drafter", verifier_facts(other), {})
+    write_drafter(random_drafter(load_verifier(tiny_verifier_dir), 512, TINY_TAPS), tmp_path / "drafter",
+                  verifier_facts(tiny_verifier_dir), {})
     check_pair(other, tmp_path / "drafter", tmp_path / "prompts")
 
     with (other / "chat_template.jinja").open("a") as template:

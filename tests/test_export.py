@@ -26,8 +26,8 @@ from eagle3.drafter.attention import KVCache
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from support.tiny_drafter import draft_d2t, make_drafter, one_thread  # noqa: F401 (autouse fixture)
 
-VERIFIER = {"name": "debug", "fingerprint": "0123456789abcdef", "num_layers": 4, "vocab_size": 512, "hidden_size": 64,
-            "max_position_embeddings": 2048}
+VERIFIER = {"name": "debug", "fingerprint": "0123456789abcdef", "build": {"id": "fedcba9876543210", "tensors": None},
+            "num_layers": 4, "vocab_size": 512, "hidden_size": 64, "max_position_embeddings": 2048}
 
 
 @pytest.fixture
@@ -193,7 +193,7 @@ def gemma_like_verifier(tmp_path, tiny_verifier_dir):
     """The tiny verifier's config and meta with Gemma's special token ids (BOS 2, EOS 1; Llama's are 1, 2)."""
     folder = tmp_path / "verifier"
     folder.mkdir()
-    for name in ("config.json", "meta.json"):
+    for name in ("config.json", "meta.json", "identity.json"):
         shutil.copy(tiny_verifier_dir / name, folder)
     edit_json(folder / "config.json", lambda c: c.update(bos_token_id=2, eos_token_id=1))
     return folder

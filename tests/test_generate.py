@@ -38,7 +38,8 @@ def test_local_smollm2_answers_counts_and_rerun(tmp_path, smollm2_dir):
             assert record["finish_reason"] == "stop" and record["completion_tokens"] <= 16
     assert shard.stats["completion_tokens"] == sum(r["completion_tokens"] for r in shard.records)
     assert read_json(tmp_path / "out.json") == read_json(tmp_path / "out" / "stats.json") == shard.stats
-    assert read_json(tmp_path / "out" / "meta.json")["verifier"] == read_json(smollm2_dir / "meta.json")["fingerprint"]["id"]
+    meta = read_json(tmp_path / "out" / "meta.json")
+    assert (meta["verifier"], meta["verifier_build"]) == (read_json(smollm2_dir / "identity.json")["id"], read_json(smollm2_dir / "meta.json")["build"]["id"])
 
     (journal,) = (tmp_path / "journal").iterdir()
     journal.unlink()  # the rerun generates everything again

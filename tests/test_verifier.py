@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from eagle3.common import UserError
+from eagle3.common import UserError, read_json
 from support.models import verifier_model
 from eagle3.lm.loading import load_tokenizer, load_verifier, read_meta, weights_dir
 from eagle3.tokenizer_id import tokenizer_fingerprint
@@ -23,7 +23,8 @@ def hf_model(path, copy):
 def test_random_source_is_reproducible(tiny_verifier_dir, tmp_path):
     meta = read_meta(tiny_verifier_dir)
     again = import_verifier(verifier_model(name="again", copy_weights=True, source=meta["source"]), tmp_path / "again")
-    assert again["fingerprint"] == meta["fingerprint"]
+    assert again["build"]["id"] == meta["build"]["id"]  # the same bytes
+    assert again["identity"]["source"] == read_json(tiny_verifier_dir / "identity.json")["source"]  # the recipe, not the name
 
 
 def test_local_folder_by_reference_keeps_weights_out_of_the_output(tiny_verifier_dir, tmp_path):
@@ -31,7 +32,8 @@ def test_local_folder_by_reference_keeps_weights_out_of_the_output(tiny_verifier
     meta = import_verifier(hf_model(tiny_verifier_dir, copy=False), out)
     assert not list(out.glob("*.safetensors"))
     assert weights_dir(out) == tiny_verifier_dir.resolve()
-    assert meta["fingerprint"]["tokenizer"] == read_meta(tiny_verifier_dir)["fingerprint"]["tokenizer"]
+    assert meta["identity"]["tokenizer"] == read_json(tiny_verifier_dir / "identity.json")["tokenizer"]
+    assert meta["build"]["tensors"] is None  # referenced weights are not read whole
     model = load_verifier(out)
     assert model.config.num_hidden_layers == 4
     assert load_tokenizer(out).eos_token == "<|im_end|>"

@@ -17,7 +17,7 @@ key, so the outputs are byte for byte those from before the option existed.
 
 Every finished answer is appended (and fsync'd) to a journal in ``.eagle3/journal/generate/``
 named by the shard and a hash of all that determines the answers: prompt shard bytes, verifier
-fingerprint, the generation settings (``generate`` params and the verifier's context, stop strings
+build, the generation settings (``generate`` params and the verifier's context, stop strings
 and remote code, from its spec), and the ``backend`` params except the transport ones (URLs,
 concurrency, timeouts, retries, port: TRANSPORT_KEYS) with the model keys a server it starts is
 launched with. A killed run resumes from it, and the output is rebuilt in shard order, so for
@@ -47,7 +47,7 @@ from eagle3.backends.base import Answer, Backend, Failure, Generation, Request, 
 from eagle3.common import UserError, atomic_dir, sample_id, sha256_file, stable_hash, stage_main, to_plain, write_json, write_jsonl
 from eagle3.config import stage_params
 from eagle3.lm.chat import prompt_ids
-from eagle3.lm.loading import load_tokenizer, verifier_fingerprint
+from eagle3.lm.loading import load_tokenizer, verifier_build, verifier_fingerprint
 from eagle3.lm.spec import VerifierSpec
 
 log = logging.getLogger(__name__)
@@ -324,9 +324,10 @@ def settings(generation: Generation, backend: DictConfig, spec: VerifierSpec) ->
     return {"generate": generate, "backend": answering(backend, spec)}
 
 
-def journal_path(journal_dir: Path, prompts: Path, verifier: str, settings: dict) -> Path:
-    """``<dir>/<shard>-<hash>.jsonl``: a journal only ever resumes work that gives the same answers."""
-    key = stable_hash({"prompts": sha256_file(prompts), "verifier": verifier, **settings})
+def journal_path(journal_dir: Path, prompts: Path, build: str, settings: dict) -> Path:
+    """``<dir>/<shard>-<hash>.jsonl``: a journal only ever resumes work that gives the same answers (the same
+    verifier build: another torch's rounding may change an answer)."""
+    key = stable_hash({"prompts": sha256_file(prompts), "verifier": build, **settings})
     return journal_dir / f"{prompts.stem}-{key}.jsonl"
 
 
@@ -343,19 +344,19 @@ def run_stage(verifier_dir: Path, prompts_path: Path, out: Path, params: DictCon
     """Read the inputs, answer the shard with the configured backend, write the outputs."""
     spec = VerifierSpec.from_params(params.model)
     generation, backend_cfg = Generation.from_params(params.generate, spec), params.backend
-    verifier = verifier_fingerprint(verifier_dir)
+    verifier, build = verifier_fingerprint(verifier_dir), verifier_build(verifier_dir)["id"]
     prompts = read_prompts(prompts_path)
     tokenizer = load_tokenizer(verifier_dir, generation.trust_remote_code)
     record_params = generation_params(generation, str(backend_cfg.name))
     answer_settings = settings(generation, backend_cfg, spec)
-    journal = Journal(journal_path(journal_dir, prompts_path, verifier, answer_settings))
+    journal = Journal(journal_path(journal_dir, prompts_path, build, answer_settings))  # answers of this build only
     try:
         backend = make_backend(backend_cfg, verifier_dir, generation, spec)
         shard = generate_shard(prompts_path.stem, prompts, backend, tokenizer, generation, record_params, verifier, journal)
     finally:
         journal.close()
     # Transport settings stay out of the outputs: moving servers leaves the shard's bytes (and extract) alone.
-    meta = {"verifier": verifier, "prompts_sha256": sha256_file(prompts_path), **answer_settings}
+    meta = {"verifier": verifier, "verifier_build": build, "prompts_sha256": sha256_file(prompts_path), **answer_settings}
     write_shard(out, shard, meta)
     if metrics:
         metrics.parent.mkdir(parents=True, exist_ok=True)

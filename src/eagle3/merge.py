@@ -35,7 +35,7 @@ from omegaconf import DictConfig
 
 from eagle3.common import UserError, atomic_dir, prompt_group, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl
 from eagle3.config import stage_params
-from eagle3.lm.loading import read_meta, verifier_fingerprint
+from eagle3.lm.loading import read_identity
 from eagle3.lm.spec import require_verifier
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,8 @@ def length_histogram(candidates: list[Candidate]) -> list[dict[str, int]]:
 def merge(verifier: Path, root: Path, out: Path, metrics: Path, params: DictConfig) -> dict[str, Any]:
     """The whole stage; returns the statistics."""
     cfg, shards = params.merge, list(params.dataset.shards)
-    fingerprint = verifier_fingerprint(verifier)
+    identity = read_identity(verifier)  # identity.json, the dep: not meta.json, whose build differs by machine
+    fingerprint = identity["id"]
     common = shard_meta(root, shards, fingerprint)
     candidates = [c for shard in shards for c in read_candidates(root, shard)]
     kept, dropped = select(candidates, int(cfg.min_tokens), int(cfg.max_tokens))
@@ -201,7 +202,7 @@ def merge(verifier: Path, root: Path, out: Path, metrics: Path, params: DictConf
         write_jsonl(tmp / "manifest.jsonl", manifest_rows(train, "train") + manifest_rows(val, "val"))
         save_vocab(tmp / "vocab.safetensors", d2t, t2d, fingerprint, filled)
         write_json(tmp / "meta.json", {
-            "verifier": {"name": read_meta(verifier)["name"], "fingerprint": fingerprint},
+            "verifier": {"name": identity["name"], "fingerprint": fingerprint},
             **common,
             "shards": shards,
             "seed": int(params.seed),

@@ -34,16 +34,16 @@ from typing import Any
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from eagle3.common import UserError, atomic_dir, stable_hash, stage_main, to_plain, write_json, write_jsonl
+from eagle3.common import UserError, atomic_dir, read_json, stable_hash, stage_main, to_plain, write_json, write_jsonl
 from eagle3.config import shard_range, stage_params
 from eagle3.lm.chat import prompt_ids
-from eagle3.lm.loading import load_tokenizer, verifier_fingerprint
+from eagle3.lm.identity import CHAT_IDENTITY_FILE
+from eagle3.lm.loading import load_tokenizer
 from eagle3.lm.spec import VerifierSpec
 from eagle3.prompt_sources.eval_sets import EVAL_SOURCES, eval_set_prompts
 from eagle3.prompt_sources.messages import conversation_key, to_messages, user_keys
 from eagle3.prompt_sources.order import interleave, order_key
 from eagle3.prompt_sources.sources import Candidate, check_local_sources, source_candidates, source_name, source_weights
-from eagle3.tokenizer_id import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -212,8 +212,8 @@ def main(argv: list[str]) -> None:
     count_tokens = PromptCounter(load_tokenizer(args.verifier, VerifierSpec.from_params(params.model).trust_remote_code))
     shards, evals, stats = build_prompts(params.dataset, int(params.seed), count_tokens)
     meta: dict[str, Any] = {
-        "verifier": verifier_fingerprint(args.verifier),  # provenance; evaluate checks the tokenizer's
-        "tokenizer": tokenizer_fingerprint(args.verifier),
+        # the dep chat_identity.json's (not the verifier's identity: other weights, the same prompts); evaluate checks it
+        "tokenizer": read_json(args.verifier / CHAT_IDENTITY_FILE)["tokenizer"],
         "seed": int(params.seed),
         "sources": to_plain(params.dataset.sources),
         "shards": list(shards),

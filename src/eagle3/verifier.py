@@ -2,9 +2,12 @@
 
     python -m eagle3.verifier models/verifier      # reads params.yaml: model
 
-The output is a plain HF folder (config, tokenizer with chat template, safetensors) plus
-``meta.json`` naming the source and a fingerprint of weights and tokenizer, which every later
-stage checks. The chat template is ``model.chat_template`` when set, else the tokenizer's own:
+The output is a plain HF folder (config, tokenizer with chat template, safetensors) plus what
+the verifier is (``eagle3.lm.identity``): ``identity.json`` (source, import recipe, architecture,
+tokenizer and template: the same on every machine, which every later stage checks),
+``chat_identity.json`` (the tokenizer and template alone, what ``prompts`` depends on) and
+``meta.json`` (the source as configured, where the weights are, and this machine's build: the
+hash of the bytes its torch wrote, with per-tensor statistics). The chat template is ``model.chat_template`` when set, else the tokenizer's own:
 every later stage renders with the folder's template (a server started on the folder too).
 Sources (``model.source.kind``, each read by its module of ``eagle3.verifier_sources``):
 
@@ -35,11 +38,13 @@ from omegaconf import DictConfig
 from eagle3.common import UserError, atomic_dir, sha256_file, stage_main, to_plain, write_json
 from eagle3.config import stage_params
 from eagle3.lm.chat import text_after_answer
-from eagle3.lm.loading import WEIGHT_SUFFIXES, load_tokenizer, verifier_fingerprint
+from eagle3.lm.identity import CHAT_IDENTITY_FILE, IDENTITY_FILE, identity_record, tensor_stats
+from eagle3.lm.loading import WEIGHT_SUFFIXES, load_tokenizer, text_config_dict
 from eagle3.lm.spec import VerifierSpec
-from eagle3.verifier_sources.gguf import import_pypi_gguf
-from eagle3.verifier_sources.hf import import_hf
-from eagle3.verifier_sources.random_weights import build_random
+from eagle3.tokenizer_id import tokenizer_fingerprint
+from eagle3.verifier_sources.gguf import gguf_identity, import_pypi_gguf
+from eagle3.verifier_sources.hf import hf_identity, import_hf, sampled_digest
+from eagle3.verifier_sources.random_weights import build_random, random_identity
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +56,7 @@ def install_chat_template(folder: Path, configured: str | None, trust_remote_cod
     """Make ``model.chat_template`` the tokenizer's template in ``folder``, or check that it has one.
 
     Written into the folder, the template is content-addressed with the verifier (it enters the
-    fingerprint), and every stage, a server started on the folder included, renders with it.
+    identity), and every stage, a server started on the folder included, renders with it.
     """
     tokenizer = load_tokenizer(folder, trust_remote_code)
     if configured:
@@ -81,35 +86,43 @@ def check_end_of_turn(folder: Path, spec: VerifierSpec) -> None:
             )
 
 
-def fingerprint(folder: Path, weights: Path) -> dict[str, str]:
-    """Hashes of the tokenizer/config files and of the weights, and one combined id.
+DERIVED_FILES = {"meta.json", IDENTITY_FILE, CHAT_IDENTITY_FILE}  # written from the others, not part of a build
+
+
+def build_record(folder: Path, weights: Path) -> dict[str, Any]:
+    """This machine's build: hashes of the folder's files and of the weights, one combined id, the
+    versions that wrote them and, for weights in the folder, their per-tensor statistics.
 
     Weights inside ``folder`` are hashed whole (they are DVC-cached anyway); referenced weights
     outside it are fingerprinted by name, size and sampled bytes, since hashing 600 GB per run
-    would take hours.
+    would take hours (and have no statistics).
     """
+    import torch
+    import transformers
+
     small = hashlib.sha256()
     for file in sorted(folder.iterdir()):
-        if file.is_file() and file.name != "meta.json" and not file.name.endswith(WEIGHT_SUFFIXES):
+        if file.is_file() and file.name not in DERIVED_FILES and not file.name.endswith(WEIGHT_SUFFIXES):
             small.update(f"{file.name}:{sha256_file(file)}\n".encode())
     heavy = hashlib.sha256()
     for file in sorted(weights.iterdir()):
         if file.is_file() and file.name.endswith(WEIGHT_SUFFIXES):
-            digest = sha256_file(file) if weights == folder else _sampled_digest(file)
+            digest = sha256_file(file) if weights == folder else sampled_digest(file)
             heavy.update(f"{file.name}:{digest}\n".encode())
-    tokenizer, weights_hash = small.hexdigest(), heavy.hexdigest()
-    combined = hashlib.sha256(f"{tokenizer}:{weights_hash}".encode()).hexdigest()[:16]
-    return {"tokenizer": tokenizer, "weights": weights_hash, "id": combined}
+    files, weights_hash = small.hexdigest(), heavy.hexdigest()
+    return {"id": hashlib.sha256(f"{files}:{weights_hash}".encode()).hexdigest()[:16], "files": files,
+            "weights": weights_hash, "torch": torch.__version__, "transformers": transformers.__version__,
+            "tensors": tensor_stats(folder) if weights == folder else None}
 
 
-def _sampled_digest(path: Path, sample: int = 1 << 20) -> str:
-    size = path.stat().st_size
-    digest = hashlib.sha256(f"{size}".encode())
-    with path.open("rb") as handle:
-        for offset in sorted({0, max(0, size // 2 - sample // 2), max(0, size - sample)}):
-            handle.seek(offset)
-            digest.update(handle.read(sample))
-    return digest.hexdigest()
+def source_identity(model: DictConfig) -> dict[str, Any]:
+    """What the configured source is, by content (packages' versions and files' hashes, a hub revision), not by where it lies."""
+    source = model.source
+    if source.kind == "pypi-gguf":
+        return gguf_identity(source)
+    if source.kind == "hf":
+        return hf_identity(source, bool(model.copy_weights))
+    return random_identity(source)
 
 
 def import_verifier(model: DictConfig, out: Path) -> dict[str, Any]:
@@ -131,16 +144,20 @@ def import_verifier(model: DictConfig, out: Path) -> dict[str, Any]:
             raise UserError(f"model.source.kind: {source.kind!r} is not one of pypi-gguf, hf, random")
         install_chat_template(tmp, spec.chat_template, trust)
         check_end_of_turn(tmp, spec)
+        tokenizer = tokenizer_fingerprint(tmp)
+        write_json(tmp / CHAT_IDENTITY_FILE, {"tokenizer": tokenizer})
+        identity = identity_record(spec.name, source_identity(model), text_config_dict(tmp, lm), tokenizer)
+        write_json(tmp / IDENTITY_FILE, identity)
         meta = {
             "name": spec.name,
             "source": to_plain(source),
             "weights_path": "." if weights == tmp else str(weights),
             "language_model": asdict(lm),
-            "fingerprint": fingerprint(tmp, weights),
+            "build": build_record(tmp, weights),
         }
         write_json(tmp / "meta.json", meta)
-    log.info("verifier %s written to %s (fingerprint %s)", spec.name, out, verifier_fingerprint(out))
-    return meta
+    log.info("verifier %s written to %s (identity %s, build %s)", spec.name, out, identity["id"], meta["build"]["id"])
+    return {**meta, "identity": identity}
 
 
 def main(argv: list[str]) -> None:

@@ -9,7 +9,7 @@ from filelock import FileLock
 from omegaconf import OmegaConf
 
 from eagle3.common import UserError
-from eagle3.lm.loading import read_meta
+from eagle3.lm.loading import verifier_build
 from eagle3.verifier import PARAMS, import_verifier
 from support.repo import CACHE, project_params
 
@@ -51,13 +51,13 @@ def tiny_model_spec():
 
 
 def cached_import(name: str, model_cfg) -> Path:
-    """The verifier ``model_cfg`` imported into ``CACHE/name``, reused while its meta.json reads; one
+    """The verifier ``model_cfg`` imported into ``CACHE/name``, reused while its build reads; one
     pytest-xdist worker imports it while the others wait."""
     target = CACHE / name
     with cache_lock(name):
         if (target / "meta.json").is_file():
             try:
-                read_meta(target)
+                verifier_build(target)  # an import of an older version refuses to read: import again
                 return target
             except UserError:
                 shutil.rmtree(target)
@@ -79,3 +79,34 @@ BASE_TEMPLATE = (
     + BASE_END_OF_TURN + "\n{% else %}{{ m.role | capitalize }}: {{ m.content }}\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}Assistant: {% endif %}"
 )
+
+
+def round_the_other_way(folder: Path, every: int = 7) -> None:
+    """Round some of ``folder``'s weights the other way, as another torch's dequantisation does: the last
+    mantissa bit of every ``every``-th element flipped (one rounding step of its dtype)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors = load_file(file)
+        for name, tensor in tensors.items():
+            if tensor.dtype in bits:
+                flat = tensor.reshape(-1).view(bits[tensor.dtype]).clone()
+                flat[::every] ^= 1
+                tensors[name] = flat.view(tensor.dtype).reshape(tensor.shape)
+        save_file(tensors, file, metadata={"format": "pt"})
+
+
+def import_rounded_the_other_way(monkeypatch, model_cfg, out: Path) -> dict:
+    """The verifier stage's import of ``model_cfg`` as another machine's torch makes it: the same source, some
+    weights written one rounding step apart (``round_the_other_way``) before the stage records what it wrote."""
+    import eagle3.verifier as stage
+
+    for name in ("import_pypi_gguf", "build_random"):
+        def rounded(source, folder, *args, _original=getattr(stage, name), **kwargs):
+            result = _original(source, folder, *args, **kwargs)
+            round_the_other_way(folder)
+            return result
+        monkeypatch.setattr(stage, name, rounded)
+    return import_verifier(model_cfg, out)

@@ -11,7 +11,7 @@ way each engine's own lookup does (``vllm_taps``, ``sglang_taps``).
 
 Folder: ``config.json`` (served as is by both engines: the taps at the top level for vLLM and in
 ``eagle_config`` for SGLang), ``model.safetensors`` (bf16 weights, int64 ``d2t``, bool ``t2d``),
-``meta.json`` (verifier fingerprint, taps in our convention, training summary).
+``meta.json`` (the verifier's identity and build, taps in our convention, training summary).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.common import UserError, read_json, write_json
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
-from eagle3.lm.loading import language_model, text_config_dict, verifier_fingerprint, weights_dir
+from eagle3.lm.identity import build_difference, note_other_build
+from eagle3.lm.loading import language_model, text_config_dict, verifier_build, verifier_fingerprint, weights_dir
 from eagle3.lm.spec import tap_problem, verifier_mismatch
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -194,7 +195,7 @@ def config_from_export(config: dict[str, Any], aux_layers) -> DraftConfig:
 def write_drafter(drafter: Eagle3Drafter, out: Path, verifier: dict[str, Any], training: dict[str, Any]) -> None:
     """Write the export into ``out`` (an existing, empty folder: the stage's atomic temp dir).
 
-    ``verifier``: ``verifier_facts``: {name, fingerprint, num_layers, vocab_size, hidden_size,
+    ``verifier``: ``verifier_facts``: {fingerprint, build, num_layers, vocab_size, hidden_size,
     max_position_embeddings, bos_token_id, eos_token_id}.
     """
     cfg = drafter.config
@@ -322,9 +323,32 @@ def check_against_verifier(config: dict[str, Any], meta: dict[str, Any], verifie
     if int(config.get("max_position_embeddings") or 0) < int(verifier.get("max_position_embeddings") or 0):
         problems.append(f"config.json: max_position_embeddings {config.get('max_position_embeddings')} < the verifier's "
                         f"{verifier['max_position_embeddings']}: drafting would stop or misbehave on long contexts")
-    recorded = (meta.get("verifier") or {}).get("fingerprint")
-    mismatch = verifier_mismatch("meta.json", "trained for", recorded, verifier["fingerprint"], "this verifier is") if verifier.get("fingerprint") else None
-    return problems + ([mismatch] if mismatch else [])
+    return problems + verifier_problems(meta.get("verifier") or {}, verifier)
+
+
+def verifier_problems(recorded: dict[str, Any], verifier: dict[str, Any]) -> list[str]:
+    """The drafter's verifier (meta.json) against ``verifier``: the same identity, and a build whose weights are
+    the recorded build's within rounding; another build is accepted with one log line naming both."""
+    if not verifier.get("fingerprint"):
+        return []
+    if "build" not in recorded:
+        return [f"meta.json: trained for verifier {recorded.get('fingerprint')} by an eagle3 from before verifier "
+                "identities, which this one cannot compare; retrain it (`dvc repro train`)"]
+    mismatch = verifier_mismatch("meta.json", "trained for", recorded.get("fingerprint"), verifier["fingerprint"], "this verifier is")
+    if mismatch:
+        return [mismatch]
+    trained, here = recorded["build"], verifier["build"]
+    if trained["id"] == here["id"]:
+        return []
+    if trained.get("tensors") is None or here.get("tensors") is None:
+        note_other_build("meta.json", "trained with", trained, here, " (weights referenced, not compared)")
+        return []
+    difference = build_difference(trained["tensors"], here["tensors"])
+    if difference:
+        return [f"meta.json: trained with build {trained['id']} of this verifier, whose weights this machine's build "
+                f"{here['id']} does not match within rounding ({difference}); re-import the verifier or retrain"]
+    note_other_build("meta.json", "trained with", trained, here, ", weights within one rounding step tensor by tensor")
+    return []
 
 
 def verifier_facts(folder: str | Path) -> dict[str, Any]:
@@ -337,6 +361,7 @@ def verifier_facts(folder: str | Path) -> dict[str, Any]:
     facts.update({key: config.get(key, top.get(key)) for key in TOKEN_IDS})
     meta = folder / "meta.json"
     facts["fingerprint"] = verifier_fingerprint(folder) if meta.is_file() else None
+    facts["build"] = verifier_build(folder) if meta.is_file() else None
     return facts
 
 

@@ -1,7 +1,8 @@
 """The verifier as every stage loads it: the folder ``models/verifier`` that the verifier stage wrote.
 
-    meta = read_meta("models/verifier")                      # source, fingerprint, weights_path
-    verifier_fingerprint("models/verifier")                  # its id, which later stages record and check
+    meta = read_meta("models/verifier")                      # source, weights_path, this machine's build
+    verifier_fingerprint("models/verifier")                  # its identity's id, which later stages record and check
+    verifier_build("models/verifier")                        # this machine's bytes of it (eagle3.lm.identity)
     model = load_verifier("models/verifier", "cuda", "bfloat16")
     tokenizer = load_tokenizer("models/verifier")
     config = text_config("models/verifier")                  # the language model's config, no weights
@@ -29,6 +30,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from eagle3.common import UserError, read_json, to_plain
+from eagle3.lm.identity import IDENTITY_FILE
 from eagle3.lm.spec import VERIFIER_TENSORS, LanguageModel
 
 log = logging.getLogger(__name__)
@@ -175,10 +177,25 @@ def read_meta(folder: str | Path) -> dict[str, Any]:
     return read_json(Path(folder) / "meta.json")
 
 
+def read_identity(folder: str | Path) -> dict[str, Any]:
+    """A verifier folder's identity.json; one line to re-import a folder an older eagle3 wrote without one."""
+    path = Path(folder) / IDENTITY_FILE
+    if not path.is_file() and (Path(folder) / "meta.json").is_file():
+        raise UserError(f"{path}: not found: {folder} was imported before verifiers had an identity; "
+                        "re-run the verifier stage (`dvc repro verifier`)")
+    return read_json(path)
+
+
 def verifier_fingerprint(folder: str | Path) -> str:
-    """The id of a verifier folder's weights and tokenizer (the verifier stage's ``meta.json``), which
-    every later stage records with its output and checks its inputs against."""
-    return read_meta(folder)["fingerprint"]["id"]
+    """The id of a verifier folder's identity (``identity.json``: source, recipe, architecture, tokenizer),
+    the same on every machine, which every later stage records with its output and checks its inputs against."""
+    return read_identity(folder)["id"]
+
+
+def verifier_build(folder: str | Path) -> dict[str, Any]:
+    """This machine's build of the verifier (``meta.json``): {id, weights, torch, transformers, tensors}."""
+    read_identity(folder)  # an older folder: one line to re-import it
+    return read_meta(folder)["build"]
 
 
 def weights_dir(folder: str | Path) -> Path:

@@ -11,11 +11,13 @@ import logging
 import re
 import shutil
 import tempfile
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig
 
-from eagle3.common import UserError, package_file
+from eagle3.common import UserError, package_file, sha256_file
 from eagle3.lm.loading import torch_dtype
 
 log = logging.getLogger(__name__)
@@ -145,6 +147,26 @@ def write_gguf(parts: list[Path], out: Path, split_max_tensors: int = 0) -> None
     for tensor, endianess in tensors:
         writer.write_tensor_data(tensor.data, tensor_endianess=endianess)
     writer.close()
+
+
+def gguf_identity(source: DictConfig) -> dict[str, Any]:
+    """The GGUF source by content: each part's package and its version, file name and sha256, and the dtype
+    it is dequantised to (not the folder the package is installed in)."""
+    packages = [str(p) for p in source.package] if isinstance(source.package, ListConfig) else [str(source.package)]
+    roots = {package_file(package, "."): package for package in packages}
+    files = []
+    for part in gguf_parts(source):
+        package = next(package for root, package in roots.items() if root in part.parents)
+        files.append({"package": package, "version": package_version(package), "file": part.name,
+                      "sha256": sha256_file(part)})
+    return {"kind": "pypi-gguf", "dtype": str(source.dtype), "files": files}
+
+
+def package_version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:  # found on the path without an installed distribution (a test's stand-in)
+        return None
 
 
 def import_pypi_gguf(source: DictConfig, out: Path) -> None:

@@ -6,12 +6,14 @@ are (hundreds of GB never enter the DVC cache).
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
-from eagle3.common import UserError
+from eagle3.common import UserError, sha256_file
 from eagle3.lm.loading import EMBEDDING, WEIGHT_SUFFIXES, checkpoint_names, text_config_dict, torch_dtype
 from eagle3.lm.spec import LanguageModel
 
@@ -81,6 +83,32 @@ def import_hf(source: DictConfig, out: Path, copy: bool, trust_remote_code: bool
         if file.is_file() and (copy or small):
             shutil.copy2(file, out / file.name)
     return out if copy else location
+
+
+def hf_identity(source: DictConfig, copy: bool) -> dict[str, Any]:
+    """The HF source by content: a hub id with the revision it resolved to, every file's sha256 (a
+    referenced weights file's ``sampled_digest``), the dtype a copy is saved in. A local folder is
+    named by its files alone: the same checkpoint lies under other paths on other machines."""
+    location, hub = resolve_hf(source), not Path(str(source.id)).expanduser().is_dir()
+    files = {}
+    for file in sorted(location.iterdir()):
+        if file.is_file():
+            referenced = not copy and file.name.endswith(WEIGHT_SUFFIXES)
+            files[file.name] = sampled_digest(file) if referenced else sha256_file(file)
+    revision = location.name if hub and location.parent.name == "snapshots" else None  # the HF cache's commit folder
+    return {"kind": "hf", "id": str(source.id) if hub else None, "revision": revision,
+            "dtype": str(source.get("dtype")), "files": files}
+
+
+def sampled_digest(path: Path, sample: int = 1 << 20) -> str:
+    """A large file's digest from its size and three sampled MiB (start, middle, end): hashing 600 GB would take hours."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{size}".encode())
+    with path.open("rb") as handle:
+        for offset in sorted({0, max(0, size // 2 - sample // 2), max(0, size - sample)}):
+            handle.seek(offset)
+            digest.update(handle.read(sample))
+    return digest.hexdigest()
 
 
 def resolve_hf(source: DictConfig) -> Path:

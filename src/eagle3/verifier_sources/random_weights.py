@@ -37,6 +37,12 @@ def build_random(source: DictConfig, out: Path, trust_remote_code: bool = False,
     AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code).save_pretrained(out)
 
 
+def random_identity(source: DictConfig) -> dict[str, Any]:
+    """The random source by its recipe: shape, seed and dtype; the tokenizer enters the identity by its
+    fingerprint, not by the path of the folder it was copied from."""
+    return {key: value for key, value in to_plain(source).items() if key != "tokenizer"}
+
+
 def nest_checkpoint(folder: Path, wrapper: dict[str, Any], lm: LanguageModel) -> None:
     """Turn a saved text model in ``folder`` into the wrapper ``lm`` describes: names under ``lm.prefix``,
     its config under ``wrapper[lm.config]`` (keeping the wrapper's own model type for it)."""
