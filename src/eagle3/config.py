@@ -27,7 +27,7 @@ from eagle3.common import USER_ERROR, UserError, at_finish
 from eagle3.lm.spec import VerifierSpec
 
 SHARD_NAME = re.compile(r"^(\d{6})-(\d{6})$")
-SOURCE_KINDS = ("evals", "jsonl", "parquet", "hf")
+SOURCE_KINDS = ("evals", "jsonl", "parquet", "sharegpt", "hf")
 STORAGE_DTYPES = ("bfloat16", "float8_e4m3fn")
 _ABSENT = object()
 
@@ -170,6 +170,8 @@ FRACTION = (_number(0, 1), "a number in [0, 1]")
 CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": NON_NEGATIVE,
     "dataset.heldout_fraction": FRACTION,
+    "dataset.unseen_folders": (lambda v: _int(0)(v) or (isinstance(v, float) and 0 <= v < 1),
+                               "a share of each evals source's folders in [0, 1) or a count per source (an int >= 0)"),
     "dataset.max_prompt_tokens": POSITIVE,
     "model.copy_weights": BOOL,
     "model.trust_remote_code": BOOL,
@@ -280,26 +282,35 @@ def _check_shards(params: DictConfig) -> None:
 
 
 def _check_sources(params: DictConfig) -> None:
-    sources = _get(params, "dataset.sources")
-    if sources is _ABSENT:
-        return
-    if not isinstance(sources, list) or not sources:
+    sources, extra = _get(params, "dataset.sources"), _get(params, "dataset.extra_sources")
+    if sources is not _ABSENT and (not isinstance(sources, list) or not sources):
         raise refuse("dataset.sources", sources, "a non-empty list of {kind: ...} entries")
-    for index, spec in enumerate(sources):
-        kind = spec.get("kind") if isinstance(spec, dict) else None
-        if kind not in SOURCE_KINDS:
-            raise refuse(f"dataset.sources[{index}].kind", kind, f"one of {list(SOURCE_KINDS)}")
-        if kind in ("jsonl", "parquet") and not spec.get("path"):
-            raise refuse(f"dataset.sources[{index}].path", spec.get("path"), f"the path of the {kind} file")
-        if kind == "hf" and not spec.get("name"):
-            raise refuse(f"dataset.sources[{index}].name", spec.get("name"), "a HF dataset name")
+    if extra is not _ABSENT and not isinstance(extra, list):
+        raise refuse("dataset.extra_sources", extra, "a list of {kind: ...} entries (a preset's sources), [] for none")
+    for key, entries in (("dataset.sources", sources), ("dataset.extra_sources", extra)):
+        for index, spec in enumerate(entries if isinstance(entries, list) else []):
+            _check_source(f"{key}[{index}]", spec)
+
+
+def _check_source(key: str, spec: Any) -> None:
+    kind = spec.get("kind") if isinstance(spec, dict) else None
+    if kind not in SOURCE_KINDS:
+        raise refuse(f"{key}.kind", kind, f"one of {list(SOURCE_KINDS)}")
+    if kind in ("jsonl", "parquet") and not spec.get("path"):
+        raise refuse(f"{key}.path", spec.get("path"), f"the path of the {kind} file")
+    if kind == "sharegpt" and not (spec.get("path") or (spec.get("package") and spec.get("file"))):
+        raise refuse(key, spec, "a sharegpt source with a `path`, or a `package` and its `file`")
+    if kind == "hf" and not spec.get("name"):
+        raise refuse(f"{key}.name", spec.get("name"), "a HF dataset name")
 
 
 def _check_eval_sets(params: DictConfig) -> None:
     """Counts per eval set (which sets exist, the prompts stage knows), and sets of those to evaluate."""
     sets = _get(params, "dataset.eval_sets")
-    if sets is not _ABSENT and (not isinstance(sets, dict) or not all(_int(0)(n) for n in sets.values())):
-        raise refuse("dataset.eval_sets", sets, "a mapping of eval set names to prompt counts >= 0")
+    counts = [n.get("prompts") if isinstance(n, dict) else n for n in sets.values()] if isinstance(sets, dict) else None
+    if sets is not _ABSENT and (counts is None or not all(_int(0)(n) for n in counts)):
+        raise refuse("dataset.eval_sets", sets, "a mapping of eval set names to prompt counts >= 0 (or to "
+                     "{prompts: n, kind: ..., ...})")
     chosen = _get(params, "evaluate.sets")
     if chosen is not _ABSENT and (not isinstance(chosen, list) or not chosen):
         raise refuse("evaluate.sets", chosen, "a non-empty list of eval set names")

