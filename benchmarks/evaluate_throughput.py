@@ -192,7 +192,7 @@ def timed(verifier, drafter, prompts, settings: Settings, eos: set[int], batch_s
     runs = decode_all(verifier, drafter, batch, settings, eos, batch_size, methods, settings.repeats, graphs=graphs)
     report = timings(runs)
     for name, shape in methods.items():
-        report[name]["tau"] = acceptance_stats(runs[name].accepted, shape.num_steps)["tau"] if shape else 1.0
+        report[name]["tau"] = acceptance_stats(runs[name].pooled, shape.num_steps)["tau"] if shape else 1.0
         if shape:
             report[name].update(step_costs(graphs, drafter, batch, batch_size, shape))
     report["seconds"] = {"warm_up_and_capture": warmed - start, "timed": time.perf_counter() - warmed}
@@ -289,8 +289,9 @@ def main() -> None:
     args = arguments()
     signal.signal(signal.SIGALRM, interrupt)
     signal.alarm(args.deadline)  # the table still prints: the running part records the error, the rest are past --budget
-    settings = Settings(args.draft_tokens, TreeShape(*args.tree), tuple(args.batch_sizes), args.repeats, None, tuple(args.chain_sweep), True,
-                        args.max_new_tokens, ("bench",), None, False, args.device, args.dtype, args.threads, (), False, WHOLE_COPY)
+    settings = Settings(args.draft_tokens, TreeShape(*args.tree), tuple(args.batch_sizes), args.repeats, None, None,
+                        tuple(args.chain_sweep), True, args.max_new_tokens, (), ("bench",), None, False, args.device, args.dtype,
+                        args.threads, (), False, WHOLE_COPY)
     configure_torch(settings)
     verifier, drafter, eos, tokenizer = models(args)
     for_decoding(verifier, drafter, settings)

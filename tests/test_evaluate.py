@@ -16,15 +16,30 @@ from eagle3.config import validate
 from eagle3.drafter.export import verifier_facts, write_drafter
 from eagle3.drafter.speculative import StopStrings, greedy_decode, speculative_decode
 from eagle3.drafter.tree import EagleProposer, TreeShape
-from eagle3.evaluate import check_pair, evaluate, main
+from eagle3.config import compose_params
+from eagle3.evaluate import Conversations, check_pair, evaluate, load_eval_sets, main
+from eagle3.lm.chat import prompt_ids
 from eagle3.lm.loading import load_tokenizer, load_verifier, read_meta
-from eagle3.measurement.acceptance import acceptance_stats
+from eagle3.measurement.acceptance import acceptance_stats, bucket_names, tau_by_position
 from eagle3.measurement.baselines import baselines, most_frequent_token
 from eagle3.measurement.settings import Settings
 from eagle3.measurement.timing import Run, disagreeing, median_spread, timings
 from eagle3.tokenizer_id import tokenizer_fingerprint
 from support.models import import_rounded_the_other_way, verifier_model
 from support.speculative import K, QUESTIONS, TINY_TAPS, TableDrafter, encode, greedy_tables, random_drafter
+
+FOLLOWUPS = ["Now say it in one word.", "Why?"]
+
+
+def eval_params(**evaluate):
+    """The committed params with an evaluate section for the tiny verifier (keyword arguments replace its keys)."""
+    params = project_params()
+    params.evaluate = {"name": "test", "draft_tokens": 3, "max_new_tokens": 8, "sets": ["a"], "max_prompts": None,
+                       "baseline": True, "batch_sizes": [3], "repeats": 1, "timed_prompts": None, "timed_new_tokens": None,
+                       "chain_sweep": [], "cuda_graphs": True, "position_buckets": [4],
+                       "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}, **evaluate}
+    params.layout.threads = 1
+    return params
 
 
 def test_acceptance_stats_match_docstring_and_tau():
@@ -72,7 +87,7 @@ def test_evaluate_reports_every_method_per_set_lossless(tiny_verifier_dir):
     params = project_params()
     params.evaluate = {"name": "test", "draft_tokens": 3, "max_new_tokens": 8, "sets": ["a", "b"], "max_prompts": None,
                        "baseline": True, "batch_sizes": [2, 1], "repeats": 2, "timed_prompts": 2, "chain_sweep": [2, 3],
-                       "cuda_graphs": True, "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
+                       "cuda_graphs": True, "timed_new_tokens": None, "position_buckets": [4], "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
     settings = Settings.from_params(params)
     sets = {"a": [encode(tokenizer, q) for q in QUESTIONS], "b": [encode(tokenizer, QUESTIONS[0])]}
     reports = evaluate(verifier, drafter, sets, settings, {2})
@@ -108,7 +123,7 @@ def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, mon
     params = project_params()
     params.evaluate = {"name": "test", "draft_tokens": 3, "max_new_tokens": 8, "sets": ["heldout"], "max_prompts": 2,
                        "baseline": True, "batch_sizes": [2, 1], "repeats": repeats, "timed_prompts": None, "chain_sweep": [],
-                       "cuda_graphs": True, "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
+                       "cuda_graphs": True, "timed_new_tokens": None, "position_buckets": [4], "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
     params.layout.threads = 1
     OmegaConf.save(params, tmp_path / "params.yaml")
     out = tmp_path / "dvclive" / "evaluate"
@@ -145,7 +160,7 @@ def test_evaluate_stops_at_the_verifier_specs_stop_strings(tiny_verifier_dir):
     params.model.stop = [tokenizer.decode(plain[0][2:4])]
     params.evaluate = {"name": "test", "draft_tokens": 3, "max_new_tokens": 8, "sets": ["a"], "max_prompts": None,
                        "baseline": True, "batch_sizes": [3], "repeats": 1, "timed_prompts": None, "chain_sweep": [],
-                       "cuda_graphs": True, "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
+                       "cuda_graphs": True, "timed_new_tokens": None, "position_buckets": [4], "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
     settings = Settings.from_params(params)
     assert settings.stop == tuple(params.model.stop)
     stops = StopStrings(tokenizer, settings.stop)
@@ -158,8 +173,8 @@ def test_evaluate_stops_at_the_verifier_specs_stop_strings(tiny_verifier_dir):
 def test_repeated_timings_give_median_spread_and_a_flag_past_ten_percent():
     """The timings docstring's example; a speedup is paired with plain decoding's same repeat."""
     assert median_spread([10, 12, 11]) == (11, pytest.approx(2 / 11)) and median_spread([5.0]) == (5.0, None)
-    runs = {"plain": Run([[1] * 10], [], [10.0, 12.0]), "chain": Run([[1] * 10], [0] * 5, [5.0, 8.0]),
-            "tree": Run([[1] * 10], [0] * 5, [5.0, 5.1])}
+    runs = {"plain": Run([[1] * 10], [[]], [10.0, 12.0]), "chain": Run([[1] * 10], [[0] * 5], [5.0, 8.0]),
+            "tree": Run([[1] * 10], [[0] * 5], [5.0, 5.1])}
     timing = timings(runs)
     assert timing["chain"]["speedup"] == pytest.approx(1.75) and timing["chain"]["speedup_spread"] == pytest.approx(0.5 / 1.75)
     assert timing["plain"]["tokens_per_s"] == pytest.approx((1 + 10 / 12) / 2)
@@ -282,3 +297,98 @@ def test_prompts_are_checked_by_the_tokenizer_they_were_counted_with(tmp_path, t
     with pytest.raises(UserError, match=r"prompts/meta.json: prompts counted with the tokenizer and chat template of "
                                         r"verifier [0-9a-f]{16}, this verifier's are [0-9a-f]{16}; rerun prompts"):
         check_pair(other, tmp_path / "drafter", tmp_path / "prompts")
+
+
+def test_tau_by_position_buckets_forwards_by_their_first_new_token():
+    """The acceptance docstring's example: forwards start at answer index 1, then 1 + accepted + 1, ..."""
+    assert bucket_names([64, 256]) == ["0-64", "64-256", "256+"]
+    assert tau_by_position([[2, 0, 1]], [4]) == {"0-4": 3.0, "4+": 1.5}
+    assert tau_by_position([[0, 0], [1]], [2, 8]) == {"0-2": 1.5, "2-8": 1.0}  # starts 1, 2 and 1; no forward past 8
+
+
+def test_tau_covers_every_prompt_whatever_the_timings_cover(tiny_verifier_dir):
+    """The default's shape: τ decoded once over every prompt at the largest batch, timings on a few prompts and
+    tokens. τ, its buckets and the baselines are those of a run timing every prompt and token (one decode in all)."""
+    torch.set_num_threads(1)
+    verifier, tokenizer = load_verifier(tiny_verifier_dir), load_tokenizer(tiny_verifier_dir)
+    drafter = random_drafter(verifier, 512, TINY_TAPS)
+    sets = {"a": [encode(tokenizer, q) for q in QUESTIONS]}
+    whole = evaluate(verifier, drafter, sets, Settings.from_params(eval_params()), {2})["a"]
+    quick = Settings.from_params(eval_params(batch_sizes=[1, 3], repeats=2, timed_prompts=1, timed_new_tokens=4))
+    report = evaluate(verifier, drafter, sets, quick, {2})["a"]
+    for method in ("chain", "tree", "baseline", "ngram"):
+        for key in ("tau", "forwards", "acceptance", "tau_by_position"):
+            assert report[method][key] == whole[method][key], (method, key)
+    assert report["plain"]["tokens"] == whole["plain"]["tokens"] and report["plain"]["timed_prompts"] == 1
+    assert report["chain"]["lossless"] == report["tree"]["lossless"] == 1  # over the 3 timed at batch 3, 4 tokens each
+    assert set(report["batch"]) == {1, 3} and report["batch"][1]["chain"]["speedup_spread"] is not None
+    assert set(whole["chain"]["tau_by_position"]) == {"0-4", "4+"}
+
+
+def write_eval_set(prompts_dir, tiny_verifier_dir, name, records):
+    (prompts_dir / "eval").mkdir(parents=True, exist_ok=True)
+    (prompts_dir / "meta.json").write_text(json.dumps({"tokenizer": tokenizer_fingerprint(tiny_verifier_dir)}))
+    (prompts_dir / "eval" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_a_followup_turn_is_asked_after_the_verifiers_own_answer(tiny_verifier_dir):
+    """The second turn's prompt is the first turn, the verifier's greedy answer to it and the followup, rendered
+    with the chat template; only conversations with a followup left go on."""
+    tokenizer = load_tokenizer(tiny_verifier_dir)
+    verifier = load_verifier(tiny_verifier_dir)
+    records = [{"id": "0", "messages": [{"role": "user", "content": QUESTIONS[0]}], "followups": FOLLOWUPS},
+               {"id": "1", "messages": [{"role": "user", "content": QUESTIONS[1]}]}]
+    chats = Conversations(tokenizer, records, "cpu")
+    assert chats.turns == 3 and [chats.rows(t) for t in (1, 2, 3)] == [2, 1, 1]
+    first = [torch.tensor(prompt_ids(tokenizer, r["messages"])) for r in records]
+    answers = greedy_decode(verifier, first, 8, {2})
+    second = chats.next_turn(answers)
+    expected = records[0]["messages"] + [{"role": "assistant", "content": tokenizer.decode(answers[0], skip_special_tokens=True)},
+                                         {"role": "user", "content": FOLLOWUPS[0]}]
+    assert len(second) == 1 and second[0].tolist() == prompt_ids(tokenizer, expected)
+    assert len(second[0]) + 8 <= chats.longest_prompt(8)
+    third = chats.next_turn(greedy_decode(verifier, second, 8, {2}))
+    assert len(third) == 1 and len(third[0]) <= chats.longest_prompt(8) and chats.next_turn(greedy_decode(verifier, third, 8, {2})) == []
+
+
+def test_multi_turn_set_pools_its_turns_with_a_breakdown(tmp_path, tiny_verifier_dir, monkeypatch):
+    """A set with followups (as MT-bench): τ over both turns' forwards, each turn's beside it, through the stage."""
+    verifier = load_verifier(tiny_verifier_dir)
+    drafter_dir, prompts_dir = tmp_path / "drafter", tmp_path / "prompts"
+    drafter_dir.mkdir()
+    write_drafter(random_drafter(verifier, 512, TINY_TAPS), drafter_dir, verifier_facts(tiny_verifier_dir), {})
+    records = [{"id": str(i), "source": "mtbench", "messages": [{"role": "user", "content": q}], "followups": FOLLOWUPS[:1]}
+               for i, q in enumerate(QUESTIONS)]
+    write_eval_set(prompts_dir, tiny_verifier_dir, "mtbench", records)
+    params = eval_params(sets=["mtbench"])
+    OmegaConf.save(params, tmp_path / "params.yaml")
+    out = tmp_path / "out"
+    monkeypatch.chdir(tmp_path)
+    main([str(tiny_verifier_dir), str(drafter_dir), str(prompts_dir), str(out), "--params", str(tmp_path / "params.yaml")])
+    metrics = json.loads((out / "metrics.json").read_text())["mtbench"]
+    turns = metrics["turn1"], metrics["turn2"]
+    assert [t["prompts"] for t in turns] == [3, 3] and metrics["prompts"] == 3
+    assert metrics["forwards"] == sum(t["forwards"] for t in turns)  # τ pools both turns' forwards
+    pooled = sum(t["tau"] * t["forwards"] for t in turns) / metrics["forwards"]
+    assert metrics["tau"] == pytest.approx(pooled, abs=1e-3) and metrics["lossless"] == 1
+    assert all("tau" in t["tree"] and "tau" in t["ngram"] and "tau" in t["baseline"] for t in turns)
+    assert set(metrics["tau_by_position"]) == {"0-4", "4+"} and metrics["ngram"]["tau_by_position"] and metrics["tree"]["tau_by_position"]
+
+
+def test_followups_that_are_not_user_turns_are_refused(tmp_path, tiny_verifier_dir):
+    write_eval_set(tmp_path, tiny_verifier_dir, "mtbench", [{"id": "q1", "messages": [{"role": "user", "content": "hi"}],
+                                                             "followups": [{"role": "user"}]}])
+    with pytest.raises(UserError, match=r"mtbench.jsonl: record 'q1': followups must be a list of user turns"):
+        load_eval_sets(tmp_path, ["mtbench"], None)
+
+
+@pytest.mark.parametrize("overrides, sizes, tokens, sweep", [
+    ([], [32], 64, []),
+    (["dataset=10k", "layout=gpu1"], [1, 64], 512, []),
+    (["dataset=10k", "layout=gpu1", "evaluate=sweep"], [1, 4, 16, 64], 512, [2, 3, 4, 5, 6, 7]),
+])
+def test_layouts_size_the_measurement_and_the_sweep_is_a_named_config(tmp_path, overrides, sizes, tokens, sweep):
+    """GPU layouts: tau over 512-token answers, timings at batch 1 and 64; -S evaluate=sweep times every size and K."""
+    compose_params(overrides, conf_dir=ROOT / "conf", output=tmp_path / "params.yaml")
+    evaluate_params = OmegaConf.load(tmp_path / "params.yaml").evaluate
+    assert (list(evaluate_params.batch_sizes), evaluate_params.max_new_tokens, list(evaluate_params.chain_sweep)) == (sizes, tokens, sweep)

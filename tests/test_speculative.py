@@ -116,6 +116,20 @@ def test_random_drafter_is_lossless_and_batch_equals_one_by_one(tiny, shape):
     assert [d.accepted for d in alone] == [d.accepted for d in batched]
 
 
+@pytest.mark.parametrize("shape", [TreeShape.chain(K), TREE], ids=["chain", "tree"])
+def test_batching_leaves_every_acceptance_as_one_by_one(tiny, shape):
+    """evaluate measures τ in one batch of every prompt: on the CPU in fp32 each row accepts exactly what it
+    accepts alone, with a drafter right often enough for acceptances of every length."""
+    verifier, prompts, plain = tiny
+    table = greedy_tables(verifier, prompts, MAX_NEW + K + 2)
+    table[:, ::3] = (table[:, ::3] + 1) % verifier.config.vocab_size
+    batched = decode(verifier, EagleProposer(TableDrafter(table, verifier.config.vocab_size), shape), prompts)
+    alone = [decode(verifier, EagleProposer(TableDrafter(row[:len(p) + MAX_NEW + K + 2], verifier.config.vocab_size), shape), [p])[0]
+             for row, p in zip(table, prompts)]
+    assert [d.accepted for d in batched] == [d.accepted for d in alone] and [d.tokens for d in batched] == plain
+    assert len({j for d in batched for j in d.accepted}) > 2
+
+
 def test_decoding_from_a_shared_prefill_leaves_it_unchanged(tiny):
     verifier, prompts, plain = tiny
     drafter = random_drafter(verifier, 512, TINY_TAPS)

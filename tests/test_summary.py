@@ -52,3 +52,14 @@ def test_metrics_of_an_older_train_are_refused_with_the_file_named(tmp_path, cap
         path.write_text(json.dumps(data))
     with pytest.raises(Exception, match="lacks \\['tokens_trained', 'step'\\]"):
         main([str(paths["train"]), str(paths["merge"]), str(paths["evaluate"]), str(tmp_path / "summary.json")])
+
+
+def test_headline_has_tau_by_position_and_each_turn_of_a_multi_turn_set():
+    evaluate = {"mtbench": {"tau": 1.6, "prompts": 3, "tau_by_position": {"0-64": 1.7, "64-256": 1.55},
+                            "tree": {"tau": 1.9, "tau_by_position": {"0-64": 2.0123456}},
+                            "ngram": {"tau": 1.3, "tau_by_position": {"0-64": 1.2}},
+                            "turn1": {"tau": 1.7, "prompts": 3, "forwards": 10, "tree": {"tau": 2.0}},
+                            "turn2": {"tau": 1.5, "prompts": 3, "forwards": 10, "tree": {"tau": 1.8}}}}
+    assert headline(TRAIN, MERGE, evaluate)["mtbench"] == {
+        "tau": 1.6, "tree_tau": 1.9, "ngram_tau": 1.3, "turn1_tau": 1.7, "turn2_tau": 1.5,
+        "tau_by_position": {"0-64": 1.7, "64-256": 1.55}, "tree_tau_by_position": {"0-64": 2.0123}}

@@ -239,6 +239,9 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "evaluate.timed_prompts": ((lambda v: v is None or _int(1)(v)), "an integer >= 1, or null for all"),
     "evaluate.chain_sweep": ((lambda v: isinstance(v, list) and all(_int(1)(x) for x in v)), "a list of integers >= 1 (chain K)"),
     "evaluate.max_new_tokens": POSITIVE,
+    "evaluate.timed_new_tokens": ((lambda v: v is None or _int(1)(v)), "an integer >= 1, or null for max_new_tokens"),
+    "evaluate.position_buckets": ((lambda v: isinstance(v, list) and all(_int(1)(x) for x in v) and v == sorted(set(v))),
+                                  "a list of increasing integers >= 1 (answer positions)"),
     "evaluate.max_prompts": ((lambda v: v is None or _int(1)(v)), "an integer >= 1, or null for all"),
     "evaluate.baseline": BOOL,
 }

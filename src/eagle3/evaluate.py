@@ -9,24 +9,31 @@ tree. The drafter is loaded from its export (``load_drafter``), never from train
 broken export shows up here as τ ≈ the baselines'.
 
 For each eval set (``data/prompts/eval/<set>.jsonl``, rendered with the chat template and the
-generation prompt), the prompts are decoded a batch at a time (``eagle3.drafter.speculative``) by
-plain greedy decoding, chain drafting and tree drafting, alternately per batch, ``evaluate.repeats``
-times each, for every batch size of ``evaluate.batch_sizes``; τ and the outputs (which must be
-identical) come from one decode at the largest size. Speedup = tokens/s over plain greedy decoding
-at the same batch size and repeat: median and spread over repeats (``eagle3.measurement.timing``).
+generation prompt), τ is decoded once over every prompt at the largest batch size of
+``evaluate.batch_sizes`` (``eagle3.drafter.speculative``), chain and tree drafting, answers of
+``max_new_tokens``; a record's ``followups`` (MT-bench's second turns) are asked after the verifier's
+own answer and decoded the same way (``Conversations``), the set's τ pooling its turns. Every batch
+size is then timed: plain greedy decoding, chain and tree drafting, alternately per batch,
+``evaluate.repeats`` times each, on the first max(``timed_prompts``, size) prompts for
+``timed_new_tokens`` each; where that covers every prompt and token, the τ decode is the timing.
+Speedup = tokens/s over plain greedy decoding at the same batch size and repeat: median and spread
+over repeats (``eagle3.measurement.timing``).
 On a GPU the steps are CUDA graphs over static caches (``eagle3.drafter.graphed``), as engines
 serve; answers end at EOS, ``max_new_tokens`` or a ``model.stop`` string. Two baselines are
-replayed on the plain greedy output (exact under greedy verification, and free;
+replayed on the greedy output (exact under greedy verification, and free;
 ``eagle3.measurement.baselines``): the set's most frequent output token K times (the best
 context-free chain drafter), and prompt lookup (``ngram``, as vLLM and SGLang ship it). A drafter
 near the baselines' τ is broken.
 
 Output (dvclive, ``dvcyaml=False``), written by ``log_report`` alone: ``metrics.json`` with
-``wall_seconds`` and per set ``tau``, ``lossless`` (fraction of prompts whose output equals plain
-greedy), ``forwards`` (the chain's), ``tree/{tau, lossless, forwards}``, ``baseline/{tau, token}``,
-``ngram/{tau, tau_matched_rounds, matched_rounds}``, ``tokens``, ``prompts``, ``seconds``; with graphs
-``draft_cost``, ``draft_step_cost``, ``verify_cost`` (and the tree's) and, per set,
-``chain_k/k<K>/...`` and ``chain_k/best``; with repeats > 1 the timings: ``speedup``,
+``wall_seconds`` and per set ``tau``, ``tau_by_position/<bucket>`` (``evaluate.position_buckets``),
+``lossless`` (fraction of the timed prompts whose output equals plain greedy), ``forwards`` (the
+chain's), ``tree/{tau, tau_by_position, lossless, forwards}``, ``baseline/{tau, tau_by_position,
+token}``, ``ngram/{tau, tau_by_position, tau_matched_rounds, matched_rounds}``, ``tokens``,
+``prompts``, ``timed_prompts``, ``seconds``; a multi-turn set's ``turn<n>/{prompts, forwards, tau,
+tree/tau, ngram/tau, baseline/tau}``; with graphs ``draft_cost``, ``draft_step_cost``, ``verify_cost``
+(and the tree's) and, with a ``chain_sweep``, per set ``chain_k/k<K>/...`` and ``chain_k/best``; with
+repeats > 1 the timings: ``speedup``,
 ``speedup_spread``, ``tokens_per_s(_spread)``, ``plain_tokens_per_s(_spread)`` (and the tree's) at
 the first batch size, the same per size under ``batch/<B>/``, and ``unstable``. Plots
 ``plots/custom/acceptance/<set>.json`` (per draft position or tree depth k: the fraction of verifier
@@ -52,7 +59,7 @@ from eagle3.drafter.export import check_drafter, load_drafter
 from eagle3.drafter.graphed import DecodeGraphs
 from eagle3.drafter.skinny import skinny_matmuls
 from eagle3.drafter.speculative import StopStrings
-from eagle3.measurement.acceptance import acceptance_stats
+from eagle3.measurement.acceptance import acceptance_stats, tau_by_position
 from eagle3.measurement.baselines import baselines
 from eagle3.measurement.settings import Settings
 from eagle3.measurement.timing import (UNSTABLE_SPREAD, Run, chain_sweep, decode_all, decode_graphs, disagreeing, graph_rows,
@@ -73,7 +80,8 @@ PARAMS = ("evaluate", "layout.device", "layout.dtype", "layout.threads", "layout
 
 
 def load_eval_sets(prompts_dir: Path, sets: Sequence[str], max_prompts: int | None) -> dict[str, list[dict]]:
-    """Prompt records of each set, at most ``max_prompts`` each (file order)."""
+    """Prompt records of each set, at most ``max_prompts`` each (file order); ``followups``, where a record
+    has them, checked to be later user turns (strings)."""
     loaded = {}
     for name in sets:
         path = prompts_dir / "eval" / f"{name}.jsonl"
@@ -82,8 +90,70 @@ def load_eval_sets(prompts_dir: Path, sets: Sequence[str], max_prompts: int | No
         records = list(read_jsonl(path))[:max_prompts]
         if not records:
             raise UserError(f"{path}: no prompts; the prompts stage wrote an empty eval set")
+        for record in records:
+            followups = record.get("followups", [])
+            if not (isinstance(followups, list) and all(isinstance(f, str) and f for f in followups)):
+                raise UserError(f"{path}: record {record.get('id')!r}: followups must be a list of user turns (non-empty "
+                                f"strings), got {followups!r}; rerun prompts")
         loaded[name] = records
     return loaded
+
+
+class Conversations:
+    """The later user turns of a multi-turn eval set (its records' ``followups``), each asked after the
+    verifier's own answer to the turn before.
+
+        turn2 = conversations.next_turn(answers)   # prompts [n] of the records with a followup left
+
+    Why the drafted answer: greedy speculative decoding emits the verifier's greedy answer (the
+    chain's outputs equal plain decoding's, ``lossless``), so the next turn follows what the verifier
+    itself answered, as MT-bench's second turns do, with no decode of its own.
+    """
+
+    ANSWER_MARGIN = 16  # tokens an answer's text may take beyond the decoded ones when rendered again
+
+    def __init__(self, tokenizer, records: Sequence[dict], device: str, stops: StopStrings | None = None):
+        self.tokenizer, self.device, self.stops = tokenizer, device, stops
+        self.chats = [list(r["messages"]) for r in records]
+        self.followups = [list(r.get("followups", [])) for r in records]
+        self.asked = list(range(len(records)))  # the records of the turn decoded last
+        self.done = 0  # followups asked so far
+
+    @property
+    def turns(self) -> int:
+        return 1 + max(map(len, self.followups), default=0)
+
+    def rows(self, turn: int) -> int:
+        """Prompts of turn ``turn`` (1: every record)."""
+        return sum(len(f) >= turn - 1 for f in self.followups)
+
+    def longest_prompt(self, max_new_tokens: int) -> int:
+        """At most the tokens of any turn's prompt: the whole conversation rendered with empty answers,
+        plus each answer's ``max_new_tokens`` (and ANSWER_MARGIN)."""
+        longest = 0
+        for chat, followups in zip(self.chats, self.followups):
+            turns = [m for f in followups for m in ({"role": "assistant", "content": ""}, {"role": "user", "content": f})]
+            longest = max(longest, len(prompt_ids(self.tokenizer, chat + turns)) + len(followups) * (max_new_tokens + self.ANSWER_MARGIN))
+        return longest
+
+    def answer_text(self, tokens: list[int]) -> str:
+        """An answer as the next turn's history holds it: its text, without special tokens or a closing stop string."""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        for stop in self.stops.strings if self.stops else ():
+            text = text.split(stop)[0]
+        return text
+
+    def next_turn(self, answers: Sequence[list[int]]) -> list[torch.Tensor]:
+        """Prompts [n] of the next turn, from the answers to the last one (in its order): each conversation
+        that has another followup, with its answer and that followup appended, under the chat template."""
+        asked = []
+        for record, answer in zip(self.asked, answers, strict=True):
+            self.chats[record].append({"role": "assistant", "content": self.answer_text(answer)})
+            if len(self.followups[record]) > self.done:
+                self.chats[record].append({"role": "user", "content": self.followups[record][self.done]})
+                asked.append(record)
+        self.asked, self.done = asked, self.done + 1
+        return [torch.tensor(prompt_ids(self.tokenizer, self.chats[r]), device=self.device) for r in asked]
 
 
 def check_pair(verifier_dir: Path, drafter_dir: Path, prompts_dir: Path) -> None:
@@ -100,51 +170,85 @@ def check_pair(verifier_dir: Path, drafter_dir: Path, prompts_dir: Path) -> None
 # --- measurement -----------------------------------------------------------------------------------
 
 
-def summarize(run: Run, plain: Run, k: int) -> dict:
-    """τ and acceptance of a speculative run, and the share of its outputs equal to the plain greedy run's."""
-    lossless = sum(a == b for a, b in zip(run.outputs, plain.outputs)) / len(plain.outputs)
-    if lossless < 1:
-        log.warning("%.0f%% of outputs differ from plain greedy decoding (numerical ties, or a bug)", 100 * (1 - lossless))
-    return {**acceptance_stats(run.accepted, k), "lossless": lossless}
+def lossless(run: Run, plain: Run) -> float:
+    """The share of a speculative run's outputs equal to the plain greedy run's (same prompts, same budget)."""
+    share = sum(a == b for a, b in zip(run.outputs, plain.outputs)) / len(plain.outputs)
+    if share < 1:
+        log.warning("%.0f%% of outputs differ from plain greedy decoding (numerical ties, or a bug)", 100 * (1 - share))
+    return share
+
+
+def timed_with_tau(prompts: Sequence[torch.Tensor], settings: Settings) -> bool:
+    """Whether the largest batch size's timing is the τ decode itself: it times every prompt, every token."""
+    largest = max(settings.batch_sizes)
+    return len(timed_prompts(prompts, settings, largest)) == len(prompts) and settings.timed_tokens == settings.max_new_tokens
 
 
 def evaluate_set(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
-                 graphs: DecodeGraphs | None = None, stops: StopStrings | None = None) -> dict:
-    """Plain vs chain vs tree decoding of ``prompts`` (and the baselines): {"plain", "chain", "tree"?, ...,
-    "batch": {batch size: ``timings``}, "unstable": [...], "chain_k"?: ``chain_sweep``}.
+                 graphs: DecodeGraphs | None = None, stops: StopStrings | None = None,
+                 conversations: Conversations | None = None) -> dict:
+    """τ of the chain and the tree (and the baselines) over every prompt and every turn, and the timings of
+    plain vs chain vs tree decoding: {"plain": the set's counts, "chain", "tree"?, "baseline"?, "ngram"?,
+    "turns"?: {n: τ per method}, "batch": {batch size: ``timings``}, "unstable": [...], "chain_k"?: ``chain_sweep``}.
 
-    τ and outputs are decoded once, at the largest batch size (they do not depend on it; it is the
-    fastest); every batch size is timed ``repeats`` times on the ``timed`` prompts. Where those are
-    all the prompts, the largest size's timing is that same decode (the demo: one decode in all).
+    τ is decoded once, at the largest batch size, over every prompt (``max_new_tokens`` each); a
+    multi-turn set's later turns (``conversations``) follow, each after the chain's answers to the
+    one before, and its τ pools every turn's forwards. Every batch size is timed ``repeats`` times
+    on its ``timed_prompts`` (``timed_tokens`` each), plain decoding beside the drafting methods;
+    ``lossless`` compares their outputs at the largest size. Where that timing covers every prompt
+    and token (the demo), it is the τ decode itself: one decode in all.
     """
     start = time.perf_counter()
-    largest, timed = max(settings.batch_sizes), timed_prompts(prompts, settings)
-    whole = len(timed) == len(prompts)
-    runs = decode_all(verifier, drafter, prompts, settings, eos_ids, largest, repeats=settings.repeats if whole else 1,
-                      graphs=graphs, stops=stops)
-    plain = runs["plain"]
-    report = {"plain": {"tokens": sum(map(len, plain.outputs)), "prompts": len(prompts), "timed_prompts": len(timed)}}
-    for name, shape in settings.methods().items():
-        if shape:
-            report[name] = summarize(runs[name], plain, shape.num_steps)
-    if settings.baseline:
-        report.update(baselines(prompts, plain.outputs, settings.draft_tokens))
-    report["batch"] = {}
+    largest, edges = max(settings.batch_sizes), settings.position_buckets
+
+    def decode(batch: Sequence[torch.Tensor], size: int, methods: Mapping, repeats: int = 1, tokens: int | None = None) -> dict[str, Run]:
+        return decode_all(verifier, drafter, batch, settings, eos_ids, size, methods, repeats, tokens, graphs, stops)
+
+    timed = {}  # batch size -> the runs of its timing
+    if timed_with_tau(prompts, settings):
+        tau_runs = timed[largest] = decode(prompts, largest, settings.methods(), settings.repeats)
+    else:
+        tau_runs = decode(prompts, largest, settings.drafting_methods())
+    turns = [(prompts, tau_runs)]
+    while conversations is not None and (later := conversations.next_turn(turns[-1][1]["chain"].outputs)):
+        turns.append((later, decode(later, largest, settings.drafting_methods())))
     for size in settings.batch_sizes:
-        report["batch"][size] = timings(runs if whole and size == largest else
-                                        decode_all(verifier, drafter, timed, settings, eos_ids, size, repeats=settings.repeats,
-                                                   graphs=graphs, stops=stops))
-    for name, shape in settings.methods().items():
-        if shape:
-            report[name].update(step_costs(graphs, drafter, timed, settings.batch_sizes[0], shape))
+        if size not in timed:
+            timed[size] = decode(timed_prompts(prompts, settings, size), size, settings.methods(), settings.repeats,
+                                 settings.timed_tokens)
+    every_prompt = [p for batch, _ in turns for p in batch]
+    answers = [a for _, runs in turns for a in runs["chain"].outputs]  # the verifier's greedy answers
+    headline_timed = timed_prompts(prompts, settings, settings.batch_sizes[0])
+    report = {"plain": {"tokens": sum(map(len, answers)), "prompts": len(prompts), "timed_prompts": len(headline_timed)}}
+    for name, shape in settings.drafting_methods().items():
+        accepted = [a for _, runs in turns for a in runs[name].accepted]
+        report[name] = {**acceptance_stats([j for a in accepted for j in a], shape.num_steps),
+                        "tau_by_position": tau_by_position(accepted, edges), "lossless": lossless(timed[largest][name], timed[largest]["plain"])}
+        report[name].update(step_costs(graphs, drafter, headline_timed, settings.batch_sizes[0], shape))
+    if settings.baseline:
+        report.update(baselines(every_prompt, answers, settings.draft_tokens, edges))
+    if len(turns) > 1:  # published multi-turn τ pools the turns (as above); each turn's own beside it
+        token = report.get("baseline", {}).get("token")
+        report["turns"] = {n: turn_report(batch, runs, settings, token) for n, (batch, runs) in enumerate(turns, 1)}
+    report["batch"] = {size: timings(timed[size]) for size in settings.batch_sizes}
     if settings.chain_sweep:  # per set: the K that pays differs with what is decoded (code, math, chat)
-        report["chain_k"] = chain_sweep(verifier, drafter, timed, settings, eos_ids, graphs, stops)
+        report["chain_k"] = chain_sweep(verifier, drafter, headline_timed, settings, eos_ids, graphs, stops)
     report["unstable"] = [f"batch {size}: {what}" for size, timing in report["batch"].items() for what in disagreeing(timing)]
     report["unstable"] += [f"chain K sweep: {what}" for what in disagreeing(report.get("chain_k", {}).get("timing", {}))]
     if report["unstable"]:
         log.warning("repeated timings disagree by more than %d%% (%s): a varying load; these speedups do not repeat",
                     100 * UNSTABLE_SPREAD, ", ".join(report["unstable"]))
     report["plain"]["seconds"] = time.perf_counter() - start
+    return report
+
+
+def turn_report(prompts: Sequence[torch.Tensor], runs: Mapping[str, Run], settings: Settings, token: int | None) -> dict:
+    """One turn of a multi-turn set: its prompts and τ (and forwards) per drafting method, τ per baseline."""
+    report = {"prompts": len(prompts), **{name: {key: acceptance_stats(runs[name].pooled, shape.num_steps)[key] for key in ("tau", "forwards")}
+                                          for name, shape in settings.drafting_methods().items()}}
+    if settings.baseline:
+        found = baselines(prompts, runs["chain"].outputs, settings.draft_tokens, token=token)
+        report.update({name: {"tau": found[name]["tau"]} for name in ("baseline", "ngram")})
     return report
 
 
@@ -172,6 +276,15 @@ def log_report(live, name: str, report: dict) -> None:
     for method in ("baseline", "ngram"):
         if method in report:
             live.log_metric(f"{name}/{method}/tau", round(report[method]["tau"], 4), plot=False)
+    for method, prefix in {**methods, "baseline": "baseline/", "ngram": "ngram/"}.items():
+        for bucket, tau in report.get(method, {}).get("tau_by_position", {}).items():
+            live.log_metric(f"{name}/{prefix}tau_by_position/{bucket}", round(tau, 4), plot=False)
+    for turn, row in report.get("turns", {}).items():
+        live.log_metric(f"{name}/turn{turn}/prompts", row["prompts"], plot=False)
+        live.log_metric(f"{name}/turn{turn}/forwards", row["chain"]["forwards"], plot=False)
+        for method, prefix in {**methods, "baseline": "baseline/", "ngram": "ngram/"}.items():
+            if method in row:
+                live.log_metric(f"{name}/turn{turn}/{prefix}tau", round(row[method]["tau"], 4), plot=False)
     if "ngram" in report:
         for key in ("tau_matched_rounds", "matched_rounds"):
             live.log_metric(f"{name}/ngram/{key}", round(report["ngram"][key], 4), plot=False)
@@ -232,27 +345,36 @@ def log_plots(live, name: str, report: dict) -> None:
 
 
 def evaluate(verifier, drafter, eval_sets: Mapping[str, Sequence[torch.Tensor]], settings: Settings,
-             eos_ids: set[int], stops: StopStrings | None = None) -> dict[str, dict]:
-    """The stage's work on loaded models: each set's report (``evaluate_set``), from prompts [n] each.
+             eos_ids: set[int], stops: StopStrings | None = None,
+             conversations: Mapping[str, Conversations] | None = None) -> dict[str, dict]:
+    """The stage's work on loaded models: each set's report (``evaluate_set``), from prompts [n] each;
+    ``conversations``: the later turns of the multi-turn sets, by set.
 
     One warm-up on the first set comes first; the sets need none of their own.
     """
-    graphs = decode_graphs(settings, eval_sets)
-    counts = sorted({graph_rows(len(timed_prompts(prompts, settings)), size) for prompts in eval_sets.values()
-                     for size in settings.batch_sizes} | {graph_rows(len(prompts), max(settings.batch_sizes)) for prompts in eval_sets.values()})
+    conversations = conversations or {}
+    largest = max(settings.batch_sizes)
+    longest = max([len(p) for prompts in eval_sets.values() for p in prompts] +
+                  [c.longest_prompt(settings.max_new_tokens) for c in conversations.values()])
+    graphs = decode_graphs(settings, longest)
+    counts = {graph_rows(len(timed_prompts(prompts, settings, size)), size) for prompts in eval_sets.values()
+              for size in settings.batch_sizes} | {graph_rows(len(prompts), largest) for prompts in eval_sets.values()}
+    counts |= {graph_rows(c.rows(turn), largest) for c in conversations.values() for turn in range(2, c.turns + 1)}
     first = next(iter(eval_sets.values()))
-    warm_up(verifier, drafter, first, settings, eos_ids, graphs, counts)
+    warm_up(verifier, drafter, first, settings, eos_ids, graphs, sorted(counts))
     if graphs is not None and settings.chain_sweep:  # the sweep's chains: every set's timed rows at the first batch size
-        rows = sorted({graph_rows(len(timed_prompts(prompts, settings)), settings.batch_sizes[0]) for prompts in eval_sets.values()})
+        size = settings.batch_sizes[0]
+        rows = sorted({graph_rows(len(timed_prompts(prompts, settings, size)), size) for prompts in eval_sets.values()})
         warm_up(verifier, drafter, first, settings, eos_ids, graphs, rows, settings.chain_methods())
     reports = {}
     for name, prompts in eval_sets.items():
-        reports[name] = report = evaluate_set(verifier, drafter, prompts, settings, eos_ids, graphs, stops)
+        reports[name] = report = evaluate_set(verifier, drafter, prompts, settings, eos_ids, graphs, stops, conversations.get(name))
         log.info("%s: chain tau %.3f, speedup %.2fx at batch %d; tree tau %s; baselines tau %s (most frequent), %s (ngram); "
-                 "%d prompts in %.1f s", name, report["chain"]["tau"], report["batch"][settings.batch_sizes[0]]["chain"]["speedup"],
+                 "%d prompts%s in %.1f s", name, report["chain"]["tau"], report["batch"][settings.batch_sizes[0]]["chain"]["speedup"],
                  settings.batch_sizes[0],
                  report.get("tree", {}).get("tau", "-"), report.get("baseline", {}).get("tau", "-"),
-                 report.get("ngram", {}).get("tau", "-"), len(prompts), report["plain"]["seconds"])
+                 report.get("ngram", {}).get("tau", "-"), len(prompts),
+                 f" ({len(report['turns'])} turns)" if "turns" in report else "", report["plain"]["seconds"])
     return reports
 
 
@@ -312,7 +434,9 @@ def main(argv: list[str]) -> None:
     eval_sets = {name: [torch.tensor(prompt_ids(tokenizer, r["messages"]), device=settings.device) for r in rows]  # [n] each
                  for name, rows in records.items()}
     stops = StopStrings(tokenizer, settings.stop) if settings.stop else None
-    reports = evaluate(verifier, drafter, eval_sets, settings, eos_token_ids(verifier, tokenizer), stops)
+    conversations = {name: Conversations(tokenizer, rows, settings.device, stops) for name, rows in records.items()
+                     if any(r.get("followups") for r in rows)}
+    reports = evaluate(verifier, drafter, eval_sets, settings, eos_token_ids(verifier, tokenizer), stops, conversations)
     if shard_rank() == 0:
         write_reports(args.out, reports, time.perf_counter() - started)
     close_sharded()

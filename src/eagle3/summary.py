@@ -12,8 +12,10 @@ metric: what runs are compared by.
 
 - per eval set: ``tau`` of the drafter's chain and ``<method>_tau`` of every method reported
   beside it: ``tree`` drafting, the ``baseline`` (most frequent token) and ``ngram`` (prompt
-  lookup); where evaluate timed with repeats, ``speedup`` and ``speedup_spread`` (and the tree's)
-  at its first batch size, and ``unstable`` (1: repeats disagreed by more than 10%);
+  lookup), and of a multi-turn set's turns (``turn1_tau``, ``turn2_tau``: the chain's);
+  ``tau_by_position`` and ``tree_tau_by_position`` (τ per answer-position bucket, e.g. ``"0-64"``);
+  where evaluate timed with repeats, ``speedup`` and ``speedup_spread`` (and the tree's) at its
+  first batch size, and ``unstable`` (1: repeats disagreed by more than 10%);
 - ``val``: ``acc_0`` and ``sim_accept_len`` of the best validation (the exported weights);
 - ``tokens_trained`` (padding excluded), ``steps`` (optimizer steps), ``samples`` (training
   samples), ``answer_tokens_mean`` (loss-masked tokens per sample) and ``hidden_state_bytes``.
@@ -37,9 +39,10 @@ DIGITS = 4  # rounding of ratios: differences below it are noise at the demo's s
 
 
 def has_tau(value: Any) -> bool:
-    """Whether a value of evaluate's metrics is a result: an eval set, or a method within one (``tree``,
-    ``baseline``, ``ngram``). evaluate gives each its own ``tau``; what only details one (``batch``: the
-    timings per batch size, ``chain_k``: the chain K sweep) has none, and ``wall_seconds`` is a number."""
+    """Whether a value of evaluate's metrics is a result: an eval set, or a method or turn within one
+    (``tree``, ``baseline``, ``ngram``, ``turn2``). evaluate gives each its own ``tau``; what only details
+    one (``batch``: the timings per batch size, ``chain_k``: the chain K sweep, ``tau_by_position``) has
+    none, and ``wall_seconds`` is a number."""
     return isinstance(value, dict) and "tau" in value
 
 
@@ -51,14 +54,20 @@ def eval_set_headline(report: dict[str, Any]) -> dict[str, float]:
     Example: {"tau": 2.1, "speedup": 1.4, "speedup_spread": 0.02, "unstable": false, "prompts": 4,
     "tree": {"tau": 2.5, "speedup": 1.5, "speedup_spread": 0.03, "forwards": 9}, "baseline": {"tau": 1.2,
     "token": 28}} -> {"tau": 2.1, "speedup": 1.4, "speedup_spread": 0.02, "unstable": 0, "tree_tau": 2.5,
-    "tree_speedup": 1.5, "tree_speedup_spread": 0.03, "baseline_tau": 1.2}.
+    "tree_speedup": 1.5, "tree_speedup_spread": 0.03, "baseline_tau": 1.2}; with "tau_by_position":
+    {"0-64": 2.3} beside them, also "tau_by_position": {"0-64": 2.3} (and the tree's as "tree_tau_by_position").
     """
     keys = ("tau", "speedup", "speedup_spread")
     row = {key: report[key] for key in (*keys, "unstable") if key in report}
     for method, value in report.items():
         if has_tau(value):
             row.update({f"{method}_{key}": value[key] for key in keys if key in value})
-    return {key: round(float(value), DIGITS) if key != "unstable" else int(value) for key, value in row.items()}
+    row = {key: round(float(value), DIGITS) if key != "unstable" else int(value) for key, value in row.items()}
+    for name, buckets in (("tau_by_position", report.get("tau_by_position")),
+                          ("tree_tau_by_position", report.get("tree", {}).get("tau_by_position"))):
+        if buckets:
+            row[name] = {bucket: round(float(tau), DIGITS) for bucket, tau in buckets.items()}
+    return row
 
 
 def headline(train: dict[str, Any], merge: dict[str, Any], evaluate: dict[str, Any]) -> dict[str, Any]:

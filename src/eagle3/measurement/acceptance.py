@@ -2,12 +2,16 @@
 
     acceptance_stats([0, 2, 1, 2], k=2)["tau"]   # 2.25
 
+    tau_by_position([[2, 0, 1]], edges=(4,))   # {"0-4": 3.0, "4+": 1.5}
+
 Why: every method (chain, tree, the baselines, the chain K sweep) is compared by the same numbers,
-computed one way from what decoding returns (``Decoded.accepted``).
+computed one way from what decoding returns (``Decoded.accepted``); over long answers, also by
+where in the answer the forwards were (acceptance drifts as an answer goes on).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import torch
@@ -31,3 +35,28 @@ def acceptance_stats(accepted: Sequence[int], k: int) -> dict:
         "conditional": (reached[1:] / reached[:-1].clamp(min=1)).tolist(),
         "tau_distribution": (counts / forwards).tolist(),
     }
+
+
+def bucket_names(edges: Sequence[int]) -> list[str]:
+    """Names of the answer-position buckets cut at ``edges``: (64, 256) -> ["0-64", "64-256", "256+"]."""
+    bounds = [0, *edges]
+    return [f"{lo}-{hi}" for lo, hi in zip(bounds, bounds[1:])] + [f"{bounds[-1]}+"]
+
+
+def tau_by_position(accepted: Sequence[Sequence[int]], edges: Sequence[int]) -> dict[str, float]:
+    """τ per answer-position bucket: the mean of 1 + drafts accepted over the verifier forwards whose
+    first new token falls in the bucket, from each answer's accepted drafts per forward (in order).
+
+    A forward's first new token is the answer's token index it emits first (0-based): the prefill
+    emits token 0, so an answer's first forward starts at 1, the next at 1 + its accepted + 1, and
+    so on. Buckets without forwards are left out. Example, edges (4,), one answer accepted [2, 0, 1]:
+    forwards start at 1, 4, 5 -> {"0-4": 3.0, "4+": 1.5}.
+    """
+    names, sums, counts = bucket_names(edges), {}, {}
+    for answer in accepted:
+        start = 1
+        for j in answer:
+            name = names[bisect.bisect_right(edges, start)]
+            sums[name], counts[name] = sums.get(name, 0) + j + 1, counts.get(name, 0) + 1
+            start += j + 1
+    return {name: sums[name] / counts[name] for name in names if name in counts}

@@ -1,11 +1,12 @@
 """The history-only baselines of ``evaluate``: the set's most frequent output token K times (the best
 context-free chain drafter) and prompt lookup (``ngram``, as vLLM and SGLang ship it).
 
-    baselines(prompts, plain_outputs, k=3)   # {"baseline": {"tau", ..., "token"}, "ngram": {"tau", ...}}
+    baselines(prompts, greedy_outputs, k=3)   # {"baseline": {"tau", ..., "token"}, "ngram": {"tau", ...}}
     speculative_decode(verifier, HistoryProposer(ngram, 3), prompts, taps, 64, eos)   # decoded for real
 
 Why: a drafter near their τ is broken. They propose from the tokens alone, so their τ is replayed
-exactly on the plain greedy output (``replay``) instead of decoded again; ``HistoryProposer`` decodes
+exactly on the greedy output (``replay``; evaluate's is the chain's, equal to plain greedy decoding's
+under greedy verification) instead of decoded again; ``HistoryProposer`` decodes
 them for real, which gives the same acceptances (tests/test_speculative.py).
 """
 
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from eagle3.drafter.batch import Batch
 from eagle3.drafter.tree import Draft, Round
-from eagle3.measurement.acceptance import acceptance_stats
+from eagle3.measurement.acceptance import acceptance_stats, tau_by_position
 
 
 def most_frequent(token: int) -> Callable[[list[int], int], list[int]]:
@@ -94,19 +95,23 @@ def most_frequent_token(outputs: Sequence[list[int]]) -> int:
     return min(counts, key=lambda token: (-counts[token], token))
 
 
-def baselines(prompts: Sequence[torch.Tensor], outputs: Sequence[list[int]], k: int) -> dict:
-    """The most-frequent-token and n-gram baselines, replayed on the plain greedy outputs.
+def baselines(prompts: Sequence[torch.Tensor], outputs: Sequence[list[int]], k: int, edges: Sequence[int] = (),
+              token: int | None = None) -> dict:
+    """The most-frequent-token and n-gram baselines, replayed on the greedy outputs (one per prompt).
 
-    Both ``tau`` are per sequence, over every verifier forward (comparable with the drafter's τ).
-    Prompt lookup proposes nothing where it finds no match, so it also has ``tau_matched_rounds``
-    (τ over the forwards it drafted for) and ``matched_rounds`` (their share): e.g. 10 forwards,
-    4 with a match accepting 2 each -> tau 1.8, tau_matched_rounds 3.0, matched_rounds 0.4.
+    Both ``tau`` are per sequence, over every verifier forward (comparable with the drafter's τ), and
+    ``tau_by_position`` per bucket of ``edges`` (``acceptance.tau_by_position``). Prompt lookup
+    proposes nothing where it finds no match, so it also has ``tau_matched_rounds`` (τ over the
+    forwards it drafted for) and ``matched_rounds`` (their share): e.g. 10 forwards, 4 with a match
+    accepting 2 each -> tau 1.8, tau_matched_rounds 3.0, matched_rounds 0.4. ``token``: the
+    most frequent token to propose (default: the outputs' own).
     """
-    token = most_frequent_token(outputs)
+    token = most_frequent_token(outputs) if token is None else token
     report = {}
     for name, propose in (("baseline", most_frequent(token)), ("ngram", ngram)):
-        accepted = [j for ids, out in zip(prompts, outputs) for j in replay(propose, ids.tolist(), out, k)]
-        report[name] = acceptance_stats(accepted, k)
+        accepted = [replay(propose, ids.tolist(), out, k) for ids, out in zip(prompts, outputs)]
+        report[name] = {**acceptance_stats([j for answer in accepted for j in answer], k),
+                        "tau_by_position": tau_by_position(accepted, edges)}
     report["baseline"]["token"] = token
     matched = [j for ids, out in zip(prompts, outputs) for j in replay(ngram, ids.tolist(), out, k, drafted_only=True)]
     report["ngram"]["tau_matched_rounds"] = acceptance_stats(matched, k)["tau"]

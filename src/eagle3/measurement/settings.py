@@ -26,10 +26,12 @@ class Settings:
     tree: TreeShape | None  # SGLang's draft tree (num_steps, topk, num_draft_tokens); None: chain only
     batch_sizes: tuple[int, ...]  # prompts decoded together, one timing per size; τ and outputs at the largest
     repeats: int  # timings per batch size (median and spread); one: no spread, so no speedup metric
-    timed_prompts: int | None  # timings on the first this many prompts of a set (at least the largest batch); None: all
+    timed_prompts: int | None  # timings at batch size B on a set's first max(this, B) prompts; None: all
+    timed_new_tokens: int | None  # tokens per prompt in the timings (at most max_new_tokens); None: max_new_tokens
     chain_sweep: tuple[int, ...]  # chain K also timed, on every set at the first batch size (the best K)
     cuda_graphs: bool  # on a GPU, static caches and captured steps (``eagle3.drafter.graphed``); False: eager
-    max_new_tokens: int  # tokens generated per prompt (fewer at EOS)
+    max_new_tokens: int  # tokens generated per prompt in the τ decode (fewer at EOS)
+    position_buckets: tuple[int, ...]  # edges of the answer-position buckets of τ, e.g. (64, 256): 0-64, 64-256, 256+
     sets: tuple[str, ...]  # eval sets: data/prompts/eval/<set>.jsonl
     max_prompts: int | None  # at most this many prompts per set (file order); None: all
     baseline: bool  # also replay the most-frequent-token and n-gram baselines
@@ -47,16 +49,26 @@ class Settings:
         return cls(  # values validated by config.validate (stage_params), the tree's shape included
             int(cfg.draft_tokens), None if tree is None else TreeShape(int(tree.num_steps), int(tree.topk), int(tree.num_draft_tokens)),
             tuple(map(int, cfg.batch_sizes)), int(cfg.repeats), None if cfg.timed_prompts is None else int(cfg.timed_prompts),
+            None if cfg.timed_new_tokens is None else int(cfg.timed_new_tokens),
             tuple(map(int, cfg.chain_sweep)), bool(cfg.cuda_graphs),
-            int(cfg.max_new_tokens), tuple(cfg.sets),
+            int(cfg.max_new_tokens), tuple(map(int, cfg.position_buckets)), tuple(cfg.sets),
             None if cfg.max_prompts is None else int(cfg.max_prompts), bool(cfg.baseline),
             str(layout.device), str(layout.dtype), int(layout.threads), spec.stop, spec.trust_remote_code,
             Placement.from_params(layout),
         )
 
+    @property
+    def timed_tokens(self) -> int:
+        """Tokens per prompt in the timings: ``timed_new_tokens``, at most ``max_new_tokens``."""
+        return min(self.timed_new_tokens or self.max_new_tokens, self.max_new_tokens)
+
     def methods(self) -> dict[str, TreeShape | None]:
         """Decoding methods: plain greedy (None), the chain, and the tree when configured."""
         return {"plain": None, "chain": TreeShape.chain(self.draft_tokens), **({"tree": self.tree} if self.tree else {})}
+
+    def drafting_methods(self) -> dict[str, TreeShape]:
+        """The methods that draft (τ is theirs): the chain, and the tree when configured."""
+        return {name: shape for name, shape in self.methods().items() if shape}
 
     def chain_methods(self) -> dict[str, TreeShape | None]:
         """Plain greedy and a chain per K of ``chain_sweep``: {"plain": None, "k2": chain(2), ...}."""

@@ -36,8 +36,13 @@ class Run:
     """One decoding method over one eval set."""
 
     outputs: list[list[int]] = field(default_factory=list)  # generated tokens per prompt
-    accepted: list[int] = field(default_factory=list)  # drafts accepted per verifier forward, pooled over prompts
+    accepted: list[list[int]] = field(default_factory=list)  # per prompt, drafts accepted per verifier forward
     seconds: list[float] = field(default_factory=list)  # decoding time per repeat, summed over batches
+
+    @property
+    def pooled(self) -> list[int]:
+        """Drafts accepted per verifier forward, pooled over the prompts."""
+        return [j for answer in self.accepted for j in answer]
 
     @property
     def rates(self) -> list[float]:
@@ -94,7 +99,7 @@ def decode_all(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Set
                 if repeat == 0:
                     for d in decoded[:rows]:
                         runs[name].outputs.append(d.tokens)
-                        runs[name].accepted += d.accepted
+                        runs[name].accepted.append(d.accepted)
     return runs
 
 
@@ -122,25 +127,27 @@ def disagreeing(timing: Mapping[str, dict]) -> list[str]:
             if key.endswith("_spread") and value is not None and value > UNSTABLE_SPREAD]
 
 
-def timed_prompts(prompts: Sequence[torch.Tensor], settings: Settings) -> Sequence[torch.Tensor]:
-    """The prompts every batch size is timed on: the first ``timed_prompts`` (at least a batch of the
-    largest size), or all of them (None). Example: 500 prompts, timed_prompts 64, sizes [1, 128] -> 128."""
+def timed_prompts(prompts: Sequence[torch.Tensor], settings: Settings, batch_size: int) -> Sequence[torch.Tensor]:
+    """The prompts batch size ``batch_size`` is timed on: the first ``timed_prompts``, at least one batch of
+    that size, or all of them (None). Example: 500 prompts, timed_prompts 2: batch 1 -> 2, batch 64 -> 64."""
     if settings.timed_prompts is None:
         return prompts
-    return prompts[: max(settings.timed_prompts, *settings.batch_sizes)]
+    return prompts[: max(settings.timed_prompts, batch_size)]
 
 
 def chain_sweep(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
                 graphs: DecodeGraphs | None, stops: StopStrings | None = None) -> dict:
-    """Chains of every K in ``chain_sweep`` timed against plain decoding at the first batch size:
-    {"timing": ``timings``, "tau": {name: τ}, "draft_cost": {name: ...}?, "best": the K of the highest median speedup}."""
+    """Chains of every K in ``chain_sweep`` timed against plain decoding at the first batch size, on ``prompts``
+    (its timed ones) for ``timed_tokens`` each: {"timing": ``timings``, "tau": {name: τ}, "costs": {name: ...},
+    "best": the K of the highest median speedup}."""
     size = settings.batch_sizes[0]
     methods = settings.chain_methods()
-    runs = decode_all(verifier, drafter, prompts, settings, eos_ids, size, methods, settings.repeats, graphs=graphs, stops=stops)
+    runs = decode_all(verifier, drafter, prompts, settings, eos_ids, size, methods, settings.repeats, settings.timed_tokens,
+                      graphs=graphs, stops=stops)
     timing = timings(runs)
     chains = {name: shape for name, shape in methods.items() if shape}
     best = max(chains, key=lambda name: timing[name]["speedup"])
-    return {"timing": timing, "tau": {name: acceptance_stats(runs[name].accepted, shape.num_steps)["tau"] for name, shape in chains.items()},
+    return {"timing": timing, "tau": {name: acceptance_stats(runs[name].pooled, shape.num_steps)["tau"] for name, shape in chains.items()},
             "costs": {name: step_costs(graphs, drafter, prompts, size, shape) for name, shape in chains.items()},
             "best": chains[best].num_steps}
 
@@ -187,15 +194,15 @@ def warm_up(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settin
         decode_all(verifier, drafter, first, settings, eos_ids, rows, methods, max_new_tokens=tokens, graphs=graphs)
 
 
-def decode_graphs(settings: Settings, eval_sets: Mapping[str, Sequence[torch.Tensor]]) -> DecodeGraphs | None:
-    """CUDA graphs for decoding on a GPU with a whole verifier per process (as engines serve); None: eager.
+def decode_graphs(settings: Settings, longest_prompt: int) -> DecodeGraphs | None:
+    """CUDA graphs for decoding on a GPU with a whole verifier per process (as engines serve), for prompts
+    of at most ``longest_prompt`` tokens; None: eager.
 
     Why not on the CPU: a CPU has no launch cost to save, and its measurement stays as it was.
     """
     if not (settings.cuda_graphs and settings.device.startswith("cuda")) or settings.placement.sharded:
         return None
-    longest = max(len(p) for prompts in eval_sets.values() for p in prompts)
-    return DecodeGraphs(longest, settings.max_new_tokens, capture=True)
+    return DecodeGraphs(longest_prompt, settings.max_new_tokens, capture=True)
 
 
 def graph_rows(count: int, batch_size: int) -> int:
