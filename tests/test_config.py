@@ -1,6 +1,7 @@
 """Hydra composition of conf/ into params.yaml, the same way `dvc exp run -S` does it."""
 
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from eagle3.common import USER_ERROR, UserError
-from eagle3.config import compose_params, shard_range, validate
+from eagle3.config import compose_params, conf_schema, shard_range, validate
+from eagle3.params import PARAMS
 from eagle3.prompt_sources.sources import flat
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,3 +180,63 @@ def test_every_recipe_of_the_sweep_is_a_valid_change_of_the_gpu_scales(tmp_path)
         keys = {k: v for k, v in {**sweep["DATA"].get(overrides.get("data"), {}), **overrides}.items() if k != "data"}
         assert all(OmegaConf.select(base, k) is not None for k in keys), name
         validate(OmegaConf.merge(base, OmegaConf.from_dotlist([f"{k}={v}" for k, v in keys.items()])))
+
+
+UNKNOWN = [  # a `+key=value` override (the form `dvc exp run -S` suggests) adds a key no conf/ file declares
+    ("+train.lrr=0.1", "params.yaml: train.lrr: unknown key (did you mean train.lr?)"),
+    ("+merge.draft_vocab_sise=256", "params.yaml: merge.draft_vocab_sise: unknown key (did you mean merge.draft_vocab_size?)"),
+    ("+model.source.revison=main", "params.yaml: model.source.revison: unknown key (did you mean model.source.revision?)"),
+    ("+evaluate.tree.depth=3", "params.yaml: evaluate.tree.depth: unknown key (no file of conf/evaluate/ declares it)"),
+    ("+colour=1", "params.yaml: colour: unknown key (conf/config.yaml does not declare it)"),
+]
+
+
+@pytest.mark.parametrize("override,message", UNKNOWN, ids=[u[0] for u in UNKNOWN])
+def test_a_key_no_conf_file_declares_is_refused_in_one_line_and_nothing_is_written(tmp_path, override, message):
+    out = tmp_path / "params.yaml"
+    with pytest.raises(UserError) as caught:
+        compose_params([override], conf_dir=CONF, output=out)
+    assert str(caught.value).replace(str(CONF), "conf") == message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_known_keys_are_those_conf_declares_in_any_option_of_the_group(tmp_path):
+    """conf/ is the schema: a key one option declares is known with every option; a key added to a conf
+    file is known at once; the open mappings take any entry."""
+    compose(tmp_path, "backend=sglang")  # keys only sglang's option declares
+    compose(tmp_path, "+backend.port=30001")  # with backend=local: sglang declares it
+    compose(tmp_path, "+model.draft_head.rope_theta=10000.0", "+dataset.eval_sets.mine=3")
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    train = conf / "train" / "default.yaml"
+    train.write_text(train.read_text() + "compile: false        # a new key, declared with its comment\n")
+    compose_params(["train.compile=true"], conf_dir=conf, output=tmp_path / "params.yaml")
+    assert OmegaConf.load(tmp_path / "params.yaml").train.compile is True
+    assert set(conf_schema(CONF)) == set(PARAMS)  # every section is the params stage's
+
+
+def test_a_source_entry_takes_the_keys_of_its_kind(tmp_path):
+    params = compose(tmp_path)
+    params.dataset.sources = [{"kind": "jsonl", "path": "data/sources/a.jsonl", "weight": 1, "folders": ["x"]}]
+    with pytest.raises(UserError, match=r"^params.yaml: dataset.sources\[0\].folders: unknown key \(a jsonl source has "
+                                        r"\['kind', 'label', 'weight', 'path'\]\)$"):
+        validate(params)
+    params.dataset.sources = [{"kind": "hf", "name": "x", "spilt": "train"}]
+    with pytest.raises(UserError, match=r"^params.yaml: dataset.sources\[0\].spilt: unknown key \(did you mean "
+                                        r"dataset.sources\[0\].split\?\)$"):
+        validate(params)
+
+
+@pytest.mark.parametrize("overrides,greedy", [
+    (["generate.samples=3", "generate.sample_temperatures=[0]"], [0, 1, 2]),
+    (["generate.samples=3", "generate.temperature=0.7", "generate.sample_temperatures=[0]"], [1, 2]),
+    (["generate.samples=2", "generate.sample_temperatures=[0,0.7]"], [0, 1]),
+])
+def test_a_second_greedy_answer_is_refused(tmp_path, overrides, greedy):
+    """Greedy decoding has one answer: a second answer at temperature 0 is its copy (generation for nothing)."""
+    with pytest.raises(UserError) as caught:
+        compose(tmp_path, *overrides)
+    assert str(caught.value).startswith(f"params.yaml: generate.sample_temperatures = ") and "\n" not in str(caught.value)
+    assert f"answers {greedy} would be at temperature 0" in str(caught.value)
+    compose(tmp_path, "generate.samples=2", "generate.temperature=0.7", "generate.sample_temperatures=[0]")  # one greedy answer
+    compose(tmp_path, "generate.samples=3", "generate.sample_temperatures=[0.7,1.0]")

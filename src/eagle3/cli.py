@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from eagle3 import report
-from eagle3.common import UserError, setup_logging
+from eagle3.common import UserError, check_lock_file, setup_logging
 from eagle3.lifecycle import gc, s3
 
 
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     args = build_parser().parse_args(argv)
     try:
+        check_lock_file()  # every command: the damage a kill of DVC leaves stops every dvc command too
         args.func(args)
     except UserError as err:
         parser_exit = f"error: {err}"

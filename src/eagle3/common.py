@@ -59,11 +59,13 @@ def at_finish(check: Callable[[], None]) -> None:
 
 def stage_main(fn: Callable[[list[str]], None]) -> None:
     """Run a stage's ``main(argv)`` and then its ``at_finish`` checks; turn a UserError into one line and
-    exit USER_ERROR."""
+    exit USER_ERROR. Run by hand, a stage first checks dvc.lock (``check_lock_file``); under DVC, DVC has."""
     setup_logging()
     exit_with_launcher()
     FINISH_CHECKS.clear()  # only this run's (an in-process caller may have read params before)
     try:
+        if "DVC_STAGE" not in os.environ:
+            check_lock_file()
         fn(sys.argv[1:])
         for check in FINISH_CHECKS:
             check()
@@ -74,6 +76,39 @@ def stage_main(fn: Callable[[list[str]], None]) -> None:
         if "TORCHELASTIC_RUN_ID" not in os.environ:  # a torchrun worker: eagle3.launch says it once
             print(f"eagle3: interrupted; stopping (pid {os.getpid()})", file=sys.stderr)
         sys.exit(INTERRUPTED)
+
+
+MEND_LOCK = "mend it with `git checkout dvc.lock` (none committed: remove it), then `dvc status` / `dvc repro`"
+
+
+def check_lock_file(path: str | os.PathLike = "dvc.lock") -> None:
+    """Refuse an empty or damaged dvc.lock in one line that says how to mend it.
+
+    DVC rewrites dvc.lock in place (it truncates the file, then writes it), so a ``kill -9`` of
+    ``dvc repro`` while it writes leaves it empty or cut short; DVC then refuses every command with a
+    schema path (``expected int, in stages -> train -> deps -> 17 -> size``). The check is DVC's own
+    (its parser and lock-file schema), so what passes here DVC reads. No lock file: nothing to check.
+    """
+    from dvc.exceptions import DvcException
+    from dvc.schema import COMPILED_LOCKFILE_SCHEMA
+    from dvc.utils import strictyaml
+
+    path = Path(path)
+    if not path.is_file():
+        return
+    if path.stat().st_size == 0:
+        problem = "empty"
+    else:
+        try:
+            strictyaml.load(str(path), COMPILED_LOCKFILE_SCHEMA)
+            return
+        except strictyaml.YAMLValidationError as err:
+            cause = err.__cause__
+            where = " -> ".join(str(p) for p in getattr(getattr(cause, "errors", [None])[0], "path", []) or [])
+            problem = f"cut short or damaged (not DVC's lock-file schema{f' at {where}' if where else ''})"
+        except DvcException:
+            problem = "cut short or damaged (not readable YAML)"
+    raise UserError(f"{path}: {problem} (a kill of DVC while it wrote the file?); {MEND_LOCK}")
 
 
 def exit_with_launcher(worker: bool = False, interval: float = 1.0) -> None:

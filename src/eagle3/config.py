@@ -13,6 +13,7 @@ bad value set with ``dvc exp run -S`` stops the stage with the same one-line err
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import re
 import tempfile
@@ -27,7 +28,14 @@ from eagle3.common import USER_ERROR, UserError, at_finish
 from eagle3.lm.spec import VerifierSpec
 
 SHARD_NAME = re.compile(r"^(\d{6})-(\d{6})$")
-SOURCE_KINDS = ("evals", "jsonl", "parquet", "sharegpt", "hf")
+SOURCE_KEYS = {  # dataset.sources: the keys of an entry, by kind (docs/data.md), besides kind, label and weight
+    "evals": ("folders", "exclude", "folder_temperature"),
+    "jsonl": ("path",),
+    "parquet": ("path",),
+    "sharegpt": ("path", "package", "file"),
+    "hf": ("name", "subset", "split"),
+}
+SOURCE_KINDS = tuple(SOURCE_KEYS)
 STORAGE_DTYPES = ("bfloat16", "float8_e4m3fn")
 _ABSENT = object()
 
@@ -47,7 +55,9 @@ def compose_params(overrides: list[str], conf_dir: str | Path = "conf", output: 
     os.close(handle)
     try:
         compose_and_dump(Path(scratch), str(conf_dir), None, "config", str(conf_dir), list(overrides))
-        validate(OmegaConf.load(scratch))
+        composed = OmegaConf.load(scratch)
+        check_known_keys(composed, conf_dir, output.name)  # a `+key=value` override adds what no conf/ file declares
+        validate(composed)
         os.replace(scratch, output)
     except HydraException as err:
         first = str(err).strip().splitlines()[0]
@@ -56,8 +66,9 @@ def compose_params(overrides: list[str], conf_dir: str | Path = "conf", output: 
         Path(scratch).unlink(missing_ok=True)
 
 
-def stage_params(keys: Iterable[str], path: str | os.PathLike = "params.yaml") -> DictConfig:
-    """The declared ``keys`` of the params file, validated; reading any other key raises.
+def stage_params(keys: Iterable[str], path: str | os.PathLike = "params.yaml", schema: Path | None = None) -> DictConfig:
+    """The declared ``keys`` of the params file, validated; reading any other key raises. With ``schema``
+    (the conf/ folder: the params stage), every key of the whole file must be one it declares.
 
     When the stage finishes (``stage_main``), the file must still hold these values, else the stage
     fails (``_require_unchanged``). Under torchrun every process validates the same values: only
@@ -73,6 +84,8 @@ def stage_params(keys: Iterable[str], path: str | os.PathLike = "params.yaml") -
             raise UserError(f"{path}: {key} is missing; recompose it with `eagle3 params`")
         OmegaConf.update(view, key, value, force_add=True)
     with _reported_by_rank0():
+        if schema is not None:
+            check_known_keys(params, schema, path.name)
         validate(view)
     started = _declared_values(params, keys)
     at_finish(lambda: _require_unchanged(path, keys, started))
@@ -138,6 +151,76 @@ def shard_range(name: str) -> tuple[int, int]:
     if not match or int(match[1]) >= int(match[2]):
         raise UserError(f"params.yaml: dataset.shards: {name!r} is not a range 'SSSSSS-EEEEEE' with start < end")
     return int(match[1]), int(match[2])
+
+
+# --- known keys: conf/ is the schema --------------------------------------------------------------
+
+# Mappings whose entries no conf/ file can list; the code that reads them checks their keys.
+OPEN_MAPS = (
+    "dataset.eval_sets",    # eval set names (_check_eval_sets, the prompts stage)
+    "model.draft_head",     # overrides of the drafter's shape (DraftConfig.create)
+    "model.source.config",  # a random verifier's transformers config (verifier_sources.random_weights)
+)
+Schema = dict[str, "Schema | None"]  # None: a value conf/ declares as a scalar, a list or an empty mapping
+
+
+def conf_schema(conf_dir: str | Path = "conf") -> Schema:
+    """Every key conf/ declares: config.yaml's own at the top, and under each group's name the union of
+    the keys its options declare (so a key of any option, e.g. backend.port of sglang, is known).
+
+    Every key is declared with its comment in conf/, so a key added there is known here too.
+    """
+    conf_dir = Path(conf_dir)
+    schema = _declared(_conf_file(conf_dir / "config.yaml"))
+    for option in sorted(conf_dir.glob("*/*.yaml")):
+        schema = _union(schema, {option.parent.name: _declared(_conf_file(option))})
+    return schema
+
+
+def _conf_file(path: Path) -> dict:
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise UserError(f"{path}: not readable YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(loaded, dict):
+        raise UserError(f"{path}: not a mapping of keys")
+    return {key: value for key, value in loaded.items() if key != "defaults"}  # Hydra's list of options, not a key
+
+
+def _declared(value: Any) -> Schema | None:
+    return {str(key): _declared(item) for key, item in value.items()} if isinstance(value, dict) and value else None
+
+
+def _union(first: Schema | None, second: Schema | None) -> Schema | None:
+    if not isinstance(first, dict) or not isinstance(second, dict):
+        return first if isinstance(first, dict) else second
+    return {key: _union(first.get(key), second.get(key)) for key in first.keys() | second.keys()}
+
+
+def check_known_keys(params: DictConfig | dict, conf_dir: str | Path = "conf", name: str = "params.yaml") -> None:
+    """Refuse the first key of ``params`` that no conf/ file declares, in one line with the nearest known key.
+
+    Within a section or a mapping conf/ declares with keys, every key must be declared (``OPEN_MAPS``
+    excepted); lists (e.g. dataset.sources, checked by ``_check_sources``) are values.
+    """
+    values = OmegaConf.to_container(params) if isinstance(params, DictConfig) else params
+    _check_keys(values, conf_schema(conf_dir), "", Path(conf_dir), name)
+
+
+def _check_keys(values: Any, schema: Schema | None, prefix: str, conf_dir: Path, name: str) -> None:
+    if not isinstance(values, dict) or not isinstance(schema, dict):
+        return
+    for key, value in values.items():
+        dotted = f"{prefix}{key}"
+        if str(key) not in schema:
+            section = dotted.split(".")[0]
+            where = conf_dir / section if (conf_dir / section).is_dir() and "." in dotted else conf_dir / "config.yaml"
+            nearest = difflib.get_close_matches(str(key), list(schema), n=1)
+            hint = (f"did you mean {prefix}{nearest[0]}?" if nearest else
+                    f"no file of {where}/ declares it" if where.is_dir() else f"{where} does not declare it")
+            raise UserError(f"{name}: {dotted}: unknown key ({hint})")
+        if dotted not in OPEN_MAPS:
+            _check_keys(value, schema[str(key)], f"{dotted}.", conf_dir, name)
 
 
 # --- value checks: key -> (test, what is allowed) -------------------------------------------------
@@ -299,6 +382,12 @@ def _check_source(key: str, spec: Any) -> None:
     kind = spec.get("kind") if isinstance(spec, dict) else None
     if kind not in SOURCE_KINDS:
         raise refuse(f"{key}.kind", kind, f"one of {list(SOURCE_KINDS)}")
+    known = ("kind", "label", "weight", *SOURCE_KEYS[kind])
+    for name in spec:
+        if name not in known:
+            nearest = difflib.get_close_matches(str(name), known, n=1)
+            hint = f"did you mean {key}.{nearest[0]}?" if nearest else f"a {kind} source has {list(known)}"
+            raise UserError(f"params.yaml: {key}.{name}: unknown key ({hint})")
     if kind in ("jsonl", "parquet") and not spec.get("path"):
         raise refuse(f"{key}.path", spec.get("path"), f"the path of the {kind} file")
     if kind == "sharegpt" and not (spec.get("path") or (spec.get("package") and spec.get("file"))):
@@ -382,6 +471,7 @@ def _check_relations(params: DictConfig) -> None:
     context, new = _get(params, "model.max_position_embeddings"), _get(params, "generate.max_new_tokens")
     if _ABSENT not in (context, new) and context <= new:
         raise refuse("generate.max_new_tokens", new, f"smaller than model.max_position_embeddings ({context}), the verifier's context")
+    _check_sample_temperatures(params)
     low, high = _get(params, "merge.min_tokens"), _get(params, "merge.max_tokens")
     if _ABSENT not in (low, high) and high < low:
         raise refuse("merge.max_tokens", high, f">= merge.min_tokens ({low})")
@@ -397,3 +487,17 @@ def _check_relations(params: DictConfig) -> None:
         raise refuse("train.optimizer", "muon", "adamw with train.fsdp (Muon orthogonalises whole matrices, FSDP shards them)")
     if _get(params, "train.freeze_lm_head") is True and _get(params, "train.lm_head_init") != "verifier":
         raise refuse("train.freeze_lm_head", True, "false unless train.lm_head_init is verifier (it keeps the lm_head at its start)")
+
+
+def _check_sample_temperatures(params: DictConfig) -> None:
+    """At most one answer to a prompt is greedy: greedy decoding gives one answer, so another is its copy."""
+    samples, first = _get(params, "generate.samples"), _get(params, "generate.temperature")
+    others = _get(params, "generate.sample_temperatures")
+    if _ABSENT in (samples, first, others):
+        return
+    temperatures = [first] + [others[(k - 1) % len(others)] for k in range(1, samples)]
+    greedy = [k for k, t in enumerate(temperatures) if t == 0]
+    if len(greedy) > 1:
+        raise refuse("generate.sample_temperatures", others,
+                     f"free of 0 for the {samples} answers of generate.samples: answers {greedy} would be at temperature 0 "
+                     "(answer 0 at generate.temperature), one greedy answer repeated")

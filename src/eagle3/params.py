@@ -1,12 +1,15 @@
 """Stage ``params``: the whole params.yaml validated before DVC removes any stage's outputs.
 
-    python -m eagle3.params data/params.ok
+    python -m eagle3.params data/params.ok --conf conf --sources data/sources
 
 ``dvc exp run -S key=value`` writes the value into params.yaml and then, stage by stage, deletes
 the outputs of a stage whose params changed before running it; a stage that then refused the
 value left neither its old outputs nor new ones. This stage declares every section of params.yaml,
 so any change runs it first (``verifier``, and through it every stage, depends on its output),
-and a bad value stops the run here, before anything is removed. Its output's bytes are the same
+and a bad value stops the run here, before anything is removed. It checks what can be checked
+without running a stage: every key is one that conf/ declares (a misspelt ``train.lrr`` or a
+``+key`` no code reads is refused, not recorded in dvc.lock), every value, and the prompt sources'
+paths and weights. Its output's bytes are the same
 for every valid params.yaml, so a valid change reruns only the stages that declare the key.
 """
 
@@ -17,6 +20,7 @@ from pathlib import Path
 
 from eagle3.common import UserError, stage_main
 from eagle3.config import stage_params
+from eagle3.prompt_sources.sources import check_local_sources, source_weights
 
 PARAMS = ("seed", "model", "dataset", "layout", "backend", "generate", "extract", "merge", "train", "evaluate")  # = dvc.yaml
 VALID = "params.yaml: valid (checked by the params stage: python -m eagle3.params)\n"
@@ -26,10 +30,14 @@ RESTORE = "nothing was run or removed: correct it, or restore the committed para
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle3.params", description="validate params.yaml as a whole")
     parser.add_argument("out", type=Path, help="the stage's constant output, e.g. data/params.ok")
+    parser.add_argument("--conf", type=Path, required=True, help="the Hydra config folder, the schema of the keys, e.g. conf")
+    parser.add_argument("--sources", type=Path, required=True, help="the folder of local prompt files, e.g. data/sources")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     try:
-        stage_params(PARAMS, args.params)
+        params = stage_params(PARAMS, args.params, schema=args.conf)
+        check_local_sources(params.dataset.sources, args.sources)
+        source_weights(params.dataset.sources)
     except UserError as err:
         raise UserError(f"{err}; {RESTORE}") from None
     if not args.out.is_file() or args.out.read_text() != VALID:  # persistent: DVC leaves it, rewritten only if damaged
