@@ -230,6 +230,7 @@ def main() -> None:
     parser.add_argument("--command", default="", help="the command that made the run, as recorded")
     parser.add_argument("--peer", type=Path, help="peer_train.py's record or peer_tau.py's JSON")
     parser.add_argument("--poll", action="store_true", help="print the run's progress instead")
+    parser.add_argument("--lines", type=int, default=15, help="with --poll: the log's last lines shown")
     parser.add_argument("--readme-table", type=Path, metavar="JSON", help="print the README's table of this JSON")
     args = parser.parse_args()
     if args.readme_table:
@@ -238,7 +239,7 @@ def main() -> None:
     if args.run is None:
         parser.error("RUN is required (or --readme-table JSON)")
     if args.poll:
-        print(poll(args.run))
+        print(poll(args.run, args.lines))
         return
     if not (args.run / "logs/dvc.log").is_file():
         raise SystemExit(f"{args.run}/logs/dvc.log not found: run benchmarks/offline/pipeline_run.sh first")
