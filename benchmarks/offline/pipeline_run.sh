@@ -70,6 +70,8 @@ if [ ! -d "$run/.dvc" ]; then  # a fresh run folder
   fi
   (cd "$run" && python -m dvc init --no-scm -q && python -m dvc config cache.type hardlink \
     && python -m dvc config core.analytics false)
+  echo "eagle3 params ${OVERRIDES:--S dataset=10k -S layout=gpu1}; dvc init --no-scm; dvc repro verifier;${prompts:+ prompts carried, dvc commit -f prompts;} dvc repro" \
+    > "$run/logs/command.txt"  # the report's "command"
 fi
 cd "$run"
 rm -f logs/job.rc

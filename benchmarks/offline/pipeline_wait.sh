@@ -3,7 +3,7 @@
 # minute (benchmarks/pipeline_report.py --poll); then the report as it stands (finished: false while the job
 # runs) and the run's logs and metrics into OUT, gzipped where large (what a device call brings back: 8 files).
 #
-#   COMMIT=<sha> bash benchmarks/offline/pipeline_wait.sh /root/run 540 "$OUT"
+#   COMMIT=<sha> bash benchmarks/offline/pipeline_wait.sh /root/run 540 "$OUT"   # PEER=FILE: pipeline_report.py --peer
 set -uo pipefail
 run=$1 seconds=$2 out=$3
 here=$(cd "$(dirname "$0")" && pwd)
@@ -16,7 +16,7 @@ done
 python3 "$report" "$run" --poll
 mkdir -p "$out"
 python3 "$report" "$run" --out "$out/pipeline_10k.json" --commit "${COMMIT:-unknown}" \
-  --command "${COMMAND:-benchmarks/offline/pipeline_run.sh (dvc repro at dataset=10k layout=gpu1)}" ${PEER:+--peer "$PEER"} > /dev/null
+  --command "${COMMAND:-$(cat "$run/logs/command.txt")}" ${PEER:+--peer "$PEER"} > /dev/null
 gzip -c "$run/logs/dvc.log" > "$out/dvc.log.gz"
 [ -f "$run/logs/gpu.tsv" ] && gzip -c "$run/logs/gpu.tsv" > "$out/gpu.tsv.gz"
 tar -C "$run" -czf "$out/metrics.tar.gz" --ignore-failed-read params.yaml dvc.lock logs/job.out metrics dvclive 2>/dev/null
