@@ -208,8 +208,12 @@ def poll(run: Path, lines: int = 15) -> str:
     log = read_log(run / "logs/dvc.log") if (run / "logs/dvc.log").is_file() else RunLog()
     _, samples = read_samples(run / "logs/gpu.tsv")
     now = time.time()
-    state = "not started" if not log.sessions else ("running" if log.sessions[-1][1] is None else f"exit {log.exit_code}")
-    out = [f"{run}: {state}, {now - log.sessions[0][0]:.0f} s since the first start" if log.sessions else f"{run}: {state}"]
+    if not log.sessions:
+        out = [f"{run}: not started"]
+    else:
+        wall = sum((b if b is not None else now) - a for a, b in log.sessions)
+        state = "running" if log.sessions[-1][1] is None else f"exit {log.exit_code}"
+        out = [f"{run}: {state}, {wall:.0f} s of job ({len(log.sessions)} session(s))"]
     for name, stage in stage_times(log, samples, now).items():
         count = f" ({len(stage['items'])} items)" if "items" in stage else ""
         out.append(f"  {name}{count}: {stage['wall_s']:.0f} s, GPU busy {percent(stage['gpu_busy'])}")
@@ -218,7 +222,7 @@ def poll(run: Path, lines: int = 15) -> str:
     if samples:
         t, util, mem = samples[-1]
         out.append(f"  GPU {now - t:.0f} s ago: {util:.0f} % busy, {mem / 1024:.1f} GiB")
-    out += [f"  | {text[:150]}" for _, text in log.lines[-lines:]]
+    out += [f"  | {text[:150]}" for _, text in (log.lines[-lines:] if lines > 0 else [])]
     return "\n".join(out)
 
 

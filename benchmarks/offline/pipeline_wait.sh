@@ -8,8 +8,10 @@ set -uo pipefail
 run=$1 seconds=$2 out=$3
 here=$(cd "$(dirname "$0")" && pwd)
 report=$here/../pipeline_report.py
+[ -f "$run/logs/dvc.log" ] || { echo "error: $run/logs/dvc.log not found: no run here (a fresh machine?): pipeline_run.sh first"; exit 2; }
 end=$((SECONDS + seconds)) next=$((SECONDS + 60))
 while [ ! -f "$run/logs/job.rc" ] && [ "$SECONDS" -lt "$end" ]; do
+  if ! kill -0 "$(cat "$run/logs/job.pid")" 2>/dev/null; then echo "the job ended without its exit code (killed?): rerun pipeline_run.sh to resume"; break; fi
   sleep 5
   if [ "$SECONDS" -ge "$next" ]; then python3 "$report" "$run" --poll --lines 2; next=$((SECONDS + 60)); fi
 done
