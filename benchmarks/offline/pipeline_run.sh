@@ -59,6 +59,8 @@ if [ "$(cat "$run/logs/job.rc" 2>/dev/null)" = 0 ]; then echo "done: $run/logs/j
 export PYTHONPATH="$run/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 DVC_NO_ANALYTICS=1
 if [ ! -d "$run/.dvc" ]; then  # a fresh run folder
   cp -r "$repo/dvc.yaml" "$repo/conf" "$repo/src" "$run/"
+  # the job runs from its own copy: a device call re-copies the repository while the job runs
+  mkdir -p "$run/tools" && cp "$here/pipeline_run.sh" "$here/stamp.py" "$here/gpu_sampler.py" "$run/tools/"
   mkdir -p "$run/data" && cp -r "$repo/data/sources" "$run/data/"
   [ -f "$repo/.dvcignore" ] && cp "$repo/.dvcignore" "$run/"
   find "$run/src" -name __pycache__ -prune -exec rm -rf {} +
@@ -75,6 +77,6 @@ if [ ! -d "$run/.dvc" ]; then  # a fresh run folder
 fi
 cd "$run"
 rm -f logs/job.rc
-setsid nohup bash "$here/pipeline_run.sh" --job "$run" "$prompts" > logs/job.out 2>&1 < /dev/null &
+setsid nohup bash "$run/tools/pipeline_run.sh" --job "$run" "$prompts" > logs/job.out 2>&1 < /dev/null &
 echo $! > logs/job.pid
 echo "started: job $! in $run (logs in $run/logs; python3 benchmarks/pipeline_report.py $run --poll)"
