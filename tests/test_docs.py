@@ -13,6 +13,8 @@ import json
 import re
 import shlex
 import shutil
+import subprocess
+import sys
 import textwrap
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
@@ -394,3 +396,16 @@ def test_the_recipe_tables_quote_their_json(results, section, cells, row):
     assert table.keys() == runs.keys()
     for name, run in runs.items():
         assert table[name] == row(run), name
+
+
+def test_the_readme_timing_table_is_the_pipeline_json():
+    """The README's table of the whole run is benchmarks/pipeline_report.py --readme-table of its JSON."""
+    results = ROOT / "benchmarks/results/pipeline_10k.json"
+    if not results.is_file():
+        pytest.skip("benchmarks/results/pipeline_10k.json is not recorded yet")
+    table = subprocess.run([sys.executable, str(ROOT / "benchmarks/pipeline_report.py"), "--readme-table", str(results)],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### The whole run, timed"):]
+    section = section[:re.search(r"^#+ ", section[4:], re.M).start() + 4]
+    assert "\n".join(line for line in section.splitlines() if line.startswith("|")) == table

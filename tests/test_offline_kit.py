@@ -35,3 +35,11 @@ def test_a_root_not_installed_here_is_refused_by_name(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode != 0
     assert "no-such-package-eagle3 is required but not installed here" in result.stderr
+
+
+def test_a_left_out_requirement_takes_what_only_it_needs_along(tmp_path):
+    everything = needed(tmp_path, "", "dvc")
+    assert any(line.startswith("pygit2==") for line in everything) and any(line.startswith("cffi==") for line in everything)
+    lean = needed(tmp_path, "", "dvc", "--leave", "pygit2", "asyncssh")
+    assert not any(line.startswith(("pygit2==", "asyncssh==", "cryptography==", "cffi==", "pycparser==")) for line in lean)
+    assert set(lean) < set(everything) and f"dvc=={version('dvc')}" in lean

@@ -6,7 +6,9 @@ installed here. Prints one ``name==version`` a line, for ``pip download -r``.
 
 ``--have``: the host's package names, separated by commas, spaces or newlines (``pip list`` there, or
 its image's published list). Versions there are taken as they are: a pin that the host's version breaks
-shows as an import error there, and that package is then carried too (``--carry NAME``).
+shows as an import error there, and that package is then carried too (``--carry NAME``). ``--leave NAME``: a
+requirement that only code the host never runs imports (scmrepo's libgit2 and SSH backends, in a run folder of
+``dvc init --no-scm``) is left out, and with it what only it requires.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ def normal(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def closure(roots: list[str]) -> dict[str, str]:
-    """{normalised name: installed version} of ``roots`` and everything they require (no extras)."""
+def closure(roots: list[str], leave: set[str] = frozenset()) -> dict[str, str]:
+    """{normalised name: installed version} of ``roots`` and everything they require (no extras), not
+    following the names in ``leave`` (normalised)."""
     found: dict[str, str] = {}
     todo = list(roots)
     while todo:
         name = todo.pop()
-        if normal(name) in found:
+        if normal(name) in found or normal(name) in leave:
             continue
         try:
             dist = distribution(name)
@@ -48,9 +51,10 @@ def main() -> None:
     parser.add_argument("roots", nargs="+")
     parser.add_argument("--have", type=Path, required=True, help="the host's package names")
     parser.add_argument("--carry", nargs="*", default=[], help="carry these even where the host has them")
+    parser.add_argument("--leave", nargs="*", default=[], help="leave these (and what only they need) out")
     args = parser.parse_args()
     have = {normal(name) for name in re.split(r"[,\s]+", args.have.read_text()) if name} - {normal(n) for n in args.carry}
-    for name, version in sorted(closure(args.roots).items()):
+    for name, version in sorted(closure(args.roots, {normal(n) for n in args.leave}).items()):
         if name not in have:
             print(f"{name}=={version}")
 

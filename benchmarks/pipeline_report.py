@@ -1,0 +1,257 @@
+"""One measurement of a whole pipeline run (benchmarks/offline/pipeline_run.sh's run folder) as JSON: each
+stage's wall time and GPU busy share, the whole run's wall, training's tokens/s, and τ per eval set.
+
+    python benchmarks/pipeline_report.py RUN --out benchmarks/results/pipeline_10k.json --commit SHA --command "..."
+    python benchmarks/pipeline_report.py RUN --poll                      # the run's progress, one screen
+    python benchmarks/pipeline_report.py --readme-table benchmarks/results/pipeline_10k.json   # the README's table
+
+It reads RUN/logs/dvc.log (every line of ``dvc repro`` after its time: a stage's window runs from DVC's
+"Running stage" line to the next stage's line or the end of the dvc command), RUN/logs/gpu.tsv (NVML samples: a window's
+``gpu_busy`` is their mean utilisation, 0 to 1, null without samples), dvclive/train/metrics.json (training
+tokens: ``train.tokens_per_s`` is those tokens over train's wall, start-up and validation included;
+``logged_tokens_per_s`` the median of the rates train logged, its steps alone) and dvclive/evaluate/metrics.json
+with params.yaml (each set's prompts, τ of the chain, the tree and prompt lookup, and max_new_tokens).
+``--peer FILE``: benchmarks/peer_train.py's record (tokens over seconds) or benchmarks/peer_tau.py's JSON (its
+longest peer run); without it ``peer.tokens_per_s`` is null. A per-shard stage (generate@*, extract@*) is
+reported summed, with its items under ``items``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+STAGE_LINE = re.compile(r"^Running stage '([^']+)':")
+SKIPPED_LINE = re.compile(r"^Stage '([^']+)' didn't change, skipping")
+MARK_LINE = "=== "  # pipeline_run.sh's own lines: between DVC's commands, so each ends a stage's window
+EXIT_LINE = re.compile(r"^=== exit (-?\d+)")
+SESSION_LINE = re.compile(r"^=== session start")
+LOCK_LINE = "Updating lock file"
+
+
+@dataclass
+class Window:
+    """One stage's run: from its "Running stage" line to the next boundary (``end`` None: still running)."""
+
+    stage: str
+    start: float
+    end: float | None = None
+    locked: bool = False  # DVC wrote its lock entry: the stage finished
+
+
+@dataclass
+class RunLog:
+    sessions: list[tuple[float, float | None]] = field(default_factory=list)  # (start, end) of each job
+    windows: list[Window] = field(default_factory=list)
+    exit_code: int | None = None
+    lines: list[tuple[float, str]] = field(default_factory=list)
+
+
+def read_log(path: Path) -> RunLog:
+    """The stage windows and job sessions of a timestamped ``dvc repro`` log."""
+    log = RunLog()
+    for raw in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        stamp, _, text = raw.partition("\t")
+        try:
+            t = float(stamp)
+        except ValueError:
+            continue
+        last = log.lines[-1][0] if log.lines else t
+        log.lines.append((t, text))
+        current = log.windows[-1] if log.windows and log.windows[-1].end is None else None
+        if SESSION_LINE.match(text):  # a job killed before its exit line: its windows end at its last line
+            if current:
+                current.end = last
+            if log.sessions and log.sessions[-1][1] is None:
+                log.sessions[-1] = (log.sessions[-1][0], last)
+            log.sessions.append((t, None))
+            log.exit_code = None
+        elif (match := STAGE_LINE.match(text)) or SKIPPED_LINE.match(text) or text.startswith(MARK_LINE):
+            if current:
+                current.end = t
+            if match:
+                log.windows.append(Window(match[1], t))
+            if exit_match := EXIT_LINE.match(text):
+                log.exit_code = int(exit_match[1])
+                if log.sessions:
+                    log.sessions[-1] = (log.sessions[-1][0], t)
+        elif current and text.startswith(LOCK_LINE):
+            current.locked = True
+    return log
+
+
+def read_samples(path: Path) -> tuple[str | None, list[tuple[float, float, float]]]:
+    """(the GPU's name, [(t, utilisation %, memory MiB)]) of gpu_sampler.py's file; (None, []) without NVML."""
+    if not path.is_file():
+        return None, []
+    name, samples = None, []
+    for line in path.read_text().splitlines():
+        if line.startswith("# gpu: "):
+            name = line.removeprefix("# gpu: ")
+        elif line and line[0].isdigit():
+            t, util, mem = (float(x) for x in line.split("\t"))
+            samples.append((t, util, mem))
+    return name, samples
+
+
+def busy(samples: list[tuple[float, float, float]], spans: list[tuple[float, float]]) -> float | None:
+    """Mean utilisation (0..1) of the samples inside ``spans``; None where none fall inside."""
+    inside = [util for t, util, _ in samples if any(a <= t < b for a, b in spans)]
+    return round(statistics.fmean(inside) / 100, 3) if inside else None
+
+
+def stage_times(log: RunLog, samples: list[tuple[float, float, float]], now: float) -> dict[str, dict]:
+    """{stage or group: {wall_s, gpu_busy[, items]}} in the order the stages first ran; a group (``name@item``)
+    sums its items' windows. A stage run in several sessions (a resumed job) sums its windows."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for window in log.windows:
+        spans.setdefault(window.stage, []).append((window.start, window.end if window.end is not None else now))
+    stages: dict[str, dict] = {}
+    for stage, own in spans.items():
+        group, _, item = stage.partition("@")
+        entry = {"wall_s": round(sum(b - a for a, b in own), 1), "gpu_busy": busy(samples, own)}
+        if not item:
+            stages[stage] = entry
+            continue
+        summed = stages.setdefault(group, {"wall_s": 0.0, "gpu_busy": None, "items": {}, "spans": []})
+        summed["items"][item] = entry
+        summed["spans"] += own
+        summed["wall_s"] = round(summed["wall_s"] + entry["wall_s"], 1)
+    for entry in stages.values():
+        if "spans" in entry:
+            entry["gpu_busy"] = busy(samples, entry.pop("spans"))
+    return stages
+
+
+def train_rates(run: Path, train_wall: float | None) -> dict:
+    """Training tokens over the stage's wall, and the median of the rates train logged over its steps."""
+    metrics_file = run / "dvclive/train/metrics.json"
+    if not metrics_file.is_file():
+        return {"tokens_per_s": None}
+    metrics = json.loads(metrics_file.read_text())
+    logged = run / "dvclive/train/plots/metrics/train/tokens_per_s.tsv"
+    rates = [float(line.split("\t")[-1]) for line in logged.read_text().splitlines()[1:]] if logged.is_file() else []
+    tokens = metrics["tokens_trained"]
+    return {"tokens_per_s": round(tokens / train_wall) if train_wall else None, "tokens": tokens,
+            "steps": metrics.get("step"), "logged_tokens_per_s": round(statistics.median(rates)) if rates else None}
+
+
+def peer_rate(path: Path | None) -> dict:
+    """The peer trainer's tokens/s: peer_train.py's record, or the longest peer run of a peer_tau.py JSON."""
+    if path is None:
+        return {"tokens_per_s": None}
+    record = json.loads(path.read_text())
+    if "runs" in record:
+        peers = [run for run in record["runs"] if run.get("trainer", "").startswith("speculators")]
+        if not peers:
+            raise SystemExit(f"{path}: no run with a speculators trainer in its runs")
+        best = max(peers, key=lambda run: run["train_seconds"])
+        tokens, seconds = best["tokens"], best["train_seconds"]
+    else:
+        tokens, seconds = record["tokens"], record["seconds"]
+    return {"tokens_per_s": round(tokens / seconds), "tokens": tokens, "seconds": seconds, "source": path.name}
+
+
+def eval_sets(run: Path) -> dict[str, dict]:
+    """Each eval set's prompt count, max_new_tokens and τ (chain, tree, prompt lookup) from evaluate's metrics."""
+    metrics_file = run / "dvclive/evaluate/metrics.json"
+    if not metrics_file.is_file():
+        return {}
+    metrics = json.loads(metrics_file.read_text())
+    max_new = yaml.safe_load((run / "params.yaml").read_text())["evaluate"]["max_new_tokens"]
+    return {name: {"prompts": s["prompts"], "max_new_tokens": max_new, "tau": s["tau"], "tree_tau": s["tree"]["tau"],
+                   "ngram_tau": s["ngram"]["tau"]}
+            for name, s in metrics.items() if isinstance(s, dict) and "tau" in s}
+
+
+def report(run: Path, commit: str, command: str, peer: Path | None, now: float | None = None) -> dict:
+    log = read_log(run / "logs/dvc.log")
+    gpu, samples = read_samples(run / "logs/gpu.tsv")
+    now = time.time() if now is None else now
+    stages = stage_times(log, samples, now)
+    sessions = [(a, b if b is not None else now) for a, b in log.sessions]
+    return {
+        "commit": commit, "command": command, "gpu": gpu,
+        "total_wall_s": round(sum(b - a for a, b in sessions), 1),
+        "gpu_busy": busy(samples, sessions),
+        "finished": log.exit_code == 0,
+        "stages": stages,
+        "train": train_rates(run, stages.get("train", {}).get("wall_s")),
+        "peer": peer_rate(peer),
+        "sets": eval_sets(run),
+    }
+
+
+def percent(share: float | None) -> str:
+    return "–" if share is None else f"{round(share * 100)} %"
+
+
+def readme_table(result: dict) -> str:
+    """The README's timing table: a row per stage (a group with its item count), then the whole run."""
+    rows = ["| stage | wall | GPU busy |", "|---|---|---|"]
+    for name, stage in result["stages"].items():
+        label = f"`{name}` ×{len(stage['items'])}" if "items" in stage else f"`{name}`"
+        rows.append(f"| {label} | {stage['wall_s']:.0f} s | {percent(stage['gpu_busy'])} |")
+    rows.append(f"| whole run | {result['total_wall_s']:.0f} s | {percent(result['gpu_busy'])} |")
+    return "\n".join(rows)
+
+
+def poll(run: Path, lines: int = 15) -> str:
+    """One screen: the job's state, each stage's wall so far, the GPU's last sample, the log's last lines."""
+    log = read_log(run / "logs/dvc.log") if (run / "logs/dvc.log").is_file() else RunLog()
+    _, samples = read_samples(run / "logs/gpu.tsv")
+    now = time.time()
+    if not log.sessions:
+        out = [f"{run}: not started"]
+    else:
+        wall = sum((b if b is not None else now) - a for a, b in log.sessions)
+        state = "running" if log.sessions[-1][1] is None else f"exit {log.exit_code}"
+        out = [f"{run}: {state}, {wall:.0f} s of job ({len(log.sessions)} session(s))"]
+    for name, stage in stage_times(log, samples, now).items():
+        count = f" ({len(stage['items'])} items)" if "items" in stage else ""
+        out.append(f"  {name}{count}: {stage['wall_s']:.0f} s, GPU busy {percent(stage['gpu_busy'])}")
+    if log.windows and log.windows[-1].end is None:
+        out.append(f"  now: {log.windows[-1].stage}, {now - log.windows[-1].start:.0f} s in")
+    if samples:
+        t, util, mem = samples[-1]
+        out.append(f"  GPU {now - t:.0f} s ago: {util:.0f} % busy, {mem / 1024:.1f} GiB")
+    out += [f"  | {text[:150]}" for _, text in (log.lines[-lines:] if lines > 0 else [])]
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path, nargs="?", help="the run folder (benchmarks/offline/pipeline_run.sh)")
+    parser.add_argument("--out", type=Path, help="the JSON to write (default: print it)")
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--command", default="", help="the command that made the run, as recorded")
+    parser.add_argument("--peer", type=Path, help="peer_train.py's record or peer_tau.py's JSON")
+    parser.add_argument("--poll", action="store_true", help="print the run's progress instead")
+    parser.add_argument("--lines", type=int, default=15, help="with --poll: the log's last lines shown")
+    parser.add_argument("--readme-table", type=Path, metavar="JSON", help="print the README's table of this JSON")
+    args = parser.parse_args()
+    if args.readme_table:
+        print(readme_table(json.loads(args.readme_table.read_text())))
+        return
+    if args.run is None:
+        parser.error("RUN is required (or --readme-table JSON)")
+    if args.poll:
+        print(poll(args.run, args.lines))
+        return
+    if not (args.run / "logs/dvc.log").is_file():
+        raise SystemExit(f"{args.run}/logs/dvc.log not found: run benchmarks/offline/pipeline_run.sh first")
+    text = json.dumps(report(args.run, args.commit, args.command, args.peer), indent=1) + "\n"
+    if args.out:
+        args.out.write_text(text)
+    print(text, end="")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""benchmarks/pipeline_report.py reads a run folder of benchmarks/offline/pipeline_run.sh: stage windows from
+DVC's timestamped lines, GPU busy share from the sampler's file, training's tokens/s and τ per set from the
+stages' own metrics; --poll and --readme-table show the same. The whole run on the CPU (the demo, a few
+minutes) runs on request: EAGLE3_PIPELINE_SMOKE=1 pytest tests/test_pipeline_report.py -k smoke.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from support.repo import ROOT
+
+REPORT = ROOT / "benchmarks" / "pipeline_report.py"
+T0 = 1_700_000_000.0  # in the past: a running window lasts until now
+
+# (seconds after T0, line): one job, as pipeline_run.sh's stamp.py writes DVC's output
+LOG = [
+    (0, "=== session start pid 7"), (0.5, "Running stage 'params':"), (1, "Updating lock file 'dvc.lock'"),
+    (1, "Running stage 'verifier':"), (30, "Updating lock file 'dvc.lock'"), (30, "=== dvc repro verifier: exit 0"),
+    (31, "=== prompts committed"),
+    (32, "Stage 'params' didn't change, skipping"), (32, "Stage 'verifier' didn't change, skipping"),
+    (32, "Stage 'prompts' didn't change, skipping"),
+    (32, "Running stage 'generate@000000-000032':"), (40, "Updating lock file 'dvc.lock'"),
+    (40, "Running stage 'generate@000032-001000':"), (50, "12:00:00 INFO slots: 1000 requests"), (52, "Updating lock file 'dvc.lock'"),
+    (52, "Running stage 'extract@000000-000032':"), (60, "Updating lock file 'dvc.lock'"),
+    (60, "Running stage 'extract@000032-001000':"), (70, "Updating lock file 'dvc.lock'"),
+    (70, "Running stage 'train':"), (170, "Updating lock file 'dvc.lock'"),
+    (170, "Running stage 'evaluate':"), (200, "Updating lock file 'dvc.lock'"),
+    (200, "Running stage 'summary':"), (201, "Updating lock file 'dvc.lock'"), (202, "=== exit 0"),
+]
+
+
+def synthetic_run(folder: Path, lines=LOG, utilisation=lambda t: 50.0) -> Path:
+    """A run folder as pipeline_run.sh leaves it, with a sample every second from T0 to T0 + 202."""
+    (folder / "logs").mkdir(parents=True)
+    (folder / "logs/dvc.log").write_text("".join(f"{T0 + t:.3f}\t{text}\n" for t, text in lines))
+    samples = "".join(f"{T0 + t:.3f}\t{utilisation(t):.1f}\t1024\n" for t in range(203))
+    (folder / "logs/gpu.tsv").write_text(f"# gpu: NVIDIA H200 x1\nt\tutil\tmem_mib\n{samples}")
+    (folder / "dvclive/train/plots/metrics/train").mkdir(parents=True)
+    (folder / "dvclive/train/metrics.json").write_text(json.dumps({"train": {"tokens_per_s": 9000.0}, "tokens_trained": 500_000, "step": 60}))
+    (folder / "dvclive/train/plots/metrics/train/tokens_per_s.tsv").write_text("step\ttokens_per_s\n1\t1000\n2\t6000\n3\t7000\n")
+    (folder / "dvclive/evaluate").mkdir(parents=True)
+    sets = {name: {"prompts": prompts, "tau": tau, "tree": {"tau": tau + 0.5}, "ngram": {"tau": 1.5}, "baseline": {"tau": 1.1}}
+            for name, prompts, tau in (("heldout", 200, 3.2), ("humaneval", 164, 1.87))}
+    (folder / "dvclive/evaluate/metrics.json").write_text(json.dumps({**sets, "wall_seconds": 30.0}))
+    (folder / "params.yaml").write_text("evaluate:\n  max_new_tokens: 256\n")
+    return folder
+
+
+def report(*args: str) -> str:
+    return subprocess.run([sys.executable, str(REPORT), *map(str, args)], capture_output=True, text=True, check=True).stdout
+
+
+def test_the_report_times_each_stage_and_reads_the_stages_metrics(tmp_path):
+    busy_in_train = lambda t: 80.0 if 70 <= t < 170 else 10.0  # noqa: E731
+    run = synthetic_run(tmp_path / "run", utilisation=busy_in_train)
+    (tmp_path / "peer.json").write_text(json.dumps({"tokens": 300_000, "seconds": 60.0, "steps": 40}))
+    out = tmp_path / "pipeline.json"
+    report(run, "--out", out, "--commit", "abc1234", "--command", "dvc repro", "--peer", tmp_path / "peer.json")
+    result = json.loads(out.read_text())
+    assert (result["commit"], result["command"], result["gpu"], result["finished"]) == ("abc1234", "dvc repro", "NVIDIA H200 x1", True)
+    assert result["total_wall_s"] == 202.0
+    assert list(result["stages"]) == ["params", "verifier", "generate", "extract", "train", "evaluate", "summary"]
+    assert result["stages"]["verifier"] == {"wall_s": 29.0, "gpu_busy": 0.1}
+    assert result["stages"]["train"] == {"wall_s": 100.0, "gpu_busy": 0.8}
+    generate = result["stages"]["generate"]  # a group: its items summed, and each
+    assert generate["wall_s"] == 20.0 and generate["gpu_busy"] == 0.1
+    assert generate["items"] == {"000000-000032": {"wall_s": 8.0, "gpu_busy": 0.1}, "000032-001000": {"wall_s": 12.0, "gpu_busy": 0.1}}
+    assert result["train"] == {"tokens_per_s": 5000, "tokens": 500_000, "steps": 60, "logged_tokens_per_s": 6000}
+    assert result["peer"] == {"tokens_per_s": 5000, "tokens": 300_000, "seconds": 60.0, "source": "peer.json"}
+    assert result["sets"] == {
+        "heldout": {"prompts": 200, "max_new_tokens": 256, "tau": 3.2, "tree_tau": 3.7, "ngram_tau": 1.5},
+        "humaneval": {"prompts": 164, "max_new_tokens": 256, "tau": 1.87, "tree_tau": 2.37, "ngram_tau": 1.5}}
+
+
+def test_without_nvml_or_peer_the_shares_and_the_peer_are_null(tmp_path):
+    run = synthetic_run(tmp_path / "run")
+    (run / "logs/gpu.tsv").write_text("# no NVML: NVMLError_LibraryNotFound: NVML Shared Library Not Found\n")
+    result = json.loads(report(run))
+    assert result["gpu"] is None and result["gpu_busy"] is None
+    assert all(stage["gpu_busy"] is None for stage in result["stages"].values())
+    assert result["peer"] == {"tokens_per_s": None}
+
+
+def test_a_resumed_job_sums_its_sessions_and_a_peer_tau_json_gives_its_longest_peer_run(tmp_path):
+    killed = [(0, "=== session start pid 7"), (1, "Running stage 'train':"), (41, "step 100 loss 3.2")]  # no exit line
+    resumed = [(100, "=== session start pid 9"), (101, "Stage 'merge' didn't change, skipping"), (101, "Running stage 'train':"),
+               (161, "Updating lock file 'dvc.lock'"), (162, "=== exit 0")]
+    run = synthetic_run(tmp_path / "run", lines=killed + resumed)
+    peer = {"runs": [{"trainer": "eagle3", "tokens": 1, "train_seconds": 1.0},
+                     {"trainer": "speculators 0.9.0", "tokens": 200_000, "train_seconds": 20.0},
+                     {"trainer": "speculators 0.9.0", "tokens": 900_000, "train_seconds": 100.0}]}
+    (tmp_path / "peer_tau.json").write_text(json.dumps(peer))
+    result = json.loads(report(run, "--peer", tmp_path / "peer_tau.json"))
+    assert result["total_wall_s"] == 41.0 + 62.0
+    assert result["stages"]["train"]["wall_s"] == 40.0 + 61.0
+    assert result["peer"]["tokens_per_s"] == 9000
+
+
+def test_poll_shows_the_running_stage_and_the_last_lines(tmp_path):
+    running = [line for line in LOG if line[0] <= 50]
+    run = synthetic_run(tmp_path / "run", lines=running)
+    screen = report(run, "--poll")
+    assert ": running, " in screen.splitlines()[0]
+    assert "now: generate@000032-001000" in screen
+    assert "| 12:00:00 INFO slots: 1000 requests" in screen
+    partial = json.loads(report(run))
+    assert partial["finished"] is False and partial["stages"]["generate"]["wall_s"] > 8.0
+
+
+def test_the_readme_table_lists_each_stage_and_the_whole_run(tmp_path):
+    run = synthetic_run(tmp_path / "run")
+    report(run, "--out", tmp_path / "pipeline.json")
+    table = report("--readme-table", tmp_path / "pipeline.json").splitlines()
+    assert table[:3] == ["| stage | wall | GPU busy |", "|---|---|---|", "| `params` | 0 s | – |"]  # no sample in its half second
+    assert "| `generate` ×2 | 20 s | 50 % |" in table
+    assert table[-1] == "| whole run | 202 s | 50 % |"
+
+
+BLOCKED = """import sys
+class Refuse:  # the offline kit leaves these out (benchmarks/offline/kit.sh): a run must not import them
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {"pygit2", "asyncssh", "cryptography"}:
+            raise ImportError(f"{name}: not in the offline kit")
+sys.meta_path.insert(0, Refuse())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("EAGLE3_PIPELINE_SMOKE"), reason="minutes of CPU: EAGLE3_PIPELINE_SMOKE=1 runs it")
+def test_smoke_the_whole_demo_run_detached_then_reported(tmp_path):
+    """pipeline_run.sh on the demo with carried prompts, without the packages the kit leaves out; then the report."""
+    (tmp_path / "blocked").mkdir()
+    (tmp_path / "blocked/sitecustomize.py").write_text(BLOCKED)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "blocked"), "OVERRIDES": "-S dataset=demo -S layout=cpu",
+           "PYTHON": sys.executable, "SAMPLE_EVERY": "0.5"}
+    prompts, run = tmp_path / "prompts.tar.gz", tmp_path / "run"
+    subprocess.run(["bash", ROOT / "benchmarks/offline/prompts_tar.sh", prompts, "-S", "dataset=demo", "-S", "layout=cpu"],
+                   env=env, check=True, capture_output=True)
+    started = subprocess.run(["bash", ROOT / "benchmarks/offline/pipeline_run.sh", run, prompts], env=env, check=True,
+                             capture_output=True, text=True).stdout
+    assert "started: job" in started
+    again = subprocess.run(["bash", ROOT / "benchmarks/offline/pipeline_run.sh", run, prompts], env=env, check=True,
+                           capture_output=True, text=True).stdout
+    assert again.startswith("running: job")  # a second call while it runs only says so
+    deadline = time.time() + 1800  # about 12 min on two busy cores
+    while not (run / "logs/job.rc").is_file() and time.time() < deadline:
+        time.sleep(5)
+    log = (run / "logs/dvc.log").read_text()
+    assert (run / "logs/job.rc").read_text().strip() == "0", log[-3000:]
+    assert "Running stage 'prompts'" not in log and "Stage 'prompts' didn't change, skipping" in log
+    result = json.loads(report(run, "--commit", "smoke"))
+    assert result["finished"] and result["gpu"] is None
+    assert {"verifier", "generate", "extract", "merge", "train", "evaluate", "summary"} <= result["stages"].keys()
+    assert result["train"]["tokens_per_s"] > 0
+    assert set(result["sets"]) == {"heldout", "humaneval", "math"}
+    assert result["sets"]["heldout"]["prompts"] == 4
+    done = subprocess.run(["bash", ROOT / "benchmarks/offline/pipeline_run.sh", run, prompts], env=env, check=True,
+                          capture_output=True, text=True).stdout
+    assert done.startswith("done:")
