@@ -20,7 +20,7 @@ from pathlib import Path
 
 from eagle3.common import UserError, stage_main
 from eagle3.config import stage_params
-from eagle3.prompt_sources.sources import check_local_sources, source_weights
+from eagle3.prompt_sources.sources import check_local_sources, configured_sources, source_weights
 
 PARAMS = ("seed", "model", "dataset", "layout", "backend", "generate", "extract", "merge", "train", "evaluate")  # = dvc.yaml
 VALID = "params.yaml: valid (checked by the params stage: python -m eagle3.params)\n"
@@ -36,8 +36,9 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     try:
         params = stage_params(PARAMS, args.params, schema=args.conf)
-        check_local_sources(params.dataset.sources, args.sources)
-        source_weights(params.dataset.sources)
+        sources = configured_sources(params.dataset)
+        check_local_sources(sources, args.sources)
+        source_weights(sources)
     except UserError as err:
         raise UserError(f"{err}; {RESTORE}") from None
     if not args.out.is_file() or args.out.read_text() != VALID:  # persistent: DVC leaves it, rewritten only if damaged
