@@ -209,9 +209,9 @@ def test_the_known_keys_are_those_conf_declares_in_any_option_of_the_group(tmp_p
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)
     train = conf / "train" / "default.yaml"
-    train.write_text(train.read_text() + "compile: false        # a new key, declared with its comment\n")
-    compose_params(["train.compile=true"], conf_dir=conf, output=tmp_path / "params.yaml")
-    assert OmegaConf.load(tmp_path / "params.yaml").train.compile is True
+    train.write_text(train.read_text() + "new_knob: false       # a new key, declared with its comment\n")
+    compose_params(["train.new_knob=true"], conf_dir=conf, output=tmp_path / "params.yaml")
+    assert OmegaConf.load(tmp_path / "params.yaml").train.new_knob is True
     assert set(conf_schema(CONF)) == set(PARAMS)  # every section is the params stage's
 
 

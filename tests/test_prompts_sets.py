@@ -213,16 +213,17 @@ def test_the_packaged_sharegpt_copy_reads_to_its_cut():
     assert (conversations.records, humans, conversations.cut) == (17671, 61420, True)
 
 
-def test_the_chat_preset_composes_beside_any_scale(tmp_path):
+def test_every_scale_mixes_real_conversations_in(tmp_path):
     from dvc.utils.hydra import compose_and_dump
 
     out = tmp_path / "params.yaml"
     conf = os.fspath(ROOT / "conf")
-    compose_and_dump(out, conf, None, "config", conf, ["dataset=[10k,_chat]"])
-    params = OmegaConf.load(out)
-    validate(params)
-    assert params.dataset.name == "10k" and [s.label for s in params.dataset.extra_sources] == ["sharegpt"]
-    assert [s.label for s in params.dataset.sources] == ["math", "code", "chat"]
+    for scale in ("demo", "1k", "10k", "100k"):
+        compose_and_dump(out, conf, None, "config", conf, [f"dataset={scale}"])
+        params = OmegaConf.load(out)
+        validate(params)
+        assert [s.label for s in params.dataset.sources] == ["math", "code", "chat", "sharegpt"], scale
+        assert list(params.dataset.extra_sources) == []
 
 
 def test_training_on_conversations_keeps_mtbench_out(tmp_path, count_tokens):
