@@ -113,14 +113,16 @@ def test_packaged_mixture_covers_chat_math_code_and_keeps_eval_sets_out(count_to
     records = shards[params.dataset.shards[0]]
     assert len(records) == 32 and len({r["id"] for r in records}) == 32
     labels = {spec.label: spec for spec in params.dataset.sources}
-    assert set(labels) == {"chat", "math", "code"}
+    assert set(labels) == {"chat", "math", "code", "sharegpt"}
     for name, source in stats["sources"].items():  # 32 prompts: each share within one prompt of its weight
         assert abs(source["share"] - source["weight"]) <= 1 / 32 and source["train"] >= 1, name
-    folders = {r["source"].split("/")[1] for r in records}
+    tasks = [r for r in records if r["source"].startswith("evals/")]
+    assert all(r["source"].startswith("sharegpt#") for r in records if r not in tasks) and len(tasks) < len(records)
+    folders = {r["source"].split("/")[1] for r in tasks}
     assert folders & set(labels["math"].folders) and folders & set(labels["code"].folders)
     licensed = {"text_compression", "steganography", "schelling_point", "ballots", "sandbagging", "theory_of_mind",
                 "already_said_that"}
-    assert all(r["source"].startswith("evals/") for r in records) and not folders & licensed
+    assert not folders & licensed
     assert {name: len(prompts) for name, prompts in evals.items()} == dict(params.dataset.eval_sets)  # demo: 4, 2, 2
     assert evals["humaneval"][0]["source"] == "human-eval/HumanEval/0"
     assert all(r["source"].startswith("champ/") for r in evals["math"])

@@ -34,7 +34,8 @@ from eagle3.lm.loading import WEIGHT_SUFFIXES
 # Files of a verifier folder that describe the model, not its tokenizer: config.json and
 # generation_config.json carry transformers_version and the weights' dtype, which change when the same
 # GGUF is imported under another torch/transformers, while every token and template stays the same.
-MODEL_FILES = {"config.json", "generation_config.json", "meta.json", "model.safetensors.index.json"}
+MODEL_FILES = {"config.json", "generation_config.json", "meta.json", "model.safetensors.index.json",
+               "identity.json", "chat_identity.json"}  # the last two: the verifier stage's records, written from this id
 # Counted apart from the other tokenizer files: the template by its text, the config by its keys.
 NOT_TOKENIZER_FILES = MODEL_FILES | {"chat_template.jinja", "chat_template.json", "tokenizer_config.json"}
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")  # what a template may print by name
