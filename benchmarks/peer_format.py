@@ -244,7 +244,7 @@ def check_sample(peer_data: Path, facts: dict, merged: Path, hidden_states: Path
                             split=split, hidden_states_dtype=torch.float32)
     shifted = shift_batch(peer_set[index])  # row t: input x_{t+1}, hidden g_t, target from the state at t+1
     T = min(tokens, len(ours["input_ids"]))
-    ids, aux, mask = ours["input_ids"][:T], ours["aux"][:T], ours["loss_mask"][:T]
+    ids, aux, mask = ours["input_ids"][:T], ours["aux"][:T].float(), ours["loss_mask"][:T]
     batch = {key: value[: T - 1].float() if value.is_floating_point() else value[: T - 1]  # its collate casts; bf16 stored
              for key, value in shifted.items() if key != "lengths"}
     same = {"input_ids": torch.equal(batch["input_ids"], ids[1:]), "hidden_states": torch.equal(batch["hidden_states"], aux[:-1]),

@@ -141,7 +141,8 @@ def test_merge_reads_only_listed_shards_and_refuses_another_verifier(shards, tin
     assert not (tmp_path / "merged2").exists()
 
 
-def test_dataset_packs_into_float_rows(shards, tiny_verifier_dir):
+def test_dataset_packs_into_rows_of_the_stored_precision(shards, tiny_verifier_dir):
+    """bf16 states stay bf16 through the loader (half the bytes of float32; the CPU widens them on arrival)."""
     run_merge(shards, tiny_verifier_dir, "loader")
     rows = [r for r in read_jsonl(shards / "loader" / "manifest.jsonl") if r["split"] == "train"]
     dataset = HiddenStates(shards / "loader", shards / "hidden", "train")
@@ -150,7 +151,7 @@ def test_dataset_packs_into_float_rows(shards, tiny_verifier_dir):
     layout = pack(dataset.lengths, capacity)
     batch = collate([dataset[i] for row in layout for i in row], Batching(capacity, len(layout), 1))
     assert batch["input_ids"].dtype == torch.int64 and batch["loss_mask"].dtype == torch.bool
-    assert batch["aux"].shape == (len(layout), capacity, 3 * 64) and batch["aux"].dtype == torch.float32
+    assert batch["aux"].shape == (len(layout), capacity, 3 * 64) and batch["aux"].dtype == torch.bfloat16
     assert batch["final"].shape == (len(layout), capacity, 64) and batch["tokens"] == sum(dataset.lengths)
     for r, members in enumerate(layout):
         start = 0
@@ -158,8 +159,8 @@ def test_dataset_packs_into_float_rows(shards, tiny_verifier_dir):
             stored, end = stored_sample(shards / "hidden" / rows[i]["shard"], rows[i]), start + rows[i]["length"]
             assert batch["position_ids"][r, start:end].tolist() == list(range(rows[i]["length"]))
             assert torch.equal(batch["input_ids"][r, start:end], stored["input_ids"].long())
-            assert torch.equal(batch["aux"][r, start:end], stored["aux"].float())
-            assert torch.equal(batch["final"][r, start:end], stored["final"].float())
+            assert torch.equal(batch["aux"][r, start:end], stored["aux"])
+            assert torch.equal(batch["final"][r, start:end], stored["final"])
             start = end
         assert not batch["loss_mask"][r, start:].any() and not batch["aux"][r, start:].any()
     assert len(HiddenStates(shards / "loader", shards / "hidden", "val")) == 2

@@ -133,6 +133,8 @@ def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     each TTT step scores) differ from batch to batch: they are marked dynamic for torch.compile (nothing
     else reads the mark), so a compiled step compiles once, not once static and then again dynamic."""
     moved = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, Tensor)}
+    if device.type == "cpu":  # the CPU computes in float32: bf16-stored states widened, exactly (a GPU's autocast casts)
+        moved.update({k: moved[k].float() for k in ("aux", "final")})
     selection = batch["selection"].to(device, non_blocking=True)
     selection.map(lambda x: torch._dynamo.maybe_mark_dynamic(x, 0))
     return {**batch, **moved, "selection": selection}

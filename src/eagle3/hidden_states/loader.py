@@ -29,16 +29,17 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from eagle3.common import UserError, read_json, read_jsonl
-from eagle3.hidden_states.storage import decode_states, load_problem, read_rows
+from eagle3.hidden_states.storage import load_problem, read_rows, training_states
 from eagle3.lm.spec import require_verifier
 
 
 class HiddenStates(Dataset):
-    """One split of the merge manifest; items are float32 tensors ready for training.
+    """One split of the merge manifest; items are tensors ready for training.
 
     Item: ``input_ids`` [T] int64, ``loss_mask`` [T] bool (1 = a token of the answer the drafter
-    must predict, unshifted), ``aux`` [T, 3H] float32 (ascending tapped layers), ``final`` [T, H]
-    float32 (post-norm: ``lm_head(final)`` are the verifier's logits).
+    must predict, unshifted), ``aux`` [T, 3H] (ascending tapped layers), ``final`` [T, H] (post-norm:
+    ``lm_head(final)`` are the verifier's logits); the states in bfloat16 as stored, float32 where
+    fp8 storage is decoded (``storage.training_states``).
     """
 
     def __init__(self, merged: str | Path, hidden_states: str | Path, split: str):
@@ -99,8 +100,8 @@ class HiddenStates(Dataset):
         sample = {
             "input_ids": stored["input_ids"].long(),
             "loss_mask": stored["loss_mask"].bool(),
-            "aux": decode_states(stored, "aux"),
-            "final": decode_states(stored, "final"),
+            "aux": training_states(stored, "aux"),
+            "final": training_states(stored, "final"),
         }
         self._check(row, sample)
         return sample

@@ -68,6 +68,13 @@ def decode_states(stored: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return stored[name].float() if scale is None else dequantize_fp8(stored[name], scale)
 
 
+def training_states(stored: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The states as training reads them: bfloat16 storage as stored, [T, G*H] (its float32 decoding
+    exactly, in half the bytes: on a GPU, the loader's copies, pinning and transfer of 8,192-token rows
+    set the train stage's pace); fp8 storage decoded (``decode_states``, float32)."""
+    return stored[name] if f"{name}_scale" not in stored else decode_states(stored, name)
+
+
 def magnitudes(stored: dict[str, torch.Tensor]) -> dict[str, float]:
     """Largest |value| of the decoded ``aux`` and ``final`` of one sample (NaN or inf when not finite)."""
     return {name: float(decode_states(stored, name).abs().amax()) for name in ("aux", "final")}
@@ -76,7 +83,7 @@ def magnitudes(stored: dict[str, torch.Tensor]) -> dict[str, float]:
 def load_problem(entry: dict, sample: dict[str, torch.Tensor], widths: dict[str, int], vocab_size: int) -> str | None:
     """Why a sample read for index ``entry`` is not what extract stored, or None.
 
-    ``sample``: its ``input_ids``, ``loss_mask`` and decoded ``aux``/``final`` (``decode_states``);
+    ``sample``: its ``input_ids``, ``loss_mask`` and ``aux``/``final`` (``training_states``);
     ``widths``: the expected width of ``aux`` (G*H) and ``final`` (H). Checks shapes, token ids
     within the verifier's ``vocab_size`` (an embedding lookup would fail steps later), the
     masked-token count, and that the states are finite and within the magnitudes recorded at
@@ -96,8 +103,8 @@ def load_problem(entry: dict, sample: dict[str, torch.Tensor], widths: dict[str,
     if "max_abs" not in entry:
         return "the index records no max_abs (extracted by an older eagle3); re-run extract"
     for name in ("aux", "final"):
-        flat = sample[name].flatten()
-        value = float(flat[flat.abs().argmax()])  # the value of largest magnitude, sign kept (NaN wins)
+        low, high = (float(x) for x in torch.aminmax(sample[name]))  # no |x| copy of the sample; NaN wins
+        value = high if math.isnan(high) or abs(high) >= abs(low) else low  # the value of largest magnitude, sign kept
         if not math.isfinite(value):
             return f"{name} holds {value} (not finite)"
         if abs(value) > entry["max_abs"][name]:
