@@ -384,11 +384,11 @@ def test_followups_that_are_not_user_turns_are_refused(tmp_path, tiny_verifier_d
 
 @pytest.mark.parametrize("overrides, sizes, tokens, sweep", [
     ([], [32], 64, []),
-    (["dataset=10k", "layout=gpu1"], [1, 64], 512, []),
-    (["dataset=10k", "layout=gpu1", "evaluate=sweep"], [1, 4, 16, 64], 512, [2, 3, 4, 5, 6, 7]),
+    (["dataset=10k", "layout=gpu1"], [1, 64], 256, []),
+    (["dataset=10k", "layout=gpu1", "evaluate=sweep"], [1, 4, 16, 64], 256, [2, 3, 4, 5, 6, 7]),
 ])
 def test_layouts_size_the_measurement_and_the_sweep_is_a_named_config(tmp_path, overrides, sizes, tokens, sweep):
-    """GPU layouts: tau over 512-token answers, timings at batch 1 and 64; -S evaluate=sweep times every size and K."""
+    """GPU layouts: tau over 256-token answers, timings at batch 1 and 64; -S evaluate=sweep times every size and K."""
     compose_params(overrides, conf_dir=ROOT / "conf", output=tmp_path / "params.yaml")
     evaluate_params = OmegaConf.load(tmp_path / "params.yaml").evaluate
     assert (list(evaluate_params.batch_sizes), evaluate_params.max_new_tokens, list(evaluate_params.chain_sweep)) == (sizes, tokens, sweep)
