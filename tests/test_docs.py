@@ -270,7 +270,9 @@ def test_every_named_repository_file_exists(page):
 def config_table_options() -> dict[str, str]:
     """The README's configuration table: group -> its `options` cell."""
     rows = {}
-    for line in (ROOT / "README.md").read_text().splitlines():
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| group | options | concern |"):].split("\n\n")[0]  # not the other tables of 3 columns
+    for line in table.splitlines():
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         if line.startswith("| `") and len(cells) == 3:
             for group in re.findall(r"`([\w-]+)`", cells[0]):
