@@ -8,6 +8,8 @@ set -uo pipefail
 run=$1 seconds=$2 out=$3
 here=$(cd "$(dirname "$0")" && pwd)
 report=$here/../pipeline_report.py
+# a job started a moment ago has its pid before its first line: give it a few seconds
+for _ in 1 2 3 4 5 6; do [ -f "$run/logs/dvc.log" ] || ! [ -f "$run/logs/job.pid" ] && break; sleep 1; done
 [ -f "$run/logs/dvc.log" ] || { echo "error: $run/logs/dvc.log not found: no run here (a fresh machine?): pipeline_run.sh first"; exit 2; }
 end=$((SECONDS + seconds)) next=$((SECONDS + 60))
 while [ ! -f "$run/logs/job.rc" ] && [ "$SECONDS" -lt "$end" ]; do
