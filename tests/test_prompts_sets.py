@@ -231,7 +231,8 @@ def test_training_on_conversations_keeps_mtbench_out(tmp_path, count_tokens):
     question = eval_set_prompts(eval_set_specs(OmegaConf.create({"mtbench": 1})), 0, count_tokens)[0]["mtbench"][0]
     path = tmp_path / "chats.json"
     path.write_text(sharegpt([[("human", question["messages"][0]["content"])], *CHATS]))
-    shards, _, stats = build_prompts(dataset([{"kind": "sharegpt", "path": str(path)}], ["000000-000008"],
+    # a label: the seeded order keys on the source's name, by default its (temporary) path; a shard of all 12 other prompts
+    shards, _, stats = build_prompts(dataset([{"kind": "sharegpt", "path": str(path), "label": "chats"}], ["000000-000012"],
                                              {"mtbench": 80}, heldout_fraction=0.0), 0, count_tokens)
     assert stats["dropped"]["in_an_eval_set"] == 1
-    assert not any(user_keys(r["messages"]) & user_keys(question["messages"]) for r in shards["000000-000008"])
+    assert not any(user_keys(r["messages"]) & user_keys(question["messages"]) for r in shards["000000-000012"])
