@@ -11,7 +11,6 @@ import logging
 import re
 import shutil
 import tempfile
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -150,23 +149,16 @@ def write_gguf(parts: list[Path], out: Path, split_max_tensors: int = 0) -> None
 
 
 def gguf_identity(source: DictConfig) -> dict[str, Any]:
-    """The GGUF source by content: each part's package and its version, file name and sha256, and the dtype
-    it is dequantised to (not the folder the package is installed in)."""
+    """The GGUF source by content: each part's package, file name and sha256, and the dtype it is dequantised
+    to; not the folder the package is installed in, nor its version (a copy carried to an offline host has no
+    installed distribution: the same file there gave another identity)."""
     packages = [str(p) for p in source.package] if isinstance(source.package, ListConfig) else [str(source.package)]
     roots = {package_file(package, "."): package for package in packages}
     files = []
     for part in gguf_parts(source):
         package = next(package for root, package in roots.items() if root in part.parents)
-        files.append({"package": package, "version": package_version(package), "file": part.name,
-                      "sha256": sha256_file(part)})
+        files.append({"package": package, "file": part.name, "sha256": sha256_file(part)})
     return {"kind": "pypi-gguf", "dtype": str(source.dtype), "files": files}
-
-
-def package_version(package: str) -> str | None:
-    try:
-        return version(package)
-    except PackageNotFoundError:  # found on the path without an installed distribution (a test's stand-in)
-        return None
 
 
 def import_pypi_gguf(source: DictConfig, out: Path) -> None:
