@@ -50,7 +50,7 @@ from eagle3.drafter.loss import StepMetrics, TrainingTimeTest, VerifierHead
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.parallel import World, close_world, init_world, wrap
 from eagle3.hidden_states.loader import DataPlan, HiddenStates
-from eagle3.train import TrainConfig, collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step
+from eagle3.train import TrainConfig, collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step, warmup_steps
 from shapes import DRAFTER_SHAPES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,7 +179,7 @@ def measure(args, draft: DraftConfig, cfg: TrainConfig, host_batches: list[dict]
     model, head = make_model(draft, cfg, world, dtype, compiled)
     optimizers = make_optimizers(model, cfg, fused=gpu)
     total = args.warmup + args.iters
-    factor = partial(lr_factor, warmup=max(1, round(cfg.warmup_fraction * total)), total=total, floor=cfg.min_lr_ratio)
+    factor = partial(lr_factor, warmup=warmup_steps(cfg.warmup_fraction, total), total=total, floor=cfg.min_lr_ratio)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer, factor) for optimizer in optimizers]
 
     def step(i: int) -> torch.Tensor:

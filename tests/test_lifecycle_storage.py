@@ -16,7 +16,7 @@ import yaml
 
 from support.local_s3 import (  # noqa: F401
     add_remote, cache_objects, delete_remote_object, file_hashes, local_s3, lock_objects, manifest)
-from support.repo import run
+from support.repo import git_dvc_repo, run
 
 pytestmark = pytest.mark.slow  # real dvc pipelines
 
@@ -45,12 +45,9 @@ def commit(repo: Path, message: str) -> None:
 
 @pytest.fixture
 def blob_repo(tmp_path: Path) -> Path:
-    repo = tmp_path / "blobs-project"
-    repo.mkdir()
-    run(["git", "init", "-q", "-b", "main"], repo)
+    repo = git_dvc_repo(tmp_path / "blobs-project")
     run(["git", "config", "user.email", "test@eagle3"], repo)
     run(["git", "config", "user.name", "eagle3 test"], repo)
-    run(["dvc", "init", "-q"], repo)
     (repo / ".dvc" / "config").write_text("[cache]\n    type = hardlink\n")
     add_remote(repo)
     (repo / "make_blobs.py").write_text(MAKE_BLOBS)
@@ -192,10 +189,7 @@ def test_interrupted_push_resumes_and_server_keeps_data_across_restarts(blob_rep
 @pytest.fixture
 def fresh_repo(tmp_path: Path) -> Path:
     """A git + DVC repo with the project's default remote and nothing else."""
-    repo = tmp_path / "fresh"
-    repo.mkdir()
-    run(["git", "init", "-q", "-b", "main"], repo)
-    run(["dvc", "init", "-q"], repo)
+    repo = git_dvc_repo(tmp_path / "fresh")
     add_remote(repo)
     return repo
 

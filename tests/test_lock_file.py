@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from eagle3.common import MEND_LOCK, USER_ERROR
-from support.repo import ROOT, run
+from support.repo import ROOT, git_dvc_repo, run
 
 DVC_YAML = """stages:
   copy:
@@ -27,10 +27,7 @@ DVC_YAML = """stages:
 
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    run(["git", "init", "-q", "-b", "main"], repo)
-    run(["dvc", "init", "-q"], repo)
+    repo = git_dvc_repo(tmp_path / "repo")
     (repo / "dvc.yaml").write_text(DVC_YAML)
     (repo / "a").write_text("a file\n")
     run(["dvc", "repro", "-q"], repo)

@@ -244,8 +244,10 @@ def evaluate_set(verifier, drafter, prompts: Sequence[torch.Tensor], settings: S
 
 def turn_report(prompts: Sequence[torch.Tensor], runs: Mapping[str, Run], settings: Settings, token: int | None) -> dict:
     """One turn of a multi-turn set: its prompts and τ (and forwards) per drafting method, τ per baseline."""
-    report = {"prompts": len(prompts), **{name: {key: acceptance_stats(runs[name].pooled, shape.num_steps)[key] for key in ("tau", "forwards")}
-                                          for name, shape in settings.drafting_methods().items()}}
+    report: dict = {"prompts": len(prompts)}
+    for name, shape in settings.drafting_methods().items():
+        stats = acceptance_stats(runs[name].pooled, shape.num_steps)
+        report[name] = {"tau": stats["tau"], "forwards": stats["forwards"]}
     if settings.baseline:
         found = baselines(prompts, runs["chain"].outputs, settings.draft_tokens, token=token)
         report.update({name: {"tau": found[name]["tau"]} for name in ("baseline", "ngram")})

@@ -136,7 +136,8 @@ def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     if device.type == "cpu":  # the CPU computes in float32: bf16-stored states widened, exactly (a GPU's autocast casts)
         moved.update({k: moved[k].float() for k in ("aux", "final")})
     selection = batch["selection"].to(device, non_blocking=True)
-    selection.map(lambda x: torch._dynamo.maybe_mark_dynamic(x, 0))
+    for tensor in selection.tensors():
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
     return {**batch, **moved, "selection": selection}
 
 

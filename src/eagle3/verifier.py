@@ -43,7 +43,7 @@ from eagle3.lm.loading import WEIGHT_SUFFIXES, load_tokenizer, text_config_dict
 from eagle3.lm.spec import VerifierSpec
 from eagle3.tokenizer_id import tokenizer_fingerprint
 from eagle3.verifier_sources.gguf import gguf_identity, import_pypi_gguf
-from eagle3.verifier_sources.hf import hf_identity, import_hf, sampled_digest
+from eagle3.verifier_sources.hf import hf_identity, import_hf, resolve_hf, sampled_digest
 from eagle3.verifier_sources.random_weights import build_random, random_identity
 
 log = logging.getLogger(__name__)
@@ -115,16 +115,6 @@ def build_record(folder: Path, weights: Path) -> dict[str, Any]:
             "tensors": tensor_stats(folder) if weights == folder else None}
 
 
-def source_identity(model: DictConfig) -> dict[str, Any]:
-    """What the configured source is, by content (packages' versions and files' hashes, a hub revision), not by where it lies."""
-    source = model.source
-    if source.kind == "pypi-gguf":
-        return gguf_identity(source)
-    if source.kind == "hf":
-        return hf_identity(source, bool(model.copy_weights))
-    return random_identity(source)
-
-
 def import_verifier(model: DictConfig, out: Path) -> dict[str, Any]:
     """Write the verifier folder for ``model`` (the params' ``model`` section) atomically.
 
@@ -136,17 +126,21 @@ def import_verifier(model: DictConfig, out: Path) -> dict[str, Any]:
         weights = tmp
         if source.kind == "pypi-gguf":
             import_pypi_gguf(source, tmp)
+            source_id = gguf_identity(source)
         elif source.kind == "hf":
-            weights = import_hf(source, tmp, bool(model.copy_weights), trust, lm)
+            location = resolve_hf(source)  # once: a hub id unpinned could resolve to a newer commit a second time
+            weights = import_hf(location, tmp, bool(model.copy_weights), trust, lm, source.get("dtype"))
+            source_id = hf_identity(source, location, bool(model.copy_weights))
         elif source.kind == "random":
             build_random(source, tmp, trust, lm)
+            source_id = random_identity(source)
         else:
             raise UserError(f"model.source.kind: {source.kind!r} is not one of pypi-gguf, hf, random")
         install_chat_template(tmp, spec.chat_template, trust)
         check_end_of_turn(tmp, spec)
         tokenizer = tokenizer_fingerprint(tmp)
         write_json(tmp / CHAT_IDENTITY_FILE, {"tokenizer": tokenizer})
-        identity = identity_record(spec.name, source_identity(model), text_config_dict(tmp, lm), tokenizer)
+        identity = identity_record(spec.name, source_id, text_config_dict(tmp, lm), tokenizer)
         write_json(tmp / IDENTITY_FILE, identity)
         meta = {
             "name": spec.name,

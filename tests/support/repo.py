@@ -1,4 +1,4 @@
-"""This checkout, seen from the tests: its root, the test cache, its committed params, and running commands in a repo."""
+"""This checkout, seen from the tests: its root, the test cache, its committed params, running commands in a repo, a new one."""
 
 from __future__ import annotations
 
@@ -23,3 +23,11 @@ def run(cmd: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedPr
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result
+
+
+def git_dvc_repo(path: Path) -> Path:
+    """A new, empty git + DVC repo at ``path`` (branch main)."""
+    path.mkdir(parents=True)
+    run(["git", "init", "-q", "-b", "main"], path)
+    run(["dvc", "init", "-q"], path)
+    return path

@@ -73,6 +73,9 @@ class Selection:
     def map(self, fn) -> Selection:
         return Selection(fn(self.positions), [fn(r) for r in self.rows], [fn(p) for p in self.picks], fn(self.documents))
 
+    def tensors(self) -> list[Tensor]:
+        return [self.positions, *self.rows, *self.picks, self.documents]
+
 
 def select_rows(loss_mask: Tensor, position_ids: Tensor, steps: int) -> Selection:
     """The rows each step trains, from loss_mask [B, T] (1 on tokens to predict) and the

@@ -36,7 +36,7 @@ SYNC_EVERY = 50
 
 
 class Window:
-    """Tokens and gradient norms since the last line, and the lines not yet turned into numbers.
+    """Gradient norms since the last line, tokens since the last sync, and the lines not yet turned into numbers.
 
     A line keeps its step, metric sums, mean gradient norm and lr, the tensors still on the
     device; ``train_metrics`` turns all queued lines into numbers at once (one host sync), at
@@ -46,7 +46,7 @@ class Window:
     """
 
     def __init__(self):
-        self.tokens, self.norms, self.lines = 0, [], []  # the open line's tokens and norms; the closed lines
+        self.norms, self.lines = [], []  # the open line's gradient norms; the closed lines
         self.restart()
 
     def restart(self) -> None:
@@ -54,7 +54,6 @@ class Window:
         self.synced_tokens, self.steps, self.start = 0, 0, time.perf_counter()
 
     def add(self, tokens: int, norm: Tensor) -> None:
-        self.tokens += tokens
         self.synced_tokens += tokens
         self.steps += 1
         self.norms.append(norm.detach())
@@ -63,7 +62,7 @@ class Window:
         """End the current line at optimizer step ``step``: metric sums [6, K] of its steps (copied), lr."""
         norm = torch.stack(self.norms).mean() if self.norms else torch.zeros((), device=sums.device)
         self.lines.append((step, sums.clone(), norm, lr))
-        self.tokens, self.norms = 0, []
+        self.norms = []
 
     def full(self) -> bool:
         return self.steps >= SYNC_EVERY

@@ -63,18 +63,18 @@ def require_prefix(weights: Path, lm: LanguageModel) -> None:
         )
 
 
-def import_hf(source: DictConfig, out: Path, copy: bool, trust_remote_code: bool, lm: LanguageModel) -> Path:
-    """Copy an HF model into ``out`` or, with ``copy: false``, only its small files; returns the weights folder.
+def import_hf(location: Path, out: Path, copy: bool, trust_remote_code: bool, lm: LanguageModel, dtype: str | None) -> Path:
+    """Copy the HF model at ``location`` (``resolve_hf``) into ``out`` or, with ``copy: false``, only its small
+    files; returns the weights folder.
 
-    A nested language model is copied file by file (``source.dtype`` does not apply): loading it as a
+    A nested language model is copied file by file (``dtype`` does not apply): loading it as a
     causal LM and saving it would drop the wrapper that ``lm`` describes.
     """
-    location = resolve_hf(source)
     require_causal_lm(str(location), trust_remote_code, lm)
     if copy and not lm.nested:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype(source.dtype), trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code)
         model.save_pretrained(out)
         AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code).save_pretrained(out)
         return out
@@ -85,11 +85,12 @@ def import_hf(source: DictConfig, out: Path, copy: bool, trust_remote_code: bool
     return out if copy else location
 
 
-def hf_identity(source: DictConfig, copy: bool) -> dict[str, Any]:
+def hf_identity(source: DictConfig, location: Path, copy: bool) -> dict[str, Any]:
     """The HF source by content: a hub id with the revision it resolved to, every file's sha256 (a
     referenced weights file's ``sampled_digest``), the dtype a copy is saved in. A local folder is
-    named by its files alone: the same checkpoint lies under other paths on other machines."""
-    location, hub = resolve_hf(source), not Path(str(source.id)).expanduser().is_dir()
+    named by its files alone: the same checkpoint lies under other paths on other machines. ``location``: where
+    ``resolve_hf`` found it for the import."""
+    hub = not Path(str(source.id)).expanduser().is_dir()
     files = {}
     for file in sorted(location.iterdir()):
         if file.is_file():
