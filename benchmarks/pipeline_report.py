@@ -159,13 +159,26 @@ def peer_rate(path: Path | None) -> dict:
     return {"tokens_per_s": round(tokens / seconds), "tokens": tokens, "seconds": seconds, "source": path.name}
 
 
-def eval_sets(run: Path) -> dict[str, dict]:
-    """Each eval set's prompt count, max_new_tokens and τ (chain, tree, prompt lookup) from evaluate's metrics."""
+# evaluate's line for each set it finished (evaluate.py's log.info): what an unfinished run has measured
+SET_LINE = re.compile(r"INFO __main__: (?P<name>[\w-]+): chain tau (?P<tau>[\d.]+), .*?; tree tau (?P<tree>[\d.]+); "
+                      r"baselines tau [\d.]+ \(most frequent\), (?P<ngram>[\d.]+) \(ngram\); (?P<prompts>\d+) prompts")
+
+
+def logged_sets(log: RunLog, max_new: int) -> dict[str, dict]:
+    """The sets an unfinished ``evaluate`` logged as done (its metrics file is written at its end)."""
+    found = (SET_LINE.search(text) for _, text in log.lines)
+    return {m["name"]: {"prompts": int(m["prompts"]), "max_new_tokens": max_new, "tau": float(m["tau"]),
+                        "tree_tau": float(m["tree"]), "ngram_tau": float(m["ngram"]), "from": "log"} for m in found if m}
+
+
+def eval_sets(run: Path, log: RunLog) -> dict[str, dict]:
+    """Each eval set's prompt count, max_new_tokens and τ (chain, tree, prompt lookup) from evaluate's metrics,
+    or, where evaluate did not finish, from its lines for the sets it did (marked ``"from": "log"``)."""
     metrics_file = run / "dvclive/evaluate/metrics.json"
-    if not metrics_file.is_file():
-        return {}
-    metrics = json.loads(metrics_file.read_text())
     max_new = yaml.safe_load((run / "params.yaml").read_text())["evaluate"]["max_new_tokens"]
+    if not metrics_file.is_file():
+        return logged_sets(log, max_new)
+    metrics = json.loads(metrics_file.read_text())
     return {name: {"prompts": s["prompts"], "max_new_tokens": max_new, "tau": s["tau"], "tree_tau": s["tree"]["tau"],
                    "ngram_tau": s["ngram"]["tau"]}
             for name, s in metrics.items() if isinstance(s, dict) and "tau" in s}
@@ -174,7 +187,8 @@ def eval_sets(run: Path) -> dict[str, dict]:
 def report(run: Path, commit: str, command: str, peer: Path | None, now: float | None = None) -> dict:
     log = read_log(run / "logs/dvc.log")
     gpu, samples = read_samples(run / "logs/gpu.tsv")
-    now = time.time() if now is None else now
+    if now is None:  # an open window ends at the newest record of the run (so a report rebuilt later reads the same)
+        now = max([t for t, _ in log.lines] + [t for t, _, _ in samples], default=time.time())
     stages = stage_times(log, samples, now)
     sessions = [(a, b if b is not None else now) for a, b in log.sessions]
     return {
@@ -185,7 +199,7 @@ def report(run: Path, commit: str, command: str, peer: Path | None, now: float |
         "stages": stages,
         "train": train_rates(run, stages.get("train", {}).get("wall_s")),
         "peer": peer_rate(peer),
-        "sets": eval_sets(run),
+        "sets": eval_sets(run, log),
     }
 
 

@@ -165,3 +165,18 @@ def test_smoke_the_whole_demo_run_detached_then_reported(tmp_path):
     done = subprocess.run(["bash", ROOT / "benchmarks/offline/pipeline_run.sh", run, prompts], env=env, check=True,
                           capture_output=True, text=True).stdout
     assert done.startswith("done:")
+
+
+def test_an_unfinished_evaluate_reports_the_sets_it_logged_and_ends_at_its_last_record(tmp_path):
+    """evaluate writes its metrics at its end: a run stopped inside it has only its lines for the sets done;
+    its open window ends at the newest record, so the report rebuilt later from the logs reads the same."""
+    done = ("12:00:00 INFO __main__: heldout: chain tau 3.386, speedup 0.86x at batch 1; tree tau 3.85; "
+            "baselines tau 1.05 (most frequent), 3.25 (ngram); 200 prompts in 204.6 s")
+    lines = [line for line in LOG if line[0] <= 170] + [(190, done)]
+    run = synthetic_run(tmp_path / "run", lines=lines)
+    (run / "dvclive/evaluate/metrics.json").unlink()
+    result = json.loads(report(run))
+    assert result["finished"] is False
+    assert result["sets"] == {"heldout": {"prompts": 200, "max_new_tokens": 256, "tau": 3.386, "tree_tau": 3.85,
+                                          "ngram_tau": 3.25, "from": "log"}}
+    assert result["stages"]["evaluate"]["wall_s"] == 32.0  # 170 to the last sample at 202, not to the clock
