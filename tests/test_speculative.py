@@ -343,6 +343,25 @@ def test_sliding_window_verifier_past_its_window(sliding_verifier, shape):
     assert 0 < max(accepted) and min(accepted) < K
 
 
+@pytest.mark.parametrize("shape", [TreeShape.chain(K), TREE], ids=["chain", "tree"])
+def test_static_caches_read_growing_windows_exactly(sliding_verifier, shape):
+    """Grouped-query attention (4 heads, 2 kv heads) over static caches read through windows of 256, 512, ...
+    columns (``ColumnCache.window``), sliding layers among them: the tokens of plain greedy decoding."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 512, (n,), generator=g) for n in (40, 33)]
+    max_new = 160  # with a miss every third token, chains (K + 1 columns a round) pass 256 columns
+    expected = greedy_decode(sliding_verifier, prompts, max_new, set())
+    table = greedy_tables(sliding_verifier, prompts, max_new + K + 2)
+    table[:, ::3] = (table[:, ::3] + 1) % 512  # rounds of about two accepted drafts
+    graphs = DecodeGraphs(max(map(len, prompts)), max_new, capture=False)
+    out = speculative_decode(sliding_verifier, EagleProposer(TableDrafter(table, 512), shape, graphs), prompts, TINY_TAPS,
+                             max_new, set(), graphs=graphs)
+    assert [d.tokens for d in out] == expected
+    (cache,) = graphs.verifier_caches.values()
+    assert cache.columns > 256 and len(cache.windows()) >= 2  # the windows grew past the first
+    assert sorted(key[3] for key in graphs.graphs if key[0] == "verifier") == cache.windows()  # all made at the first forward
+
+
 @pytest.mark.parametrize("method", ["plain", "chain", "tree"])
 def test_static_caches_decode_as_the_growing_ones(tiny, method):
     """The CUDA-graph layout run eagerly (``DecodeGraphs(capture=False)``): preallocated caches,

@@ -13,10 +13,16 @@ fixed kernels on fixed addresses, so what a step reads and writes lives in preal
   grow, as in the eager cache, but none is ever removed: a finished row stays in the batch (what
   it decodes is no longer read) and a column no row accepted stays masked. L = the
   longest prompt + max_new_tokens * Q (every round adds Q columns and at least one token).
+  A forward reads only the first W columns (``window``: S + Q rounded up to a power of two, at
+  least MIN_WINDOW), so its attention costs what the batch has written, not what it might: a
+  tree's L is 16 columns per new token.
+- the verifier's attention (``grouped_query_attention``): a kv head's query heads stacked as its
+  queries, so SDPA reads each cached key once. transformers' SDPA path copies every key and value
+  per query head when a mask is given (``repeat_kv``), and decoding always gives one.
 - the drafter's context cache (``StaticDraftCache``), the same way; every context step after the
   prompt's covers num_steps + 1 rows (the longest path), its pad rows masked.
 
-One graph per (rows B, block Q) for the verifier and per (drafter, B, tree shape) for the drafter's
+One graph per (rows B, block Q, window W) for the verifier and per (drafter, B, tree shape) for the drafter's
 ``propose`` (its context step and every tree step, one replay), captured at the first call,
 reused across batches of the same size (the buffers belong to ``DecodeGraphs``, not to one
 decode); the prefill and the drafter's first context step (the prompt's length) stay eager.
@@ -26,18 +32,57 @@ With ``capture=False`` the same static buffers run eagerly: the CPU tests of thi
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from eagle3.drafter.batch import Batch, decoder_forward
 from eagle3.drafter.tree import DraftBatchCache
 
 
 COLUMN_MULTIPLE = 64
+MIN_WINDOW = 256  # the narrowest window a verifier forward reads (``ColumnCache.window``)
+ATTENTION = "eagle3_decode"  # ``grouped_query_attention``'s name in transformers' AttentionInterface
+
+
+def grouped_query_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor,
+                            scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+    """SDPA with each kv head's query heads stacked as its queries: query [B, H, Q, D], key/value
+    [B, nkv, W, D], attention_mask [B, 1, Q, W] (additive) -> ([B, Q, H, D], None).
+
+    The same attention as transformers' SDPA path, without its copy of every key and value per query
+    head (kv head i serves heads i * H / nkv ...; the mask repeats per stacked query). Softcapping,
+    sinks and dropout, which plain SDPA lacks, go to transformers' own.
+    """
+    if dropout or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    B, heads, Q, D = query.shape
+    kv_heads, width = key.shape[1], key.shape[2]
+    repeat = heads // kv_heads
+    grouped = query.reshape(B, kv_heads, repeat * Q, D)
+    mask = attention_mask[:, :, None].expand(-1, -1, repeat, -1, -1).reshape(B, attention_mask.shape[1], repeat * Q, width)
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(B, heads, Q, D).transpose(1, 2), None
+
+
+AttentionInterface.register(ATTENTION, grouped_query_attention)
+
+
+@contextmanager
+def attending_grouped(decoder) -> Iterator[None]:
+    """The decoder's layers attend with ``grouped_query_attention`` inside the block (and as before after)."""
+    config = decoder.config.get_text_config()
+    before = config._attn_implementation
+    config._attn_implementation = ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 class StepGraph:
@@ -102,7 +147,26 @@ class ColumnCache:
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
         self.write_at: Tensor | None = None  # [Q] the columns the running forward writes
+        self.width = length  # W: the columns the running forward reads (``window``)
         self.columns = 0  # S: columns written so far (host side)
+
+    def window(self, columns: int) -> int:
+        """W for a forward whose last column is ``columns``: a power of two, at least MIN_WINDOW, at most L
+        (few shapes, so few graphs; a forward reads less than twice the columns written)."""
+        return min(self.length, max(MIN_WINDOW, 1 << (columns - 1).bit_length()))
+
+    def windows(self) -> list[int]:
+        """Every W a forward can read, narrowest first (e.g. L 1,088: 256, 512, 1,024, 1,088)."""
+        return [w for w in (MIN_WINDOW << i for i in range(self.length.bit_length())) if w < self.length] + [self.length]
+
+    def saved(self, columns: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Copies of every layer's keys and values at ``columns`` [n] (``restore`` puts them back)."""
+        return [(k.index_select(2, columns), v.index_select(2, columns)) for k, v in zip(self.keys, self.values)]
+
+    def restore(self, columns: Tensor, saved: list[tuple[Tensor, Tensor]]) -> None:
+        for (k, v), (old_k, old_v) in zip(zip(self.keys, self.values), saved):
+            k.index_copy_(2, columns, old_k)
+            v.index_copy_(2, columns, old_v)
 
     def load(self, prefilled: DynamicCache) -> None:
         """Start a batch from ``prefill``'s cache: its S columns, the rest left as they are (masked)."""
@@ -119,7 +183,7 @@ class ColumnCache:
     def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
         self.keys[layer_idx].index_copy_(2, self.write_at, key)
         self.values[layer_idx].index_copy_(2, self.write_at, value)
-        return self.keys[layer_idx], self.values[layer_idx]
+        return self.keys[layer_idx][:, :, : self.width], self.values[layer_idx][:, :, : self.width]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.columns
@@ -206,27 +270,59 @@ class DecodeGraphs:
 
     def verifier_forward(self, decoder, cache: ColumnCache, input_ids: Tensor, positions: Tensor, masks,
                          layer_ids) -> tuple[Tensor, Tensor]:
-        """``batch.decoder_forward`` over input_ids [B, Q] written at the cache's next Q columns, captured
-        per (B, Q). ``masks`` [B, 1, Q, S + Q] (or a dict of them by layer type) are padded to all L columns."""
+        """``batch.decoder_forward`` over input_ids [B, Q] written at the cache's next Q columns, reading its
+        first W (``ColumnCache.window``), captured per (B, Q, W). ``masks`` [B, 1, Q, S + Q] (or a dict of
+        them by layer type) are padded to W columns."""
         B, Q = input_ids.shape
         if cache.columns + Q > cache.length:
             raise ValueError(f"the verifier's static cache holds {cache.length} columns, {cache.columns + Q} needed")
+        width = cache.window(cache.columns + Q)
         kinds = None if isinstance(masks, Tensor) else sorted(masks)
         flat = [masks] if kinds is None else [masks[kind] for kind in kinds]
-        flat = [F.pad(m, (0, cache.length - m.shape[-1]), value=torch.finfo(m.dtype).min) for m in flat]  # [B, 1, Q, L]
+        flat = [F.pad(m, (0, width - m.shape[-1]), value=torch.finfo(m.dtype).min) for m in flat]  # [B, 1, Q, W]
         write_at = torch.arange(cache.columns, cache.columns + Q, device=input_ids.device)
         cache.columns += Q
+        key = self.verifier_key(B, Q)
+        if (*key, width) not in self.graphs:
+            self.make_windows(key, cache, lambda width: self.window_forward(decoder, cache, width, kinds, layer_ids), flat)
+        return self.graphs[(*key, width)](input_ids, positions, write_at, *flat)
+
+    @staticmethod
+    def window_forward(decoder, cache: ColumnCache, width: int, kinds: list | None,
+                       layer_ids) -> Callable[..., tuple[Tensor, Tensor]]:
+        """The verifier's forward reading ``width`` columns, as a function of its tensors (a graph's ``fn``)."""
 
         def forward(input_ids: Tensor, positions: Tensor, write_at: Tensor, *flat: Tensor) -> tuple[Tensor, Tensor]:
-            cache.write_at = write_at
+            cache.write_at, cache.width = write_at, width
             masks = flat[0] if kinds is None else dict(zip(kinds, flat))
-            return decoder_forward(decoder, cache, input_ids, positions, masks, layer_ids)
+            with attending_grouped(decoder):
+                return decoder_forward(decoder, cache, input_ids, positions, masks, layer_ids)
 
-        return self.step(self.verifier_key(B, Q), forward)(input_ids, positions, write_at, *flat)
+        return forward
+
+    def make_windows(self, key: tuple, cache: ColumnCache, forward_of: Callable[[int], Callable], masks: list[Tensor]) -> None:
+        """The graph of every window of ``key`` = (verifier, B, Q) at once, at its first forward.
+
+        Why all at once: a window first reached inside a timed decode would time its capture. Each
+        graph is made on stand-in inputs (token 0 at position 0, every column visible) written at its
+        window's last Q columns, whose keys and values are put back after (no graph reads columns
+        it has not been given: they are masked until a forward writes them).
+        """
+        _, B, Q = key
+        device = masks[0].device
+        for width in cache.windows():
+            if (*key, width) in self.graphs:
+                continue
+            write_at = torch.arange(width - Q, width, device=device)
+            kept = cache.saved(write_at)
+            stand_ins = [torch.zeros(B, 1, Q, width, dtype=m.dtype, device=device) for m in masks]
+            zeros = torch.zeros(B, Q, dtype=torch.long, device=device)
+            self.step((*key, width), forward_of(width))(zeros, zeros, write_at, *stand_ins)
+            cache.restore(write_at, kept)
 
     @staticmethod
     def verifier_key(rows: int, block: int) -> tuple:
-        """The graph of the verifier's forward over ``block`` columns of ``rows`` rows."""
+        """The graphs of the verifier's forward over ``block`` columns of ``rows`` rows (one per window)."""
         return "verifier", rows, block
 
     @staticmethod
@@ -235,5 +331,7 @@ class DecodeGraphs:
         return "draft", id(drafter), shape, rows
 
     def replay_seconds(self, key: tuple) -> float | None:
-        """The time of one call of the graph ``key`` (``verifier_key``, ``draft_key``); None if no decode has made it yet."""
-        return self.graphs[key].seconds() if key in self.graphs else None
+        """The time of one call of the graph ``key`` (``draft_key``; of ``verifier_key``'s, the widest window's);
+        None if no decode has made it yet."""
+        made = [k for k in self.graphs if k[: len(key)] == key]
+        return self.graphs[max(made)].seconds() if made else None
