@@ -331,7 +331,7 @@ def peer_row(run: dict) -> list[str]:
 
 
 @pytest.mark.parametrize(("section", "results"), [
-    ("Beside a peer trainer", ("peer_tau_1k.json", "peer_tau_1k_ours_8k.json")), ("The same at 10k", ("peer_tau_10k.json",))],
+    ("At 1k", ("peer_tau_1k.json", "peer_tau_1k_ours_8k.json")), ("At 10k", ("peer_tau_10k.json",))],
     ids=["1k", "10k"])
 def test_the_peer_tables_quote_their_json(section, results):
     runs = {run["name"]: run for name in results for run in json.loads((ROOT / "benchmarks/results" / name).read_text())["runs"]}
@@ -342,8 +342,8 @@ def test_the_peer_tables_quote_their_json(section, results):
 
 
 @pytest.mark.parametrize(("results", "section"), [
-    ("generate_throughput_varlen.json", "The shard at 1,024 varlen slots"), ("generate_throughput_split.json", "The split decode kernel")],
-    ids=["seventh", "eighth"])
+    ("generate_throughput_varlen.json", "Other decode attentions"), ("generate_throughput_split.json", "The backend at 1,024 slots")],
+    ids=["varlen", "split"])
 def test_the_generation_tables_quote_their_json(results, section):
     report = json.loads((ROOT / "benchmarks/results" / results).read_text())
     slots = {"after": report["batch_size"], "after_varlen": report["varlen_batch_size"]}
@@ -376,8 +376,8 @@ SHORT_NAMES = {  # recipe names too long for a table row -> what docs/training.m
 
 
 @pytest.mark.parametrize(("results", "section", "cells", "row"), [
-    ("recipe_sweep_1k.json", "The recipe, measured", 8, sweep_row), ("recipe_steps_1k.json", "Steps, not tokens", 9, steps_row),
-    ("recipe_10k.json", "Ten times the data", 9, scale_row), ("recipe_10k_e21.json", "Our trainer at the peer's rows", 9, scale_row)],
+    ("recipe_sweep_1k.json", "The recipe sweep at 1k", 8, sweep_row), ("recipe_steps_1k.json", "Steps against answer length", 9, steps_row),
+    ("recipe_10k.json", "10k at train=1k's rows", 9, scale_row), ("recipe_10k_e21.json", "The 10k recipe", 9, scale_row)],
     ids=["sweep", "steps", "10k", "10k-e21"])
 def test_the_recipe_tables_quote_their_json(results, section, cells, row):
     runs = {SHORT_NAMES.get(run["name"], run["name"]): run
