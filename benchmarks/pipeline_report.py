@@ -4,6 +4,7 @@ stage's wall time and GPU busy share, the whole run's wall, training's tokens/s,
     python benchmarks/pipeline_report.py RUN --out benchmarks/results/pipeline_10k.json --commit SHA --command "..."
     python benchmarks/pipeline_report.py RUN --poll                      # the run's progress, one screen
     python benchmarks/pipeline_report.py --readme-table benchmarks/results/pipeline_10k.json   # the README's table
+    python benchmarks/pipeline_report.py --readme-results benchmarks/results/pipeline_10k.json # the README's τ
 
 It reads RUN/logs/dvc.log (every line of ``dvc repro`` after its time: a stage's window runs from DVC's
 "Running stage" line to the next stage's line or the end of the dvc command), RUN/logs/gpu.tsv (NVML samples: a window's
@@ -217,6 +218,27 @@ def readme_table(result: dict) -> str:
     return "\n".join(rows)
 
 
+def readme_results(result: dict, source: Path) -> str:
+    """The README's headline from ``source``: the run's commit, GPU and command, τ per eval set it measured,
+    train's pace, and whether it finished (an unfinished run's sets are those evaluate had logged as done)."""
+    lines = [f"One `dvc repro` at {result['commit']} on {result['gpu'] or 'no GPU'} (`{source}`):", f"`{result['command']}`.", "",
+             "| eval set | prompts | new tokens, at most | chain τ | tree τ | prompt lookup τ |", "|---|---|---|---|---|---|"]
+    for name, s in result["sets"].items():
+        lines.append(f"| `{name}` | {s['prompts']} | {s['max_new_tokens']} | **{s['tau']:.2f}** | **{s['tree_tau']:.2f}** | "
+                     f"{s['ngram_tau']:.2f} |")
+    train, train_stage = result["train"], result["stages"].get("train")
+    if train["tokens_per_s"] and train_stage:
+        lines += ["", f"`train`: {train['steps']:,} steps, {train['tokens'] / 1e6:.1f}M training tokens, "
+                      f"{train['tokens_per_s'] / 1000:.1f}k tokens/s over its {train_stage['wall_s']:.0f} s, "
+                      f"GPU {percent(train_stage['gpu_busy'])} busy."]
+    if not result["finished"]:
+        logged = [f"`{name}`" for name, s in result["sets"].items() if s.get("from") == "log"]
+        lines += [f"**Unfinished** (`\"finished\": false`): the run stopped inside `{list(result['stages'])[-1]}`; "
+                  f"the table holds only the sets it had finished ({', '.join(logged) or 'none'}, from its log lines),",
+                  f"and the whole run's {result['total_wall_s']:.0f} s is a lower bound."]
+    return "\n".join(lines)
+
+
 def poll(run: Path, lines: int = 15) -> str:
     """One screen: the job's state, each stage's wall so far, the GPU's last sample, the log's last lines."""
     log = read_log(run / "logs/dvc.log") if (run / "logs/dvc.log").is_file() else RunLog()
@@ -250,12 +272,16 @@ def main() -> None:
     parser.add_argument("--poll", action="store_true", help="print the run's progress instead")
     parser.add_argument("--lines", type=int, default=15, help="with --poll: the log's last lines shown")
     parser.add_argument("--readme-table", type=Path, metavar="JSON", help="print the README's table of this JSON")
+    parser.add_argument("--readme-results", type=Path, metavar="JSON", help="print the README's results of this JSON")
     args = parser.parse_args()
     if args.readme_table:
         print(readme_table(json.loads(args.readme_table.read_text())))
         return
+    if args.readme_results:
+        print(readme_results(json.loads(args.readme_results.read_text()), args.readme_results))
+        return
     if args.run is None:
-        parser.error("RUN is required (or --readme-table JSON)")
+        parser.error("RUN is required (or --readme-table / --readme-results JSON)")
     if args.poll:
         print(poll(args.run, args.lines))
         return

@@ -331,7 +331,7 @@ def peer_row(run: dict) -> list[str]:
 
 
 @pytest.mark.parametrize(("section", "results"), [
-    ("Beside a peer trainer", ("peer_tau_1k.json", "peer_tau_1k_ours_8k.json")), ("The same at 10k", ("peer_tau_10k.json",))],
+    ("At 1k", ("peer_tau_1k.json", "peer_tau_1k_ours_8k.json")), ("At 10k", ("peer_tau_10k.json",))],
     ids=["1k", "10k"])
 def test_the_peer_tables_quote_their_json(section, results):
     runs = {run["name"]: run for name in results for run in json.loads((ROOT / "benchmarks/results" / name).read_text())["runs"]}
@@ -342,8 +342,8 @@ def test_the_peer_tables_quote_their_json(section, results):
 
 
 @pytest.mark.parametrize(("results", "section"), [
-    ("generate_throughput_varlen.json", "The shard at 1,024 varlen slots"), ("generate_throughput_split.json", "The split decode kernel")],
-    ids=["seventh", "eighth"])
+    ("generate_throughput_varlen.json", "Other decode attentions"), ("generate_throughput_split.json", "The backend at 1,024 slots")],
+    ids=["varlen", "split"])
 def test_the_generation_tables_quote_their_json(results, section):
     report = json.loads((ROOT / "benchmarks/results" / results).read_text())
     slots = {"after": report["batch_size"], "after_varlen": report["varlen_batch_size"]}
@@ -360,25 +360,13 @@ def two_places(value: float) -> str:
     return str(Decimal(str(value)).quantize(Decimal("0.01"), rounding=ROUND_HALF_UP))
 
 
-def as_peer_run(run: dict) -> dict:
-    """A recipe_sweep run in peer_tau's terms (tokens; chain_tau for tau)."""
-    sets = {name: {"chain_tau": s["tau"], "tree_tau": s["tree_tau"]} for name, s in run["sets"].items()}
-    return {**run, "tokens": run["train_tokens"], "sets": sets}
-
-
-def test_the_readme_peer_table_rounds_the_json():
-    """Its rows in file order: 1k then 10k, each ours, the peer at equal tokens, at equal time; then ours now."""
-    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in (ROOT / "README.md").read_text().splitlines()
-            if re.match(r"\| [^|]*\| (ours, `train=|peer, equal)", line)]
-    runs = [run for name in ("peer_tau_1k.json", "peer_tau_10k.json")
-            for run in json.loads((ROOT / "benchmarks/results" / name).read_text())["runs"]]
-    runs.append(as_peer_run(json.loads((ROOT / "benchmarks/results/recipe_10k_e21.json").read_text())["runs"][0]))
-    assert len(rows) == len(runs) == 7
-    for row, run in zip(rows, runs):
-        assert row[2] == f"{run['steps']:,}" and row[3] == f"{run['tokens'] / 1e6:.3g}M", run["name"]
-        assert row[4] == str(round(run["train_seconds"])), run["name"]
-        sets = [" / ".join(two_places(run["sets"][s][k]) for k in ("chain_tau", "tree_tau")) for s in ("heldout", "humaneval", "math")]
-        assert [cell.strip("*") for cell in row[5:]] == sets, run["name"]
+def test_the_readme_demo_figures_are_the_demo_record():
+    """The README's demo τ are metrics/summary.json's held-out figures as committed, rounded."""
+    heldout = json.loads((ROOT / "metrics/summary.json").read_text())["heldout"]
+    chain, tree, constant, lookup = (two_places(heldout[key]) for key in ("tau", "tree_tau", "baseline_tau", "ngram_tau"))
+    sentence = (f"held-out τ (tokens per verifier forward) **{chain}** for the drafter's chain and {tree} for its tree, against "
+                f"{constant} for the most frequent token and {lookup} for prompt lookup")
+    assert sentence in " ".join((ROOT / "README.md").read_text().split())
 
 
 E21 = "b8k-lr1e-3-e21-pack_tokens8192-micro_batch_rows1-"
@@ -388,8 +376,8 @@ SHORT_NAMES = {  # recipe names too long for a table row -> what docs/training.m
 
 
 @pytest.mark.parametrize(("results", "section", "cells", "row"), [
-    ("recipe_sweep_1k.json", "The recipe, measured", 8, sweep_row), ("recipe_steps_1k.json", "Steps, not tokens", 9, steps_row),
-    ("recipe_10k.json", "Ten times the data", 9, scale_row), ("recipe_10k_e21.json", "Our trainer at the peer's rows", 9, scale_row)],
+    ("recipe_sweep_1k.json", "The recipe sweep at 1k", 8, sweep_row), ("recipe_steps_1k.json", "Steps against answer length", 9, steps_row),
+    ("recipe_10k.json", "10k at train=1k's rows", 9, scale_row), ("recipe_10k_e21.json", "The 10k recipe", 9, scale_row)],
     ids=["sweep", "steps", "10k", "10k-e21"])
 def test_the_recipe_tables_quote_their_json(results, section, cells, row):
     runs = {SHORT_NAMES.get(run["name"], run["name"]): run
@@ -400,14 +388,46 @@ def test_the_recipe_tables_quote_their_json(results, section, cells, row):
         assert table[name] == row(run), name
 
 
+PIPELINE_JSON = ROOT / "benchmarks/results/pipeline_10k.json"
+GENERATED = re.compile(r"^<!-- generated: pipeline_report.py --readme-results -->\n(.*?)\n<!-- end generated -->$", re.M | re.S)
+
+
+def pipeline_report(*args: str) -> str:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks/pipeline_report.py"), *args],
+                          capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip()
+
+
+def readme_section(heading: str) -> str:
+    """The README's section under ``heading`` (a `### ` line), up to the next heading."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index(f"### {heading}\n"):]
+    return section[:re.search(r"^#+ ", section[4:], re.M).start() + 4]
+
+
 def test_the_readme_timing_table_is_the_pipeline_json():
     """The README's table of the whole run is benchmarks/pipeline_report.py --readme-table of its JSON."""
-    results = ROOT / "benchmarks/results/pipeline_10k.json"
-    if not results.is_file():
-        pytest.skip("benchmarks/results/pipeline_10k.json is not recorded yet")
-    table = subprocess.run([sys.executable, str(ROOT / "benchmarks/pipeline_report.py"), "--readme-table", str(results)],
-                           capture_output=True, text=True, check=True).stdout.strip()
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### The whole run, timed"):]
-    section = section[:re.search(r"^#+ ", section[4:], re.M).start() + 4]
+    table = pipeline_report("--readme-table", str(PIPELINE_JSON.relative_to(ROOT)))
+    section = readme_section("The whole run, timed")
     assert "\n".join(line for line in section.splitlines() if line.startswith("|")) == table
+
+
+def test_the_readme_headline_is_the_pipeline_json():
+    """The README's headline τ is pipeline_report.py --readme-results of the committed pipeline JSON, and nothing
+    beside it in that section is a hand-written figure (a decimal: a τ, a speedup)."""
+    section = readme_section("Where a real drafter stands, on one H200")
+    (generated,) = GENERATED.findall(section)
+    assert generated == pipeline_report("--readme-results", str(PIPELINE_JSON.relative_to(ROOT)))
+    assert not re.findall(r"\d\.\d", GENERATED.sub("", section))
+
+
+def test_the_readme_headline_says_whether_the_run_finished(tmp_path):
+    """An unfinished run says so and names the sets read from evaluate's log; a finished one has no such line."""
+    result = json.loads(PIPELINE_JSON.read_text())
+    unfinished = tmp_path / "unfinished.json"
+    unfinished.write_text(json.dumps({**result, "finished": False}))
+    assert "**Unfinished**" in pipeline_report("--readme-results", str(unfinished))
+    sets = {name: {key: value for key, value in s.items() if key != "from"} for name, s in result["sets"].items()}
+    finished = tmp_path / "finished.json"
+    finished.write_text(json.dumps({**result, "finished": True, "sets": sets}))
+    text = pipeline_report("--readme-results", str(finished))
+    assert "Unfinished" not in text and "| `heldout` | 200 |" in text
