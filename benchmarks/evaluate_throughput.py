@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, LlamaForCausalLM
 
 from eagle3.common import read_jsonl
 from eagle3.drafter.export import load_drafter
@@ -65,21 +65,16 @@ from eagle3.lm.loading import WHOLE_COPY, eos_token_ids, input_embedding, load_t
 from eagle3.measurement.acceptance import acceptance_stats
 from eagle3.measurement.settings import Settings
 from eagle3.measurement.timing import decode_all, step_costs, timings, warm_up
+from shapes import VERIFIER_SHAPES
 
-# Random verifiers (Llama architecture): SmolLM2-135M's shape, and a tiny one for the CPU test.
-SHAPES = {
-    "smollm2": dict(num_hidden_layers=30, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-                    num_key_value_heads=3, head_dim=64, vocab_size=49152, rope_theta=100000.0,
-                    max_position_embeddings=8192, tie_word_embeddings=True),
-    "tiny": dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=16, vocab_size=512, rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=True),
-}
+# Random verifiers (Llama architecture), by the CLI's names: SmolLM2-135M's shape, and a tiny one for the CPU test.
+SHAPES = {"smollm2": VERIFIER_SHAPES["smollm2-135m"], "tiny": VERIFIER_SHAPES["tiny"]}
 
 
 def random_verifier(shape: str, device: str, dtype: str):
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape]))
+        model = LlamaForCausalLM(AutoConfig.for_model(**SHAPES[shape]))
     return model.to(getattr(torch, dtype)).eval()
 
 
@@ -289,9 +284,11 @@ def main() -> None:
     args = arguments()
     signal.signal(signal.SIGALRM, interrupt)
     signal.alarm(args.deadline)  # the table still prints: the running part records the error, the rest are past --budget
-    settings = Settings(args.draft_tokens, TreeShape(*args.tree), tuple(args.batch_sizes), args.repeats, None, None,
-                        tuple(args.chain_sweep), True, args.max_new_tokens, (), ("bench",), None, False, args.device, args.dtype,
-                        args.threads, (), False, WHOLE_COPY)
+    settings = Settings(draft_tokens=args.draft_tokens, tree=TreeShape(*args.tree), batch_sizes=tuple(args.batch_sizes),
+                        repeats=args.repeats, timed_prompts=None, timed_new_tokens=None, chain_sweep=tuple(args.chain_sweep),
+                        cuda_graphs=True, max_new_tokens=args.max_new_tokens, position_buckets=(), sets=("bench",),
+                        max_prompts=None, baseline=False, device=args.device, dtype=args.dtype, threads=args.threads, stop=(),
+                        trust_remote_code=False, placement=WHOLE_COPY)
     configure_torch(settings)
     verifier, drafter, eos, tokenizer = models(args)
     for_decoding(verifier, drafter, settings)

@@ -4,6 +4,9 @@
     python benchmarks/extract_throughput.py models/verifier --runs 3 --samples 16 --tokens 512 --dvc-gb 1
     python benchmarks/extract_throughput.py models/verifier --device cuda --compute-dtype bfloat16 \
         --random-shape llama3-8b --workers 1 2          # 8B-shaped random weights; 1 and 2 GPUs
+    python benchmarks/extract_throughput.py .eagle3/cache/tiny-random --smoke     # a tiny verifier: seconds
+
+Its ``model`` params (taps, chat rules) are the current folder's params.yaml.
 
 Prints, as medians over ``--runs``:
 - the verifier forward's tokens/s alone (the ceiling: taps gathered, nothing stored);
@@ -38,14 +41,14 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from eagle3.common import write_json
+from common import random_verifier
 from eagle3.extract import bytes_per_token
 from eagle3.hidden_states.capture import Settings, batches, extract_samples, hidden_states
 from eagle3.hidden_states.samples import prepare
 from eagle3.hidden_states.workers import Job, run_workers
 from eagle3.lm.loading import WHOLE_COPY, load_tokenizer, load_verifier
 from eagle3.lm.spec import VerifierSpec
-from eagle3.verifier_sources.random_weights import build_random
+from shapes import VERIFIER_SHAPES
 
 TEXT = (
     "Speculative decoding lets a small draft model propose several tokens that the large verifier "
@@ -73,19 +76,6 @@ def time_extraction(model, samples, settings: Settings, pad_id: int) -> tuple[fl
         seconds = time.perf_counter() - start
         written = sum(f.stat().st_size for f in Path(folder).iterdir())
     return seconds, written
-
-
-LLAMA_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)
-
-
-def random_verifier(tokenizer_source: Path, folder: Path, device: str) -> Path:
-    """A Llama-3.1-8B-shaped verifier folder: the ``verifier`` stage's random source, initialised on ``device``."""
-    source = OmegaConf.create({"tokenizer": str(tokenizer_source), "config": LLAMA_8B, "dtype": "bfloat16", "seed": 0})
-    with torch.device(device):  # random init of 8B parameters is minutes on a CPU, seconds on a GPU
-        build_random(source, folder)
-    write_json(folder / "meta.json", {"name": "random-llama3-8b", "weights_path": "."})  # no fingerprint: not a stage output
-    return folder
 
 
 def time_workers(verifier: Path, samples, settings: Settings, counts: list[int], pad_id: int) -> dict:
@@ -156,7 +146,11 @@ def main() -> None:
     parser.add_argument("--dvc-gb", type=float, default=1.0, help="GB of parts for the dvc add timing (0: skip)")
     parser.add_argument("--random-shape", choices=["llama3-8b"], help="random weights of this shape, the verifier's tokenizer")
     parser.add_argument("--workers", type=int, nargs="*", default=[], help="also time run_workers with these worker counts")
+    parser.add_argument("--smoke", action="store_true", help="one run of 2 short samples, one worker, no dvc add: seconds "
+                        "on a tiny verifier (tests/test_benchmarks.py runs it)")
     args = parser.parse_args()
+    if args.smoke:
+        args.runs, args.samples, args.tokens, args.threads, args.workers, args.dvc_gb = 1, 2, 48, 1, [1], 0
 
     torch.set_num_threads(args.threads)
     params = OmegaConf.load("params.yaml")
@@ -164,7 +158,10 @@ def main() -> None:
     samples, _ = prepare(conversations(args.samples, args.tokens), tokenizer, VerifierSpec.from_params(params.model).chat.for_tokenizer(tokenizer), 8192)
     tokens = sum(len(s.input_ids) for s in samples)
     with tempfile.TemporaryDirectory() as scratch:
-        verifier = random_verifier(args.verifier, Path(scratch), args.device) if args.random_shape else args.verifier
+        verifier = args.verifier
+        if args.random_shape:  # the shape's weights, the verifier's tokenizer (the samples are rendered by its template)
+            verifier = random_verifier(VERIFIER_SHAPES[args.random_shape], Path(scratch), args.device, tokenizer=args.verifier,
+                                       name=f"random-{args.random_shape}")
         results = measure(args, params, verifier, samples, tokenizer.pad_token_id or 0)  # as the stage pads
     results = {"device": args.device, "shape": args.random_shape or "verifier", "samples": len(samples), "tokens": tokens,
                "threads": args.threads, "batch_tokens": args.batch_tokens, **results}

@@ -7,6 +7,7 @@
         --count 16 --slow-count 16 --batch-size 16 --max-new-tokens 64 --threads 1                   # the CPU
     python benchmarks/generate_throughput.py --verifier models/verifier --prompts data/prompts/shards/000000-000032.jsonl \\
         --modes openai --base-url http://127.0.0.1:8000/v1 --concurrency 4
+    python benchmarks/generate_throughput.py --smoke      # the CPU, a tiny random verifier: seconds (tests run it)
 
 Modes, on the same prompts (the shard's first ones under the chat template, or with ``--random-shape``
 random token prompts of shard-like lengths and a random-weights model of that shape, written to a
@@ -56,24 +57,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's eagle3, installed or not
+from common import commit, environment, random_verifier  # first: this checkout's eagle3, installed or not
+from eagle3.common import die_with_parent
+from shapes import VERIFIER_SHAPES
 
-SHAPES = {  # random-weights verifiers, by the name of the model whose shape they have
-    "smollm2-135m": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-                     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-                     "max_position_embeddings": 8192, "rope_theta": 100000.0, "tie_word_embeddings": True,
-                     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2},
-}
 MODES = ["after", "after_varlen", "after_masked", "after_compiled", "after_compiled_cached", "before", "ties", "generate",
          "generate_batch"]  # in the order they run
+SMOKE_MODES = ["after", "generate"]  # the local backend as the stage runs it (eager on a CPU) and plain generate
 SHARES = {"after": 0.4, "after_varlen": 0.45}  # of the budget left when they start; the others split what is left
 PAIRS = [("after", "before"), ("after_varlen", "before"), ("after_varlen", "after"),
          ("after_compiled", "after_varlen")]  # greedy agreement between modes
@@ -82,30 +81,6 @@ TIE_GAPS = [0.125, 0.25, 0.5, 1.0]  # logit gaps counted (bf16 spaces logits of 
 SLOW = {"before", "generate", "generate_batch", "slots_eager", "ties"}  # on --slow-count prompts, answers capped at --slow-max-new-tokens
 
 Answers = dict[str, list[int]]  # request id -> generated tokens up to and including the stop token
-
-
-def random_verifier(shape: str, folder: Path, device: str) -> Path:
-    """A verifier folder with random weights of ``shape`` and a word-level tokenizer over its ids
-    (decoding is all the backend asks of it; the prompts are token ids already)."""
-    import torch
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    from eagle3.common import write_json
-
-    config = AutoConfig.for_model(**SHAPES[shape])
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.save_pretrained(folder)
-    vocab = {f"<{i}>": i for i in range(config.vocab_size)}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<0>")),
-                                        eos_token=f"<{config.eos_token_id}>", pad_token=f"<{config.pad_token_id}>")
-    tokenizer.save_pretrained(folder)
-    write_json(folder / "meta.json", {"name": f"random-{shape}", "weights_path": "."})
-    return folder
 
 
 def random_prompts(count: int, vocab_size: int) -> list[list[int]]:
@@ -456,29 +431,11 @@ def agreement(after: Answers, before: Answers, cap: int) -> dict:
             "first_difference_at": sorted(diverge)}
 
 
-def commit() -> str | None:
-    """The checkout's commit (with ``-dirty`` when it has changes); None outside a git checkout."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("-dirty" if dirty.strip() else "")
-
-
-def environment(device: str) -> dict:
-    import torch
-    import transformers
-
-    gpu = torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else None
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__, "gpu": gpu}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--verifier", type=Path, help="verifier folder (models/verifier); not with --random-shape")
     parser.add_argument("--prompts", type=Path, help="a prompt shard (data/prompts/shards/X.jsonl)")
-    parser.add_argument("--random-shape", choices=sorted(SHAPES), help="random weights of this shape, random token prompts")
+    parser.add_argument("--random-shape", choices=sorted(VERIFIER_SHAPES), help="random weights of this shape, random token prompts")
     parser.add_argument("--modes", nargs="+", choices=[*MODES, "openai", "slots_eager"], default=MODES)
     parser.add_argument("--count", type=int, default=1000, help="prompts of `after`, `after_varlen` (and openai)")
     parser.add_argument("--max-new-tokens", type=int, default=2048, help="their answer cap")
@@ -499,11 +456,17 @@ def main() -> None:
     parser.add_argument("--commit", help="the commit measured (default: the checkout's; where the tree has no .git)")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="openai")
     parser.add_argument("--concurrency", type=int, default=4, help="openai")
+    parser.add_argument("--smoke", action="store_true", help=f"the CPU, a tiny random verifier, {' '.join(SMOKE_MODES)} on 4 "
+                        "prompts of 8 new tokens: seconds (tests/test_benchmarks.py runs it)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--answers", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.smoke:
+        args.random_shape, args.device, args.modes, args.threads = "tiny", "cpu", SMOKE_MODES, 1
+        args.count = args.slow_count = args.batch_size = 4
+        args.max_new_tokens = args.slow_max_new_tokens = 8
     if args.worker:
         worker(args.spec, args.worker, args.answers, args.seconds)
         return
@@ -512,8 +475,9 @@ def main() -> None:
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         if args.random_shape:
-            verifier = random_verifier(args.random_shape, Path(tmp) / "verifier", args.device)
-            prompt_ids = random_prompts(max(args.count, args.slow_count), SHAPES[args.random_shape]["vocab_size"])
+            shape = VERIFIER_SHAPES[args.random_shape]
+            verifier = random_verifier(shape, Path(tmp) / "verifier", args.device, name=f"random-{args.random_shape}")
+            prompt_ids = random_prompts(max(args.count, args.slow_count), shape["vocab_size"])
         else:
             verifier, prompt_ids = args.verifier, shard_prompts(args.verifier, args.prompts, max(args.count, args.slow_count))
         spec = {"verifier": str(verifier), "prompts": str(args.prompts), "prompt_ids": prompt_ids, "count": args.count,
@@ -571,15 +535,6 @@ def print_table(report: dict) -> None:
     print(f"total {report.get('total_s')} s")
 
 
-def die_with_parent() -> None:
-    """In a mode's worker (Linux): killed when this benchmark is, even by SIGKILL, so no mode runs on unwatched."""
-    if sys.platform == "linux":
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-
-
 def run_mode(mode: str, folder: Path, seconds_left: float) -> tuple[dict, Answers]:
     """One mode in a fresh interpreter (its traceback, if any, goes to stderr); a mode that fails or
     runs past ``seconds_left`` is reported, the others still run."""
@@ -590,7 +545,9 @@ def run_mode(mode: str, folder: Path, seconds_left: float) -> tuple[dict, Answer
         row = {"mode": mode, "error": "skipped: no budget left"}
     else:
         try:
-            result = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=seconds_left, preexec_fn=die_with_parent)
+            # SIGKILL when this benchmark ends, however it ends: no mode runs on unwatched
+            result = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=seconds_left,
+                                    preexec_fn=partial(die_with_parent, signal.SIGKILL))
             lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"mode"')]
             row = lines[-1] if lines and not result.returncode else {
                 "mode": mode, "error": f"failed (exit {result.returncode}): traceback above", "last": lines[-1:]}

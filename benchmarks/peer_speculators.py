@@ -3,6 +3,7 @@
     python benchmarks/peer_speculators.py --device cuda                    # Llama-3.1-8B-shaped, 4 x 2048 tokens
     python benchmarks/peer_speculators.py --device cuda --doc-tokens 250   # the same ragged documents as ours
     python benchmarks/peer_speculators.py --device cuda --preset smollm2-135m --batch 8
+    python benchmarks/peer_speculators.py --smoke     # the CPU, a tiny drafter, one step: seconds (tests run it)
 
 Why: ``train_throughput.py`` measures this project's ``train_step``; this script drives the peer
 (``pip install speculators==0.9.0``, imported, never copied) the way its trainer does, on the same
@@ -18,7 +19,8 @@ Its package imports its data pipeline at import time (``datasets``, ``openai``, 
 where ``datasets`` (with ``pyarrow`` >= 24) is not installed, a stand-in module that refuses every
 call is put in its place, since no data is loaded through it here. On a machine without them,
 install from wheels with ``--no-deps``: speculators 0.9.0, hs_connectors 0.9.0, openai 2.54.0,
-jiter, sniffio, distro.
+jiter, sniffio, distro. Without them ``--smoke`` runs this project's side only (the documents, their
+collation and FLOPs) and says so: the tests run it where the peer is not installed.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import importlib
 import importlib.machinery
 import importlib.metadata
+import importlib.util
 import json
 import sys
 import time
@@ -38,7 +41,7 @@ from eagle3.drafter.model import DraftConfig
 from eagle3.hidden_states.loader import Batching
 from eagle3.train import collate_ttt
 from shapes import DRAFTER_SHAPES
-from train_throughput import random_documents, random_draft_vocab, shape_arguments, step_flops
+from train_throughput import SMOKE_SHAPE, random_documents, random_draft_vocab, shape_arguments, step_flops
 
 
 def import_peer():
@@ -132,24 +135,32 @@ def main() -> None:
     parser.add_argument("--loss-implementation", default="fused", choices=["fused", "eager"])
     parser.add_argument("--attention", help="its draft_attn_impl (default: simple_flex_attention on cuda; eager on cpu, "
                         "where FlexAttention has no backward)")
+    parser.add_argument("--smoke", action="store_true", help="the CPU, train_throughput.py's tiny drafter, 128 tokens, one step "
+                        "(without the peer installed: this project's side only)")
     args = parser.parse_args()
+    if args.smoke:
+        args.device, args.seq, args.doc_tokens, args.ttt_steps, args.warmup, args.iters = "cpu", 128, 40, 3, 0, 1
     gpu = args.device == "cuda"
-    preset = args.preset or ("llama3-8b" if gpu else "smollm2-135m")
+    preset = "smoke" if args.smoke else args.preset or ("llama3-8b" if gpu else "smollm2-135m")
     rows, seq = args.batch or (4 if gpu else 1), args.seq or (2048 if gpu else 512)
     device, dtype = torch.device(args.device), torch.bfloat16 if gpu else torch.float32
-    speculators, resolve_loss_config = import_peer()
 
-    cfg = DraftConfig.create(DRAFTER_SHAPES[preset], {})
+    cfg = DraftConfig.create(SMOKE_SHAPE if args.smoke else DRAFTER_SHAPES[preset], {})
     generator = torch.Generator().manual_seed(0)  # the weights train_throughput.py draws, in its order
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=generator) * 0.02
     verifier_head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=generator) * 0.02
     d2t = random_draft_vocab(cfg, generator)
-    attention = args.attention or ("simple_flex_attention" if gpu else "eager")
-    model = peer_model(speculators, cfg, d2t, verifier_head, embed, attention).to(device)
     docs = random_documents(cfg, rows, seq, args.doc_tokens, args.answer, torch.Generator().manual_seed(1))
-    batch = packed_row(docs, device, dtype)
     lengths = [len(d["input_ids"]) for d in docs]
     flops = step_flops(cfg, collate_ttt(docs, Batching(seq, rows, 1), args.ttt_steps), lengths, True)
+    if args.smoke and importlib.util.find_spec("speculators") is None:
+        print(json.dumps({"trainer": None, "note": "speculators is not installed: this project's side only", "preset": preset,
+                          "documents": len(lengths), "tokens": sum(lengths), "model_tflop": round(flops / 1e12, 6)}))
+        return
+    speculators, resolve_loss_config = import_peer()
+    attention = args.attention or ("simple_flex_attention" if gpu else "eager")
+    model = peer_model(speculators, cfg, d2t, verifier_head, embed, attention).to(device)
+    batch = packed_row(docs, device, dtype)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-4, fused=gpu)
     call = {"ttt_steps": args.ttt_steps, "ttt_step_loss_decay": 0.8, "loss_config": resolve_loss_config(args.loss, args.loss_implementation)}
 

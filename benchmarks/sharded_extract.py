@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/sharded_extract.py models/verifier --device cuda --random-shape llama3-8b
     torchrun --nproc-per-node 2 benchmarks/sharded_extract.py models/verifier --device cuda --random-shape deepseek-v3 --ep
     torchrun --nproc-per-node 2 benchmarks/sharded_extract.py .eagle3/cache/tiny-kimi --trust-remote-code   # CPU, gloo
+    torchrun --nproc-per-node 2 benchmarks/sharded_extract.py .eagle3/cache/tiny-random --smoke   # CPU, seconds
 
 Why: ``layout.verifier: {tp, ep}`` decides whether ``extract`` runs a whole verifier per GPU
 (replicated, each process on its share of the samples) or one copy sharded over the GPUs (every
@@ -37,14 +38,13 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from eagle3.common import write_json
+from common import random_verifier
 from eagle3.hidden_states.capture import Settings, batches, extract_samples, hidden_states
 from eagle3.hidden_states.samples import prepare
 from eagle3.lm.loading import WHOLE_COPY, Placement, load_tokenizer, load_verifier, text_config
 from eagle3.lm.spec import LanguageModel, VerifierSpec
-from eagle3.verifier_sources.random_weights import build_random
-
-from extract_throughput import LLAMA_8B, conversations
+from extract_throughput import conversations
+from shapes import VERIFIER_SHAPES
 
 DEEPSEEK_V3 = dict(
     model_type="deepseek_v3", vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
@@ -54,18 +54,8 @@ DEEPSEEK_V3 = dict(
     max_position_embeddings=131072, rope_theta=50000.0,
 )
 KIMI_STYLE = LanguageModel(config="text_config", prefix="language_model.", model_type="deepseek_v3")
-SHAPES = {"llama3-8b": (LLAMA_8B, LanguageModel()),
+SHAPES = {"llama3-8b": (VERIFIER_SHAPES["llama3-8b"], LanguageModel()),
           "deepseek-v3": ({"model_type": "kimi_k25", "text_config": {**DEEPSEEK_V3, "model_type": "kimi_k2"}}, KIMI_STYLE)}
-
-
-def random_verifier(shape: str, tokenizer_source: Path, folder: Path, device: str) -> Path:
-    """A verifier folder of ``shape`` with random weights (the ``verifier`` stage's random source)."""
-    config, lm = SHAPES[shape]
-    source = OmegaConf.create({"tokenizer": str(tokenizer_source), "config": config, "dtype": "bfloat16", "seed": 0})
-    with torch.device(device):  # random init of billions of parameters: seconds on a GPU
-        build_random(source, folder, lm=lm)
-    write_json(folder / "meta.json", {"name": f"random-{shape}", "weights_path": ".", "language_model": asdict(lm)})
-    return folder
 
 
 def peak_gib(device: str) -> float:
@@ -149,7 +139,11 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=16384)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="the CPU, 4 short samples, one run: seconds on a tiny verifier "
+                        "(tests/test_benchmarks.py runs it)")
     args = parser.parse_args()
+    if args.smoke:
+        args.device, args.samples, args.tokens, args.runs = "cpu", 4, 48, 1
 
     local_rank = int(os.environ["LOCAL_RANK"])
     if args.device == "cuda":
@@ -165,8 +159,10 @@ def main() -> None:
     verifier = args.verifier
     if args.random_shape:
         verifier = scratch / args.random_shape
-        if rank == 0:
-            random_verifier(args.random_shape, args.verifier, verifier, f"cuda:{local_rank}" if args.device == "cuda" else "cpu")
+        if rank == 0:  # random init of billions of parameters: seconds on a GPU
+            config, lm = SHAPES[args.random_shape]
+            random_verifier(config, verifier, f"cuda:{local_rank}" if args.device == "cuda" else "cpu", tokenizer=args.verifier,
+                            lm=lm, name=f"random-{args.random_shape}")
         dist.barrier()
     depth = text_config(verifier, args.trust_remote_code).num_hidden_layers
     layers = (1, depth // 2, depth - 1)  # low, middle, high: the taps do not change the cost

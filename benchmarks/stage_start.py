@@ -31,27 +31,13 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from common import commit, gpu_name, random_verifier, versions
+from shapes import VERIFIER_SHAPES
+
 START = time.perf_counter()
 ROOT = Path(__file__).resolve().parent.parent
-SHAPES = {  # LlamaConfig keys: the default verifier's shape, and a tiny one for --smoke
-    "smollm2-135m": {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-                     "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
-                     "rope_theta": 100000.0, "tie_word_embeddings": True},
-    "tiny": {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True},
-}
 # (rows, prompt tokens, new tokens) of the first-work batches: a shard's extract batch and decode group
 WORK = {"full": (64, 320, 64), "smoke": (2, 16, 4)}
-
-
-def build_verifier(folder: Path, shape: str) -> None:
-    """A verifier folder as ``load_verifier`` reads it: config, bf16 safetensors, a meta.json (no tokenizer)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**SHAPES[shape])).to(torch.bfloat16).save_pretrained(folder)
-    (folder / "meta.json").write_text(json.dumps({"name": f"random-{shape}", "weights_path": "."}))
 
 
 def child(method: str, folder: Path, device: str, dtype: str, work: str) -> dict:
@@ -117,11 +103,6 @@ def run_child(method: str, folder: Path, args: argparse.Namespace) -> dict:
     return {**result, "process_s": round(time.perf_counter() - start, 4)}
 
 
-def commit() -> str | None:
-    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         method, folder, device, dtype, work = sys.argv[2:7]
@@ -143,18 +124,16 @@ def main() -> None:
         folder = args.verifier
         if folder is None:
             folder = Path(scratch) / "verifier"
-            build_verifier(folder, "tiny" if args.smoke else "smollm2-135m")
+            shape = "tiny" if args.smoke else "smollm2-135m"
+            random_verifier(VERIFIER_SHAPES[shape], folder, name=f"random-{shape}")
         runs = [run_child(method, folder, args) for _ in range(args.repeats) for method in args.methods]
         weights = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
-    import torch
-    import transformers
-
     phases = [k for k in runs[0] if k not in ("method", "forward_sha256")]
     result = {
         "commit": commit(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-        "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__},
+        "device": gpu_name(args.device) or "cpu",
+        "versions": versions(),
         "verifier": {"folder": str(args.verifier) if args.verifier else "random smollm2-135m shape" if not args.smoke else "random tiny",
                      "weights_bytes": weights, "dtype": args.dtype},
         "runs": runs,

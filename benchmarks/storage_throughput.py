@@ -1,6 +1,7 @@
 """Storage benchmark: DVC push/pull through the local S3 server vs a plain copy; DVC overhead at 100 shards.
 
     python benchmarks/storage_throughput.py [--shards 4] [--shard-mib 256] [--stages 100] [--repeats 3]
+    python benchmarks/storage_throughput.py --smoke      # one 1 MiB shard, 2 stages, once: seconds (tests run it)
 
 Part 1 writes ``--shards`` random files of ``--shard-mib`` MiB (incompressible, like hidden-state
 safetensors parts) as one directory output in a temporary git+DVC repo, starts ``eagle3 s3 serve``
@@ -122,7 +123,10 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", help="parent of the temporary folder (default: system temp)")
+    parser.add_argument("--smoke", action="store_true", help="--shards 1 --shard-mib 1 --stages 2 --repeats 1")
     args = parser.parse_args()
+    if args.smoke:
+        args.shards, args.shard_mib, args.stages, args.repeats = 1, 1, 2, 1
     with tempfile.TemporaryDirectory(prefix="eagle3-storage-bench-", dir=args.workdir) as tmp:
         root = Path(tmp)
         rates = throughput(root, args)

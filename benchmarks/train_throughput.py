@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -46,14 +45,15 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from common import ROOT, commit
 from eagle3.drafter.loss import StepMetrics, TrainingTimeTest, VerifierHead
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.drafter.parallel import World, close_world, init_world, wrap
 from eagle3.hidden_states.loader import DataPlan, HiddenStates
 from eagle3.train import TrainConfig, collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step, warmup_steps
+from offline.gpu_sampler import open_gpus, samples
 from shapes import DRAFTER_SHAPES
 
-ROOT = Path(__file__).resolve().parents[1]
 SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                    vocab_size=512, draft_vocab_size=256, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
                    max_position_embeddings=1024, aux_layers=(0, 1, 2))
@@ -122,31 +122,27 @@ def step_flops(cfg: DraftConfig, batch: dict, lengths: list[int], frozen_head: b
 
 
 class UtilisationSampler:
-    """GPU utilisation (NVML's share of time a kernel ran) sampled every ``interval`` s in a thread; None off GPUs."""
+    """The GPU's utilisation (offline/gpu_sampler.py's NVML samples) every ``interval`` s in a thread; None off GPUs."""
 
     def __init__(self, device: torch.device, interval: float = 0.05):
-        self.samples: list[int] = []
-        self.handle, self.interval, self.stop = None, interval, threading.Event()
+        self.samples: list[float] = []
+        self.interval, self.stop, self.gpus = interval, threading.Event(), None
         if device.type == "cuda":
-            import pynvml  # nvidia-ml-py, on GPU hosts only
-
-            pynvml.nvmlInit()
-            self.nvml = pynvml
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            self.gpus = open_gpus([device.index or 0])
 
     def __enter__(self):
-        if self.handle is not None:
+        if self.gpus is not None:
             self.thread = threading.Thread(target=self.sample, daemon=True)
             self.thread.start()
         return self
 
     def sample(self) -> None:
-        while not self.stop.wait(self.interval):
-            self.samples.append(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+        for _, util, _ in samples(*self.gpus, self.interval, self.stop):
+            self.samples.append(util)
 
     def __exit__(self, *exc) -> None:
         self.stop.set()
-        if self.handle is not None:
+        if self.gpus is not None:
             self.thread.join()
 
     def mean(self) -> float | None:
@@ -229,13 +225,6 @@ def loss_agreement(modes: dict[str, dict]) -> dict:
         return {}
     worst = max(abs(a - b) / max(abs(a), 1e-12) for other in runs[1:] for a, b in zip(runs[0], other))
     return {"max_rel_diff": worst, "agree": worst < 1e-2}  # bf16 eager vs generated kernels: rounding only
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"  # a copy of the tree without its git folder
 
 
 def shape_arguments(parser: argparse.ArgumentParser) -> None:
