@@ -41,11 +41,11 @@ from safetensors.torch import load_file, save_file
 from eagle3.common import UserError, read_json
 from eagle3.drafter.attention import KVCache
 from eagle3.drafter.export import EXPORT_NAMES, load_drafter
-from eagle3.drafter.loss import shift_left
 from eagle3.drafter.model import DraftConfig
 from eagle3.hidden_states.loader import HiddenStates
 from eagle3.lm.loading import verifier_parts
-from eagle3.train import export
+from eagle3.training.checkpoints import export
+from eagle3.training.loss import shift_left
 from peer_speculators import import_peer, peer_model
 
 OUR_LAYER, PEER_LAYER = "midlayer.", "layers.0."

@@ -46,11 +46,13 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from eagle3.drafter.loss import StepMetrics, TrainingTimeTest, VerifierHead
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
-from eagle3.drafter.parallel import World, close_world, init_world, wrap
-from eagle3.hidden_states.loader import DataPlan, HiddenStates
-from eagle3.train import TrainConfig, collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step, warmup_steps
+from eagle3.hidden_states.loader import HiddenStates
+from eagle3.training.config import TrainConfig
+from eagle3.training.data import DataPlan
+from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead
+from eagle3.training.parallel import World, close_world, init_world, wrap
+from eagle3.training.step import collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step, warmup_steps
 from shapes import DRAFTER_SHAPES
 
 ROOT = Path(__file__).resolve().parents[1]

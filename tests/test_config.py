@@ -10,8 +10,9 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from eagle3.common import USER_ERROR, UserError
+from eagle3.common import UserError
 from eagle3.config import compose_params, conf_schema, shard_range, validate
+from eagle3.launch import USER_ERROR
 from eagle3.params import PARAMS
 from eagle3.prompt_sources.sources import flat
 

@@ -24,7 +24,8 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from eagle3.common import USER_ERROR, UserError, at_finish
+from eagle3.common import UserError, at_finish
+from eagle3.launch import USER_ERROR
 from eagle3.lm.spec import VerifierSpec
 
 SHARD_NAME = re.compile(r"^(\d{6})-(\d{6})$")
