@@ -35,7 +35,7 @@ import types
 import torch
 
 from eagle3.drafter.model import DraftConfig
-from eagle3.training.data import Batching
+from eagle3.training.config import Batching
 from eagle3.training.step import collate_ttt
 from shapes import DRAFTER_SHAPES
 from train_throughput import random_documents, random_draft_vocab, shape_arguments, step_flops

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from eagle3.drafter.attention import KVCache
-from eagle3.training.data import Batching, collate
+from eagle3.training.config import Batching
+from eagle3.training.data import collate
 from eagle3.training.loss import (StepMetrics, Targets, TrainingTimeTest, VerifierHead, metric_sums, select_rows, shift_left,
                                   step_counts, ttt_loss)
 from support.reference import reference_ttt_loss

@@ -26,8 +26,8 @@ from eagle3.hidden_states.loader import HiddenStates
 from eagle3.lm.loading import verifier_parts
 from eagle3.train import TrainPaths, main, train
 from eagle3.training.checkpoints import lock_run
-from eagle3.training.config import TrainConfig
-from eagle3.training.data import Batching, DataPlan, InOrder, collate, pack
+from eagle3.training.config import Batching, TrainConfig
+from eagle3.training.data import DataPlan, InOrder, collate, pack
 from eagle3.training.loop import fit
 from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead
 from eagle3.training.parallel import World

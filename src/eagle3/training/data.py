@@ -1,6 +1,6 @@
 """The packing of samples into fixed-size rows and the order in which training takes them.
 
-    batching = Batching(pack_tokens=2048, batch_size=2, grad_accum=1)   # how rows make a step
+    batching = Batching(pack_tokens=2048, batch_size=2, grad_accum=1)   # how rows make a step (training.config)
     rows = pack(dataset.lengths, capacity=2048)                  # sample indices of each row
     batch = collate([dataset[i] for i in rows[0] + rows[1]], batching)   # [2, 2048, ...]
     plan = DataPlan(dataset.lengths, batching, seed=0)           # which samples each step takes
@@ -15,21 +15,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from eagle3.common import UserError
-
-
-@dataclass(frozen=True)
-class Batching:
-    """How packed rows make an optimizer step (the ``train`` params of the same names)."""
-
-    pack_tokens: int  # tokens per packed row; at least the longest sample
-    batch_size: int  # packed rows per micro-batch, per process
-    grad_accum: int  # micro-batches per optimizer step, per process
+from eagle3.training.config import Batching
 
 
 def pack(lengths: list[int], capacity: int) -> list[list[int]]:

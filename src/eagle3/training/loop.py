@@ -22,7 +22,8 @@ from eagle3.training.data import DataPlan, check_lengths, step_batches
 from eagle3.training.loss import TrainingTimeTest, VerifierHead
 from eagle3.training.parallel import World
 from eagle3.training.reporting import Window, record, replay, train_metrics
-from eagle3.training.step import collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step, validate, warmup_steps
+from eagle3.training.step import (collate_ttt, compile_step, compiles, lr_factor, make_optimizers, to_device, train_step, validate,
+                                  warmup_steps)
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: 
                  "tokens (micro-batches x rows), %d processes", total, cfg.batch_tokens, warmup, batching.grad_accum,
                  batching.batch_size, cfg.pack_tokens, world.size)
         warn_if_undertrained(total, cfg)
-    if cfg.compiles(world):
+    if compiles(cfg, world):
         compile_step(ttt, head)
     model = parallel.wrap(ttt, world, cfg.fsdp)
     optimizers = make_optimizers(model, cfg, fused=world.device.type == "cuda")

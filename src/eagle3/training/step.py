@@ -17,8 +17,8 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 import eagle3.training.parallel as parallel
-from eagle3.training.config import TrainConfig
-from eagle3.training.data import Batching, InOrder, collate
+from eagle3.training.config import Batching, TrainConfig
+from eagle3.training.data import InOrder, collate
 from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
 from eagle3.training.parallel import World
 
@@ -45,6 +45,13 @@ def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     for tensor in selection.tensors():
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
     return {**batch, **moved, "selection": selection}
+
+
+def compiles(cfg: TrainConfig, world: World) -> bool:
+    """Whether ``train.compile`` compiles the step on this process's device."""
+    if cfg.compile == "auto":
+        return world.device.type == "cuda" and not cfg.fsdp
+    return bool(cfg.compile)
 
 
 def compile_step(ttt: TrainingTimeTest, head: VerifierHead) -> None:
