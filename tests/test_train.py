@@ -28,10 +28,10 @@ from eagle3.train import TrainPaths, main, train
 from eagle3.training.checkpoints import lock_run
 from eagle3.training.config import Batching, TrainConfig
 from eagle3.training.data import DataPlan, InOrder, collate, pack
-from eagle3.training.loop import fit
+from eagle3.training.loop import Run, Splits, fit
 from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead
 from eagle3.training.parallel import World
-from eagle3.training.step import collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step
+from eagle3.training.step import Optimisation, collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step
 
 from support.repo import ROOT, project_params
 from support.tiny_drafter import make_drafter, one_thread, random_batch, verifier_head_weight  # noqa: F401 (autouse fixture)
@@ -171,7 +171,7 @@ def one_step(micro: list[dict], cfg: TrainConfig) -> tuple[torch.Tensor, torch.T
     model = TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    sums, norm = train_step(model, head, micro, [optimizer], [scheduler], cfg, CPU)
+    sums, norm = train_step(model, head, micro, Optimisation([optimizer], [scheduler]), cfg, CPU)
     return sums, norm, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -201,7 +201,8 @@ def fit_debug(run_dir: Path, train_set: Dataset, val_set: Dataset, cfg: TrainCon
     drafter = make_drafter(seed=11)
     head = VerifierHead(verifier_head_weight(drafter.config, drafter.d2t), drafter.d2t)
     live = Live(str(live_dir), dvcyaml=False, save_dvc_exp=False) if live_dir else None
-    summary = fit(TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation), head, train_set, val_set, cfg, 0, run_dir, CPU, live)
+    summary = fit(TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation), head, Splits(train_set, val_set), cfg,
+                  Run(run_dir, 0, live), CPU)
     if live:
         live.end()
     return summary
@@ -601,7 +602,8 @@ def test_the_compiled_step_matches_the_eager_one(monkeypatch):
             compile_step(model, head)
         optimizers = make_optimizers(model, cfg, fused=False)
         schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0) for o in optimizers]
-        steps = [train_step(model, head, [to_device(b, torch.device("cpu"))], optimizers, schedulers, cfg, CPU) for b in batches]
+        steps = [train_step(model, head, [to_device(b, torch.device("cpu"))], Optimisation(optimizers, schedulers), cfg, CPU)
+                 for b in batches]
         runs.append((steps, {name: p.detach().clone() for name, p in model.named_parameters()}, counters["stats"]["unique_graphs"]))
     (eager_steps, eager_weights, _), (compiled_steps, compiled_weights, graphs) = runs
     for (sums, norm), (want_sums, want_norm) in zip(compiled_steps, eager_steps):

@@ -40,10 +40,10 @@ from eagle3.hidden_states.loader import HiddenStates
 from eagle3.lm.loading import verifier_fingerprint, verifier_parts
 from eagle3.lm.spec import FINAL_STATES, VerifierSpec, require_verifier
 import eagle3.training.parallel as parallel
-from eagle3.training.checkpoints import export, run_folder, run_id
+from eagle3.training.checkpoints import Trained, export, run_folder, run_id
 from eagle3.training.config import TrainConfig
 from eagle3.training.data import DataPlan
-from eagle3.training.loop import fit
+from eagle3.training.loop import Run, Splits, fit
 from eagle3.training.loss import TrainingTimeTest, VerifierHead
 from eagle3.training.parallel import World
 from eagle3.training.reporting import log_summary
@@ -109,13 +109,13 @@ def train(paths: TrainPaths, cfg: TrainConfig, seed: int, draft_head: dict[str, 
 
             live = Live(str(paths.live), dvcyaml=False, save_dvc_exp=False)  # a fresh record; fit replays a resumed history
         ttt = TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation)
-        summary = fit(ttt, head, train_set, val_set, cfg, seed, run_dir, world, live)
+        summary = fit(ttt, head, Splits(train_set, val_set), cfg, Run(run_dir, seed, live), world)
         if world.main:
             best = torch.load(run_dir / "best.pt", map_location="cpu", weights_only=False)
             training = {**summary, "train": {k: v for k, v in summary["train"].items() if k not in CLOCK_METRICS},
                         "run": run_dir.name, "processes": world.size, "params": asdict(cfg),
                         "data": {"merged": str(paths.merged), "train_samples": len(train_set), "val_samples": len(val_set)}}
-            export(paths.out, paths.verifier, best["model"], draft, tensors["embed"], d2t, training)
+            export(paths.out, paths.verifier, Trained(best["model"], draft, tensors["embed"], d2t), training)
             tokens = DataPlan(train_set.lengths, cfg.batching(world.size), seed, processes=world.size).tokens(summary["steps"])
             log_summary(live, summary, tokens)
     parallel.barrier(world)
@@ -137,7 +137,8 @@ def main(argv: list[str]) -> None:
     params = stage_params(PARAMS, args.params)  # before anything starts
     cfg, seed = TrainConfig.from_params(params.train), int(params.seed)
     draft_head = VerifierSpec.from_params(params.model).draft_head
-    paths = TrainPaths(args.verifier, args.merged, args.hidden_states, args.out, args.checkpoints, args.live)
+    paths = TrainPaths(verifier=args.verifier, merged=args.merged, hidden_states=args.hidden_states, out=args.out,
+                       checkpoints=args.checkpoints, live=args.live)
     if args.threads:
         torch.set_num_threads(args.threads)
     world = parallel.init_world(args.device)

@@ -5,7 +5,7 @@ outside the DVC outputs, in ``<checkpoints>/<run id>/``), and the export of its 
         state = resume(run_dir, model, optimizers, schedulers, world)      # or a fresh TrainState
         ...
         save_checkpoint(run_dir, model, optimizers, schedulers, state, world)
-    export(out, verifier, best["model"], draft, embed, d2t, training)   # the best weights, checked
+    export(out, verifier, Trained(best["model"], draft, embed, d2t), training)   # the best weights, checked
 
 The run id hashes everything that determines the trained weights: the params, the source of every
 eagle3 module training runs (derived from the imports, ``training_code``: a superset of the code that
@@ -265,11 +265,21 @@ def set_rng_state(state: dict) -> None:
 # The export: the best weights as the drafter folder
 
 
-def export(out: Path, verifier: Path, state: dict[str, Tensor], draft: DraftConfig, embed: Tensor, d2t: Tensor, training: dict) -> None:
-    """Write the drafter of ``state`` (TTT module names) to ``out`` and refuse it unless check_drafter passes."""
-    drafter = Eagle3Drafter(draft, embed.cpu())
-    drafter.load_state_dict({k.removeprefix("drafter."): v for k, v in state.items()})
-    if not torch.equal(drafter.d2t, d2t):
+@dataclass(frozen=True)
+class Trained:
+    """A trained drafter as training holds it."""
+
+    state: dict[str, Tensor]  # the TTT module's state dict (names under ``drafter.``)
+    draft: DraftConfig  # its shape
+    embed: Tensor  # the verifier's input embedding (the drafter's, not trained)
+    d2t: Tensor  # data/merged's draft-to-verifier token map, which the state must hold
+
+
+def export(out: Path, verifier: Path, trained: Trained, training: dict) -> None:
+    """Write the drafter of ``trained`` to ``out`` and refuse it unless check_drafter passes."""
+    drafter = Eagle3Drafter(trained.draft, trained.embed.cpu())
+    drafter.load_state_dict({k.removeprefix("drafter."): v for k, v in trained.state.items()})
+    if not torch.equal(drafter.d2t, trained.d2t):
         raise RuntimeError("the trained drafter's d2t differs from data/merged's")
     with atomic_dir(out) as tmp:
         write_drafter(drafter, tmp, verifier_facts(verifier), training)

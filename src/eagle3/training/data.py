@@ -4,7 +4,7 @@
     rows = pack(dataset.lengths, capacity=2048)                  # sample indices of each row
     batch = collate([dataset[i] for i in rows[0] + rows[1]], batching)   # [2, 2048, ...]
     plan = DataPlan(dataset.lengths, batching, seed=0)           # which samples each step takes
-    batches = step_batches(dataset, plan, start, stop, collate_fn)   # the micro-batches of those steps
+    batches = step_batches(dataset, plan, range(start, stop), collate_fn)   # the micro-batches of those steps
     InOrder(dataset.lengths, batching).micro_batches(0)          # validation: every sample once, in order
 
 ``dataset`` is ``eagle3.hidden_states.loader.HiddenStates`` (or anything with ``lengths`` and items
@@ -175,21 +175,22 @@ def check_lengths(splits: dict[str, Dataset], batching: Batching) -> None:
 
 
 class StepSampler(Sampler):
-    """Batch sampler: this process's micro-batches of steps ``start`` .. ``stop - 1``, in order."""
+    """Batch sampler: this process's micro-batches of the optimizer steps ``steps``, in order."""
 
-    def __init__(self, plan: DataPlan, start: int, stop: int):
-        self.plan, self.start, self.stop = plan, start, stop
+    def __init__(self, plan: DataPlan, steps: range):
+        self.plan, self.steps = plan, steps
 
     def __iter__(self):
-        for step in range(self.start, self.stop):
+        for step in self.steps:
             yield from self.plan.micro_batches(step)
 
     def __len__(self) -> int:
-        return (self.stop - self.start) * self.plan.batching.grad_accum
+        return len(self.steps) * self.plan.batching.grad_accum
 
 
-def step_batches(dataset: Dataset, plan: DataPlan, start: int, stop: int, collate_fn: Callable, num_workers: int = 0,
+def step_batches(dataset: Dataset, plan: DataPlan, steps: range, collate_fn: Callable, num_workers: int = 0,
                  pin_memory: bool = False) -> DataLoader:
-    """The collated micro-batches of steps ``start`` .. ``stop - 1``, read by ``num_workers`` processes."""
-    return DataLoader(dataset, batch_sampler=StepSampler(plan, start, stop), collate_fn=collate_fn,
+    """The collated micro-batches of optimizer steps ``steps`` (e.g. range(start, stop)), read by
+    ``num_workers`` processes."""
+    return DataLoader(dataset, batch_sampler=StepSampler(plan, steps), collate_fn=collate_fn,
                       num_workers=num_workers, pin_memory=pin_memory)

@@ -2,15 +2,16 @@
 steps (keeping the weights of the best validation), ``save_checkpoint`` every
 ``checkpoint_every``; resumed from the run folder's last checkpoint.
 
-    summary = fit(ttt, head, train_set, val_set, cfg, seed, run_dir, world, live)
+    summary = fit(ttt, head, Splits(train_set, val_set), cfg, Run(run_dir, seed, live), world)
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import Dataset
@@ -22,8 +23,8 @@ from eagle3.training.data import DataPlan, check_lengths, step_batches
 from eagle3.training.loss import TrainingTimeTest, VerifierHead
 from eagle3.training.parallel import World
 from eagle3.training.reporting import Window, record, replay, train_metrics
-from eagle3.training.step import (collate_ttt, compile_step, compiles, lr_factor, make_optimizers, to_device, train_step, validate,
-                                  warmup_steps)
+from eagle3.training.step import (Optimisation, collate_ttt, compile_step, compiles, lr_factor, make_optimizers, to_device,
+                                  train_step, validate, warmup_steps)
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +45,33 @@ def warn_if_undertrained(total: int, cfg: TrainConfig) -> None:
     log.warning("\n%s\nUNDER-TRAINED: only %d optimizer steps (fewer than %d): the drafter will accept far fewer tokens "
                 "than this data can teach. %s.\n%s", "!" * 100, total, MIN_STEPS, advice, "!" * 100)
 
-def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: Dataset, cfg: TrainConfig, seed: int,
-        run_dir: Path, world: World, live=None) -> dict[str, Any]:
-    """Train until the last step (resuming from ``run_dir``); returns the run summary.
 
-    ``ttt`` and ``head`` are on ``world.device``; ``live`` (main process only) is a dvclive Live.
+class Splits(NamedTuple):
+    """The data of a run: what it trains on, and what it validates on."""
+
+    train: Dataset
+    val: Dataset
+
+
+@dataclass(frozen=True)
+class Run:
+    """Where a run keeps its state and what it reports to."""
+
+    folder: Path  # the run folder: checkpoints, resumed from (training.checkpoints.run_folder)
+    seed: int  # the data order's seed
+    live: Any = None  # a dvclive Live on the main process, None on the others
+
+
+def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainConfig, run: Run, world: World) -> dict[str, Any]:
+    """Train until the last step (resuming from ``run.folder``); returns the run summary.
+
+    ``ttt`` and ``head`` are on ``world.device``.
     """
+    (train_set, val_set), run_dir, live = splits, run.folder, run.live
     run_dir.mkdir(parents=True, exist_ok=True)
     batching = cfg.batching(world.size)
     check_lengths({"train": train_set, "val": val_set}, batching)
-    plan = DataPlan(train_set.lengths, batching, seed, world.rank, world.size)
+    plan = DataPlan(train_set.lengths, batching, run.seed, world.rank, world.size)
     total = cfg.max_steps or plan.steps(cfg.epochs)
     warmup = warmup_steps(cfg.warmup_fraction, total)
     if world.main:
@@ -72,11 +90,11 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, train_set: Dataset, val_set: 
         log.info("resumed %s at step %d", run_dir, state.step)
     replay(live, state)
     collate_fn = partial(collate_ttt, batching=batching, ttt_steps=cfg.ttt_steps)
-    batches = iter(step_batches(train_set, plan, state.step, total, collate_fn, cfg.num_workers, world.device.type == "cuda"))
+    batches = iter(step_batches(train_set, plan, range(state.step, total), collate_fn, cfg.num_workers, world.device.type == "cuda"))
     window, clock = torch.zeros(6, cfg.ttt_steps, device=world.device), Window()
     while state.step < total:
         micro = [to_device(next(batches), world.device) for _ in range(batching.grad_accum)]
-        sums, norm = train_step(model, head, micro, optimizers, schedulers, cfg, world)
+        sums, norm = train_step(model, head, micro, Optimisation(optimizers, schedulers), cfg, world)
         state.step += 1
         window += sums
         clock.add(sum(b["tokens"] for b in micro), norm)

@@ -3,14 +3,14 @@ loss normalised over the global batch, backward, clipping, the optimizers (AdamW
 it) and their warmup-then-cosine schedule.
 
     optimizers = make_optimizers(model, cfg, fused=True)
-    sums, norm = train_step(model, head, micro, optimizers, schedulers, cfg, world)
+    sums, norm = train_step(model, head, micro, Optimisation(optimizers, schedulers), cfg, world)
     metrics = validate(model, head, val_set, cfg, world)
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -100,7 +100,14 @@ def make_optimizers(model: torch.nn.Module, cfg: TrainConfig, fused: bool) -> li
     return [torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"), adamw]
 
 
-def train_step(model, head: VerifierHead, micro: list[dict], optimizers: list, schedulers: list, cfg: TrainConfig,
+class Optimisation(NamedTuple):
+    """The optimizers (``make_optimizers``) and their schedulers, one each, stepped together."""
+
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list[torch.optim.lr_scheduler.LRScheduler]
+
+
+def train_step(model, head: VerifierHead, micro: list[dict], optimisation: Optimisation, cfg: TrainConfig,
                world: World) -> tuple[Tensor, Tensor]:
     """One optimizer step over this process's micro-batches; returns (metric sums [6, K], grad norm).
 
@@ -120,7 +127,7 @@ def train_step(model, head: VerifierHead, micro: list[dict], optimizers: list, s
         loss.backward()
         sums = sums + step_sums
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-    for optimizer, scheduler in zip(optimizers, schedulers):
+    for optimizer, scheduler in zip(*optimisation):
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
