@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's eagle3, installed or not
-from eagle3.backends.slots import split_attention, varlen_attention, whole_row_attention  # noqa: E402
+from eagle3.backends.slot_kernels import split_attention, varlen_attention, whole_row_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 
@@ -61,7 +61,7 @@ def main() -> None:
             mask = (torch.arange(args.length, device="cuda")[None] < used[:, None])[:, None, None, :]
             used = used.to(torch.int32)
             starts = torch.arange(n + 1, dtype=torch.int32, device="cuda")
-            calls = {"varlen": lambda: varlen_attention(query, keys, values, used, scale, starts, starts * args.length),
+            calls = {"varlen": lambda: varlen_attention(query, keys, values, used, scale, (starts, starts * args.length)),
                      "split": lambda: split_attention(query, keys, values, used, scale),
                      "masked": lambda: whole_row_attention(query, keys_by_head, values_by_head, mask, scale)}
             reference = calls["varlen"]().float()
