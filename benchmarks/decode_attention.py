@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from common import gpu_name  # first: this checkout's eagle3, installed or not
-from eagle3.backends.slots import split_attention, varlen_attention, whole_row_attention
+from eagle3.backends.slot_kernels import split_attention, varlen_attention, whole_row_attention
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 
@@ -77,7 +77,7 @@ def main() -> None:
             mask = (torch.arange(args.length, device=device)[None] < used[:, None])[:, None, None, :]
             used = used.to(torch.int32)
             starts = torch.arange(n + 1, dtype=torch.int32, device=device)
-            calls = {"varlen": lambda: varlen_attention(query, keys, values, used, scale, starts, starts * args.length),
+            calls = {"varlen": lambda: varlen_attention(query, keys, values, used, scale, (starts, starts * args.length)),
                      "split": lambda: split_attention(query, keys, values, used, scale),
                      "masked": lambda: whole_row_attention(query, keys_by_head, values_by_head, mask, scale)}
             reference = calls["varlen"]().float()

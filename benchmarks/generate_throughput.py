@@ -67,7 +67,7 @@ from functools import partial
 from pathlib import Path
 
 from common import commit, environment, random_verifier  # first: this checkout's eagle3, installed or not
-from eagle3.common import die_with_parent
+from eagle3.launch import die_with_parent
 from shapes import VERIFIER_SHAPES
 
 MODES = ["after", "after_varlen", "after_masked", "after_compiled", "after_compiled_cached", "before", "ties", "generate",
@@ -189,7 +189,9 @@ def step_ms(backend, slots: int, length: int, kernel: str | None, steps: int = 5
 
     import torch
 
-    from eagle3.backends.slots import Group, SlotDecoder, fastest_kernel, slot_attention
+    from eagle3.backends.slot_groups import Group
+    from eagle3.backends.slot_kernels import fastest_kernel
+    from eagle3.backends.slots import SlotDecoder, slot_attention
 
     key = f"{slots}x{length}"
     try:
@@ -346,7 +348,7 @@ def openai_pass(spec: dict):
     from eagle3.backends import make_backend
     from eagle3.backends.base import Generation
     from eagle3.config import compose_params
-    from eagle3.generate import Journal, generate_shard, generation_params, read_prompts
+    from eagle3.generate import Asking, Journal, generate_shard, generation_params, read_prompts
     from eagle3.lm.loading import load_tokenizer
     from eagle3.lm.spec import VerifierSpec
 
@@ -364,7 +366,8 @@ def openai_pass(spec: dict):
         journal = Journal(Path(tempfile.mkdtemp(dir=scratch)) / "journal.jsonl")  # empty: every pass answers all
         backend = make_backend(params.backend, Path(spec["verifier"]), generation, model)
         start = time.perf_counter()
-        shard = generate_shard("bench", prompts, backend, tokenizer, generation, record_params, "bench", journal)
+        asking = Asking(tokenizer=tokenizer, generation=generation, record_params=record_params, verifier="bench")
+        shard = generate_shard("bench", prompts, backend, asking, journal)
         return time.perf_counter() - start, shard.stats["completion_tokens"], {}  # no token ids from a server
 
     return one_pass

@@ -41,11 +41,11 @@ from safetensors.torch import load_file, save_file
 from eagle3.common import UserError, read_json
 from eagle3.drafter.attention import KVCache
 from eagle3.drafter.export import EXPORT_NAMES, load_drafter
-from eagle3.drafter.loss import shift_left
 from eagle3.drafter.model import DraftConfig
 from eagle3.hidden_states.loader import HiddenStates
 from eagle3.lm.loading import verifier_parts
-from eagle3.train import export
+from eagle3.training.checkpoints import Trained, export
+from eagle3.training.loss import shift_left
 from peer_speculators import import_peer, peer_model
 
 OUR_LAYER, PEER_LAYER = "midlayer.", "layers.0."
@@ -156,7 +156,7 @@ def export_peer_checkpoint(checkpoint: Path, verifier: Path, merged: Path, draft
                         "peer_tau.PEER_ARCHITECTURE")
     d2t = load_file(merged / "vocab.safetensors")["d2t"]
     state = our_state(load_file(checkpoint / "model.safetensors"), d2t)
-    export(out, verifier, state, draft_config(verifier, merged, draft_head), verifier_parts(verifier)[1]["embed"], d2t, training)
+    export(out, verifier, Trained(state, draft_config(verifier, merged, draft_head), verifier_parts(verifier)[1]["embed"], d2t), training)
 
 
 def last_checkpoint(save_path: Path) -> Path:

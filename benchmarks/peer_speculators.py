@@ -38,8 +38,8 @@ import types
 import torch
 
 from eagle3.drafter.model import DraftConfig
-from eagle3.hidden_states.loader import Batching
-from eagle3.train import collate_ttt
+from eagle3.training.config import Batching
+from eagle3.training.step import collate_ttt
 from shapes import DRAFTER_SHAPES
 from train_throughput import SMOKE_SHAPE, random_documents, random_draft_vocab, shape_arguments, step_flops
 

@@ -58,7 +58,8 @@ def child(method: str, folder: Path, device: str, dtype: str, work: str) -> dict
 
     from eagle3.backends.base import Request
     from eagle3.backends.local import LocalBackend  # noqa: F401 (what generate's local backend imports)
-    from eagle3.backends.slots import decode_groups, group_requests
+    from eagle3.backends.slot_groups import group_requests
+    from eagle3.backends.slots import Ending, decode_groups
     from eagle3.hidden_states.capture import hidden_states
     from eagle3.hidden_states.workers import run_worker  # noqa: F401 (what extract imports)
     from eagle3.lm.loading import load_verifier, torch_dtype
@@ -86,7 +87,7 @@ def child(method: str, folder: Path, device: str, dtype: str, work: str) -> dict
         lap(f"forward_{run}")
     for run in (1, 2):
         with torch.inference_mode():
-            decode_groups(model, group_requests(batch, new, rows, None), new, [0], 0, lambda request, tokens: None)
+            decode_groups(model, group_requests(batch, new, rows, None), Ending(new, [0], 0), lambda request, tokens: None)
         lap(f"decode_{run}")
     times["total"] = time.perf_counter() - START
     return {"method": method, **{k: round(v, 4) for k, v in times.items()}, "forward_sha256": digest.hexdigest()}

@@ -46,11 +46,14 @@ import torch
 from omegaconf import OmegaConf
 
 from common import ROOT, commit
-from eagle3.drafter.loss import StepMetrics, TrainingTimeTest, VerifierHead
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
-from eagle3.drafter.parallel import World, close_world, init_world, wrap
-from eagle3.hidden_states.loader import DataPlan, HiddenStates
-from eagle3.train import TrainConfig, collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step, warmup_steps
+from eagle3.hidden_states.loader import HiddenStates
+from eagle3.training.config import TrainConfig
+from eagle3.training.data import DataPlan
+from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead
+from eagle3.training.parallel import World, close_world, init_world, wrap
+from eagle3.training.step import (Optimisation, collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step,
+                                  warmup_steps)
 from offline.gpu_sampler import open_gpus, samples
 from shapes import DRAFTER_SHAPES
 
@@ -180,7 +183,7 @@ def measure(args, draft: DraftConfig, cfg: TrainConfig, host_batches: list[dict]
 
     def step(i: int) -> torch.Tensor:
         micro = [to_device(host_batches[i % len(host_batches)], world.device)]
-        return train_step(model, head, micro, optimizers, schedulers, cfg, world)[0]
+        return train_step(model, head, micro, Optimisation(optimizers, schedulers), cfg, world)[0]
 
     start = time.perf_counter()
     sums = [step(0)]

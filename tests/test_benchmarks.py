@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from eagle3.drafter.export import verifier_facts, write_drafter
 from eagle3.lm.loading import load_verifier
-from eagle3.tokenizer_id import tokenizer_fingerprint
+from eagle3.lm.tokenizer_id import tokenizer_fingerprint
 from support.models import tiny_model_spec
 from support.repo import ROOT, project_params
 from support.speculative import QUESTIONS, TINY_TAPS, random_drafter

@@ -10,9 +10,11 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from eagle3.common import USER_ERROR, UserError
-from eagle3.config import compose_params, conf_schema, shard_range, validate
+from eagle3.common import UserError
+from eagle3.config import compose_params, conf_schema, validate
+from eagle3.launch import USER_ERROR
 from eagle3.params import PARAMS
+from eagle3.prompt_sources.config import shard_range
 from eagle3.prompt_sources.sources import flat
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -174,7 +174,7 @@ def test_the_training_code_in_the_run_id_is_what_train_depends_on():
     """``train``'s run id hashes the code training runs, derived from its imports (a new module under
     drafter/ enters it by being imported): train's src/ deps but the launcher, which runs the stage
     and is no part of it, and the export, which determines none of the weights."""
-    from eagle3.drafter.checkpoints import training_code
+    from eagle3.training.checkpoints import training_code
 
     deps = {file for file in dep_files(stages()["train"]["deps"]) if not (file.name == "__init__.py" and only_docstring(file))}
     assert set(training_code()) == deps - {SRC / "eagle3" / "launch.py", SRC / "eagle3" / "drafter" / "export.py"}

@@ -24,7 +24,7 @@ from eagle3.measurement.acceptance import acceptance_stats, bucket_names, tau_by
 from eagle3.measurement.baselines import baselines, most_frequent_token
 from eagle3.measurement.settings import Settings
 from eagle3.measurement.timing import Run, disagreeing, median_spread, timings
-from eagle3.tokenizer_id import tokenizer_fingerprint
+from eagle3.lm.tokenizer_id import tokenizer_fingerprint
 from support.models import import_rounded_the_other_way, verifier_model
 from support.speculative import K, QUESTIONS, TINY_TAPS, TableDrafter, encode, greedy_tables, random_drafter
 

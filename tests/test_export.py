@@ -17,12 +17,12 @@ from eagle3.drafter.export import (
     default_taps,
     load_drafter,
     sglang_taps,
-    speculators_command,
     verifier_facts,
     vllm_taps,
     write_drafter,
 )
 from eagle3.drafter.attention import KVCache
+from eagle3.drafter.tools import speculators_command
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from support.tiny_drafter import draft_d2t, make_drafter, one_thread  # noqa: F401 (autouse fixture)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.common import MEND_LOCK, USER_ERROR
+from eagle3.common import MEND_LOCK
+from eagle3.launch import USER_ERROR
 from support.repo import ROOT, git_dvc_repo, run
 
 DVC_YAML = """stages:

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from eagle3.drafter.attention import KVCache
-from eagle3.drafter.loss import (StepMetrics, Targets, TrainingTimeTest, VerifierHead, metric_sums, select_rows, shift_left,
+from eagle3.training.config import Batching
+from eagle3.training.data import collate
+from eagle3.training.loss import (StepMetrics, Targets, TrainingTimeTest, VerifierHead, metric_sums, select_rows, shift_left,
                                   step_counts, ttt_loss)
-from eagle3.hidden_states.loader import Batching, collate
 from support.reference import reference_ttt_loss
 from support.tiny_drafter import make_drafter, one_thread, random_batch, verifier_head_weight  # noqa: F401 (autouse fixture)
 

@@ -12,8 +12,10 @@ from safetensors.numpy import load_file
 
 from eagle3.common import UserError, prompt_group, read_json, read_jsonl, write_json
 from eagle3.extract import extract, stage_arguments
-from eagle3.hidden_states.loader import Batching, HiddenStates, collate, pack
+from eagle3.hidden_states.loader import HiddenStates
 from eagle3.merge import draft_vocab, merge
+from eagle3.training.config import Batching
+from eagle3.training.data import collate, pack
 
 from support.data import conversation, stored_sample, tiny_params, write_generated
 from support.repo import project_params

@@ -99,7 +99,7 @@ def test_sharded_evaluate_decodes_as_a_whole_copy(tmp_path, tiny_verifier_dir):
     from eagle3.drafter.export import verifier_facts, write_drafter
     from eagle3.evaluate import main
     from eagle3.lm.loading import load_verifier
-    from eagle3.tokenizer_id import tokenizer_fingerprint
+    from eagle3.lm.tokenizer_id import tokenizer_fingerprint
     from support.repo import project_params
     from support.speculative import QUESTIONS, TINY_TAPS, random_drafter
 

@@ -15,8 +15,9 @@ from support.models import TINY_LLAMA, cached_import, verifier_model
 
 from eagle3.backends.base import Generation, Request
 from eagle3.backends.local import LocalBackend
-from eagle3.backends.slots import (KERNELS, cache_bytes_per_position, decode_groups, fastest_kernel, group_requests,
-                                  masked_attention, split_attention, varlen_attention)
+from eagle3.backends.slot_groups import cache_bytes_per_position, group_requests
+from eagle3.backends.slot_kernels import KERNELS, fastest_kernel, masked_attention, split_attention, varlen_attention
+from eagle3.backends.slots import Ending, decode_groups
 from eagle3.lm.loading import load_tokenizer
 
 LENGTHS = [3, 5, 9, 17, 40, 90, 200, 260, 300, 7, 11]  # two width buckets (256, 512)
@@ -43,9 +44,9 @@ def slot_answers(local: LocalBackend, requests: list[Request], batch_size: int, 
     """Slot decoding on the backend's device, graphs or not (without CUDA the steps run eagerly)."""
     found, max_new_tokens = {}, local.generation.max_new_tokens
     with torch.inference_mode():
-        decode_groups(local.model, group_requests(requests, max_new_tokens, batch_size, None), max_new_tokens,
-                      sorted(local.eos_ids), local.pad_id, lambda r, tokens: found.__setitem__(r.id, local.to_answer(r, tokens)),
-                      kernel)
+        decode_groups(local.model, group_requests(requests, max_new_tokens, batch_size, None),
+                      Ending(max_new_tokens, sorted(local.eos_ids), local.pad_id),
+                      lambda r, tokens: found.__setitem__(r.id, local.to_answer(r, tokens)), kernel)
     return found
 
 
@@ -72,7 +73,7 @@ def test_packed_kernels_read_a_rows_used_keys_as_masked_attention_does(kernel):
         out = split_attention(query, keys, values, used, dim ** -0.5)
     else:
         starts = torch.arange(n + 1, dtype=torch.int32, device="cuda")
-        out = varlen_attention(query, keys, values, used, dim ** -0.5, starts, starts * length)
+        out = varlen_attention(query, keys, values, used, dim ** -0.5, (starts, starts * length))
     expected = masked_attention(query.float(), keys.float(), values.float(), used, dim ** -0.5)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 

@@ -21,14 +21,17 @@ from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
 from eagle3.common import UserError, read_json, read_jsonl, sha256_file, stage_main, write_json
-from eagle3.drafter.checkpoints import lock_run
 from eagle3.drafter.export import check_drafter
-from eagle3.drafter.loss import StepMetrics, TrainingTimeTest, VerifierHead
-from eagle3.drafter.parallel import World
-from eagle3.hidden_states.loader import Batching, DataPlan, HiddenStates, InOrder, collate, pack
+from eagle3.hidden_states.loader import HiddenStates
 from eagle3.lm.loading import verifier_parts
-from eagle3.train import (TrainConfig, TrainPaths, collate_ttt, compile_step, fit, lr_factor, main, make_optimizers, to_device, train,
-                         train_step)
+from eagle3.train import TrainPaths, main, train
+from eagle3.training.checkpoints import lock_run
+from eagle3.training.config import Batching, TrainConfig
+from eagle3.training.data import DataPlan, InOrder, collate, pack
+from eagle3.training.loop import Run, Splits, fit
+from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead
+from eagle3.training.parallel import World
+from eagle3.training.step import Optimisation, collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step
 
 from support.repo import ROOT, project_params
 from support.tiny_drafter import make_drafter, one_thread, random_batch, verifier_head_weight  # noqa: F401 (autouse fixture)
@@ -84,7 +87,8 @@ def test_a_global_batch_the_processes_cannot_share_or_of_partial_rows_is_refused
 
 
 def test_a_short_run_says_it_is_under_trained(caplog):
-    from eagle3.train import MIN_STEPS, warmup_steps, warn_if_undertrained
+    from eagle3.training.loop import MIN_STEPS, warn_if_undertrained
+    from eagle3.training.step import warmup_steps
 
     warn_if_undertrained(MIN_STEPS, train_config())
     assert "UNDER-TRAINED" not in caplog.text
@@ -167,7 +171,7 @@ def one_step(micro: list[dict], cfg: TrainConfig) -> tuple[torch.Tensor, torch.T
     model = TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    sums, norm = train_step(model, head, micro, [optimizer], [scheduler], cfg, CPU)
+    sums, norm = train_step(model, head, micro, Optimisation([optimizer], [scheduler]), cfg, CPU)
     return sums, norm, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -197,7 +201,8 @@ def fit_debug(run_dir: Path, train_set: Dataset, val_set: Dataset, cfg: TrainCon
     drafter = make_drafter(seed=11)
     head = VerifierHead(verifier_head_weight(drafter.config, drafter.d2t), drafter.d2t)
     live = Live(str(live_dir), dvcyaml=False, save_dvc_exp=False) if live_dir else None
-    summary = fit(TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation), head, train_set, val_set, cfg, 0, run_dir, CPU, live)
+    summary = fit(TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation), head, Splits(train_set, val_set), cfg,
+                  Run(run_dir, 0, live), CPU)
     if live:
         live.end()
     return summary
@@ -390,7 +395,7 @@ def test_second_trainer_on_one_run_is_refused(tiny_data, tiny_verifier_dir, tmp_
     args = train_paths(stage_args(copy_data(tiny_data, tmp_path), tiny_verifier_dir, "run", params))
     train_with(args, params)
     (run_dir,) = [p for p in args.checkpoints.iterdir() if p.is_dir()]
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from eagle3.drafter.checkpoints import lock_run; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from eagle3.training.checkpoints import lock_run; "
                                "lock_run(__import__('pathlib').Path(sys.argv[1])); print('locked', flush=True); time.sleep(60)",
                                str(run_dir)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     try:
@@ -554,7 +559,7 @@ def test_the_cpu_step_is_the_eager_one_it_always_was(tmp_path):
 def test_metric_lines_queue_on_the_device_and_keep_their_steps():
     """Lines closed every 2 steps reach the host together, each with its own step, sums and mean grad norm; steps of an
     open line (a sync between two lines) stay in that line."""
-    from eagle3.drafter.reporting import SYNC_EVERY, Window, train_metrics
+    from eagle3.training.reporting import SYNC_EVERY, Window, train_metrics
 
     clock, sums = Window(), torch.zeros(6, 2)
     sums[:, 0] = torch.tensor([4.0, 2.0, 3.0, 1.0, 1.0, 3.0])
@@ -597,7 +602,8 @@ def test_the_compiled_step_matches_the_eager_one(monkeypatch):
             compile_step(model, head)
         optimizers = make_optimizers(model, cfg, fused=False)
         schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0) for o in optimizers]
-        steps = [train_step(model, head, [to_device(b, torch.device("cpu"))], optimizers, schedulers, cfg, CPU) for b in batches]
+        steps = [train_step(model, head, [to_device(b, torch.device("cpu"))], Optimisation(optimizers, schedulers), cfg, CPU)
+                 for b in batches]
         runs.append((steps, {name: p.detach().clone() for name, p in model.named_parameters()}, counters["stats"]["unique_graphs"]))
     (eager_steps, eager_weights, _), (compiled_steps, compiled_weights, graphs) = runs
     for (sums, norm), (want_sums, want_norm) in zip(compiled_steps, eager_steps):

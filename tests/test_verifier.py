@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from eagle3.common import UserError, read_json
 from support.models import verifier_model
 from eagle3.lm.loading import load_tokenizer, load_verifier, read_meta, weights_dir
-from eagle3.tokenizer_id import tokenizer_fingerprint
+from eagle3.lm.tokenizer_id import tokenizer_fingerprint
 from eagle3.verifier import import_verifier
 
 

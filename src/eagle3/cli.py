@@ -25,7 +25,8 @@ def _params(args: argparse.Namespace) -> None:
 
 
 def _check_drafter(args: argparse.Namespace) -> None:
-    from eagle3.drafter.export import check_drafter, rewrite_config, speculators_command
+    from eagle3.drafter.export import check_drafter
+    from eagle3.drafter.tools import rewrite_config, speculators_command
 
     if args.rewrite_config:
         print(f"wrote {rewrite_config(args.folder, args.verifier)}")

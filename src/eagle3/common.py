@@ -7,8 +7,6 @@ clear line naming the file and what to do. ``stage_main`` and ``atomic_dir`` giv
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import glob
 import hashlib
 import importlib.util
@@ -16,22 +14,17 @@ import json
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-log = logging.getLogger("eagle3")
+from eagle3.launch import INTERRUPTED, USER_ERROR, exit_with_launcher
 
-USER_ERROR = 2  # exit status of a stage stopped by a UserError (already reported in one line)
-LAUNCHER_GONE = 143  # exit status of a stage whose launcher died (128 + SIGTERM, as if terminated)
-INTERRUPTED = 130  # exit status of a stage stopped by Ctrl-C (128 + SIGINT; reported in one line)
+log = logging.getLogger("eagle3")
 
 
 class UserError(Exception):
@@ -109,81 +102,6 @@ def check_lock_file(path: str | os.PathLike = "dvc.lock") -> None:
         except DvcException:
             problem = "cut short or damaged (not readable YAML)"
     raise UserError(f"{path}: {problem} (a kill of DVC while it wrote the file?); {MEND_LOCK}")
-
-
-def exit_with_launcher(worker: bool = False, interval: float = 1.0) -> None:
-    """Exit when the process that launched this stage dies, even by SIGKILL (Linux).
-
-    DVC runs a stage as its child; torchrun starts its workers in a new session. So a ``kill -9``
-    of ``dvc repro``, or a SIGKILL of its process group, would leave the stage (or the torchrun
-    workers) running on, writing checkpoints next to the rerun's. A daemon thread watches the
-    chain of parents from this process up to the launcher: the processes of the same DVC stage
-    (same ``DVC_STAGE`` in their environment: shell, torchrun agent, spawned workers) and the
-    DVC process above them, or, outside DVC, the torchrun agent of a worker (or, with ``worker``,
-    the stage process that spawned this one). When any of them is
-    gone (a parent changed: orphans are re-parented), this process exits at once; checkpoints and
-    outputs are written atomically, so nothing half-written is left. Nothing is watched when the
-    stage is run by hand (no DVC, no torchrun), or where ``/proc`` does not exist.
-    """
-    links = launcher_links(worker)
-    if links:
-        # The kernel's own guard for the closest link: SIGKILL as soon as the direct parent dies.
-        # It needs no Python thread, which a busy GPU training loop was seen to starve (a worker
-        # outlived its killed torchrun agent on an H200); the watcher covers the links above it.
-        die_with_parent(signal.SIGKILL)
-        if os.getppid() != links[0][1]:  # the parent died before the guard was set
-            os._exit(LAUNCHER_GONE)
-        threading.Thread(target=_watch_links, args=(links, interval), name="launcher-watch", daemon=True).start()
-
-
-PR_SET_PDEATHSIG = 1
-LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
-
-
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Ask Linux to send ``sig`` to this process when its parent dies, even by SIGKILL (no-op elsewhere)."""
-    if LIBC is not None:
-        LIBC.prctl(PR_SET_PDEATHSIG, int(sig))
-
-
-def launcher_links(worker: bool = False) -> list[tuple[int, int]]:
-    """(pid, parent pid) pairs from this process up to the stage's launcher (see exit_with_launcher)."""
-    stage = os.environ.get("DVC_STAGE")
-    worker = worker or "TORCHELASTIC_RUN_ID" in os.environ
-    if not Path("/proc/self/stat").exists() or (stage is None and not worker):
-        return []
-    links = [(os.getpid(), os.getppid())]
-    while stage is not None and _environ(links[-1][1]).get("DVC_STAGE") == stage:
-        pid = links[-1][1]
-        links.append((pid, _parent(pid)))
-    return links
-
-
-def _parent(pid: int) -> int:
-    """The parent pid of ``pid`` (0 when it is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    return int(stat.rsplit(")", 1)[1].split()[1])  # fields after "(comm)": state, ppid, ...
-
-
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-
-
-def _watch_links(links: list[tuple[int, int]], interval: float) -> None:
-    while True:
-        time.sleep(interval)
-        for pid, parent in links:
-            if _parent(pid) != parent:
-                print(f"eagle3: process {parent} that launched this stage is gone; stopping (pid {os.getpid()})",
-                      file=sys.stderr, flush=True)
-                os._exit(LAUNCHER_GONE)  # at once: the rerun owns the outputs now
 
 
 @contextlib.contextmanager

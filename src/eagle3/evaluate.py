@@ -68,7 +68,7 @@ from eagle3.lm.chat import prompt_ids
 from eagle3.lm.loading import (close_sharded, eos_token_ids, input_embedding, load_tokenizer, load_verifier, shard_rank,
                                       text_config)
 from eagle3.lm.spec import require_verifier
-from eagle3.tokenizer_id import tokenizer_fingerprint
+from eagle3.lm.tokenizer_id import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 

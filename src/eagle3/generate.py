@@ -37,6 +37,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from jinja2.exceptions import TemplateError
 from omegaconf import DictConfig
@@ -163,11 +164,20 @@ def generation_params(generation: Generation, backend_name: str) -> dict:
     }
 
 
-def plan(
-    prompts: Sequence[dict], tokenizer, generation: Generation, record_params: dict, verifier: str
-) -> tuple[list[Request], dict[str, dict]]:
+@dataclass(frozen=True)
+class Asking:
+    """How a shard's prompts become requests, and what each record of an answer carries."""
+
+    tokenizer: Any  # renders a prompt under the verifier's chat template (lm.chat.prompt_ids)
+    generation: Generation
+    record_params: dict  # generation_params: in every record, and hashed into its id
+    verifier: str  # the verifier's fingerprint, hashed into every record id
+
+
+def plan(prompts: Sequence[dict], asking: Asking) -> tuple[list[Request], dict[str, dict]]:
     """Requests for the prompts that can be sent (``generation.samples`` each, in prompt then answer order),
     and skip records (by prompt id) for the others."""
+    tokenizer, generation, record_params, verifier = asking.tokenizer, asking.generation, asking.record_params, asking.verifier
     requests, skipped = [], {}
     limit = generation.context - generation.max_new_tokens
     for prompt in prompts:
@@ -189,7 +199,8 @@ def plan(
             record_id = sample_id(first_id, sample)
             seed = int(stable_hash({"sampling_seed": record_id}, 8), 16)  # 32 bits, fixed by the record id
             temperature = generation.temperature_of(sample)
-            requests.append(Request(record_id, prompt["id"], prompt["messages"], ids, seed, temperature, sample))
+            requests.append(Request(id=record_id, prompt_id=prompt["id"], messages=prompt["messages"], prompt_ids=ids, seed=seed,
+                                    temperature=temperature, sample=sample))
     return requests, skipped
 
 
@@ -234,12 +245,10 @@ class Progress:
         return self.tokens / max(time.monotonic() - self.start, 1e-9)
 
 
-def generate_shard(
-    name: str, prompts: Sequence[dict], backend: Backend, tokenizer, generation: Generation,
-    record_params: dict, verifier: str, journal: Journal,
-) -> Shard:
+def generate_shard(name: str, prompts: Sequence[dict], backend: Backend, asking: Asking, journal: Journal) -> Shard:
     """Pure core: answer the shard's prompts through ``backend``, resuming from ``journal``."""
-    requests, skipped = plan(prompts, tokenizer, generation, record_params, verifier)
+    requests, skipped = plan(prompts, asking)
+    record_params = asking.record_params
     prompt_of = {p["id"]: p for p in prompts}
     finished = {r.id for r in requests if r.id in journal.records}
     if finished:
@@ -266,7 +275,7 @@ def generate_shard(
         tokens_per_s = progress.close()
     log.info("generate %s: %.1f generated tokens/s in this run", name, tokens_per_s)
     answered = {(r.prompt_id, r.sample): journal.records[r.id] for r in requests if r.id in journal.records}
-    return assemble(prompts, generation.samples, answered, errors, skipped)
+    return assemble(prompts, asking.generation.samples, answered, errors, skipped)
 
 
 def assemble(prompts: Sequence[dict], samples: int, answered: dict, errors: dict, skipped: dict) -> Shard:
@@ -352,7 +361,8 @@ def run_stage(verifier_dir: Path, prompts_path: Path, out: Path, params: DictCon
     journal = Journal(journal_path(journal_dir, prompts_path, build, answer_settings))  # answers of this build only
     try:
         backend = make_backend(backend_cfg, verifier_dir, generation, spec)
-        shard = generate_shard(prompts_path.stem, prompts, backend, tokenizer, generation, record_params, verifier, journal)
+        asking = Asking(tokenizer=tokenizer, generation=generation, record_params=record_params, verifier=verifier)
+        shard = generate_shard(prompts_path.stem, prompts, backend, asking, journal)
     finally:
         journal.close()
     # Transport settings stay out of the outputs: moving servers leaves the shard's bytes (and extract) alone.

@@ -1,5 +1,8 @@
-"""``torchrun`` for pipeline stages: the same command line, but a stage's one-line error stays one line.
+"""How a stage's processes end: their exit statuses, their supervision (a stage never outlives
+whatever launched it), and ``torchrun`` for pipeline stages, whose one-line errors stay one line.
 
+    exit_with_launcher()          # every stage, through common.stage_main: gone when DVC or torchrun is
+    subprocess.Popen(command, preexec_fn=die_with_parent)   # a child server gone with its parent
     python -m eagle3.launch --nnodes 1 --nproc-per-node 8 ... -m eagle3.train ...
 
 torchrun follows a failed worker's output with its own traceback and failure summary (about 30
@@ -13,14 +16,98 @@ worker killed by a signal) keeps torchrun's full report.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
+import os
+import signal
 import sys
+import threading
+import time
+from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import parse_args, run
+USER_ERROR = 2  # exit status of a stage stopped by a UserError (already reported in one line)
+LAUNCHER_GONE = 143  # exit status of a stage whose launcher died (128 + SIGTERM, as if terminated)
+INTERRUPTED = 130  # exit status of a stage stopped by Ctrl-C (128 + SIGINT; reported in one line)
 
-from eagle3.common import INTERRUPTED, LAUNCHER_GONE, USER_ERROR
+
+def exit_with_launcher(worker: bool = False, interval: float = 1.0) -> None:
+    """Exit when the process that launched this stage dies, even by SIGKILL (Linux).
+
+    DVC runs a stage as its child; torchrun starts its workers in a new session. So a ``kill -9``
+    of ``dvc repro``, or a SIGKILL of its process group, would leave the stage (or the torchrun
+    workers) running on, writing checkpoints next to the rerun's. A daemon thread watches the
+    chain of parents from this process up to the launcher: the processes of the same DVC stage
+    (same ``DVC_STAGE`` in their environment: shell, torchrun agent, spawned workers) and the
+    DVC process above them, or, outside DVC, the torchrun agent of a worker (or, with ``worker``,
+    the stage process that spawned this one). When any of them is
+    gone (a parent changed: orphans are re-parented), this process exits at once; checkpoints and
+    outputs are written atomically, so nothing half-written is left. Nothing is watched when the
+    stage is run by hand (no DVC, no torchrun), or where ``/proc`` does not exist.
+    """
+    links = launcher_links(worker)
+    if links:
+        # The kernel's own guard for the closest link: SIGKILL as soon as the direct parent dies.
+        # It needs no Python thread, which a busy GPU training loop was seen to starve (a worker
+        # outlived its killed torchrun agent on an H200); the watcher covers the links above it.
+        die_with_parent(signal.SIGKILL)
+        if os.getppid() != links[0][1]:  # the parent died before the guard was set
+            os._exit(LAUNCHER_GONE)
+        threading.Thread(target=_watch_links, args=(links, interval), name="launcher-watch", daemon=True).start()
+
+
+PR_SET_PDEATHSIG = 1
+LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent dies, even by SIGKILL (no-op elsewhere)."""
+    if LIBC is not None:
+        LIBC.prctl(PR_SET_PDEATHSIG, int(sig))
+
+
+def launcher_links(worker: bool = False) -> list[tuple[int, int]]:
+    """(pid, parent pid) pairs from this process up to the stage's launcher (see exit_with_launcher)."""
+    stage = os.environ.get("DVC_STAGE")
+    worker = worker or "TORCHELASTIC_RUN_ID" in os.environ
+    if not Path("/proc/self/stat").exists() or (stage is None and not worker):
+        return []
+    links = [(os.getpid(), os.getppid())]
+    while stage is not None and _environ(links[-1][1]).get("DVC_STAGE") == stage:
+        pid = links[-1][1]
+        links.append((pid, _parent(pid)))
+    return links
+
+
+def _parent(pid: int) -> int:
+    """The parent pid of ``pid`` (0 when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[1])  # fields after "(comm)": state, ppid, ...
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _watch_links(links: list[tuple[int, int]], interval: float) -> None:
+    while True:
+        time.sleep(interval)
+        for pid, parent in links:
+            if _parent(pid) != parent:
+                print(f"eagle3: process {parent} that launched this stage is gone; stopping (pid {os.getpid()})",
+                      file=sys.stderr, flush=True)
+                os._exit(LAUNCHER_GONE)  # at once: the rerun owns the outputs now
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun: its report of a failed worker trimmed to the worker's own line
 
 REPORTED = (USER_ERROR, LAUNCHER_GONE, INTERRUPTED)  # worker exits already explained in one line
 
@@ -37,6 +124,10 @@ class _HideReported(logging.Filter):
 
 
 def main(argv: list[str]) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # torch only for torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(_HideReported())
     try:

@@ -36,11 +36,12 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from eagle3.common import UserError, atomic_dir, read_json, stable_hash, stage_main, to_plain, write_json, write_jsonl
-from eagle3.config import shard_range, stage_params
+from eagle3.config import stage_params
 from eagle3.lm.chat import prompt_ids
 from eagle3.lm.identity import CHAT_IDENTITY_FILE
 from eagle3.lm.loading import load_tokenizer
 from eagle3.lm.spec import VerifierSpec
+from eagle3.prompt_sources.config import shard_range
 from eagle3.prompt_sources.eval_sets import eval_set_prompts, eval_set_specs
 from eagle3.prompt_sources.messages import NotAPrompt, conversation_key, to_messages, user_keys
 from eagle3.prompt_sources.order import interleave, order_key

@@ -38,10 +38,11 @@ class Generation:
     @classmethod
     def from_params(cls, generate: DictConfig, spec: VerifierSpec) -> Generation:
         tags = generate.think_tags
-        return cls(str(generate.name), int(generate.max_new_tokens), float(generate.temperature), float(generate.top_p),
-                   int(generate.seed), None if tags is None else tuple(str(t) for t in tags),
-                   spec.max_position_embeddings, spec.stop, spec.trust_remote_code,
-                   int(generate.samples), tuple(float(t) for t in generate.sample_temperatures))
+        return cls(name=str(generate.name), max_new_tokens=int(generate.max_new_tokens), temperature=float(generate.temperature),
+                   top_p=float(generate.top_p), seed=int(generate.seed),
+                   think_tags=None if tags is None else tuple(str(t) for t in tags), context=spec.max_position_embeddings,
+                   stop=spec.stop, trust_remote_code=spec.trust_remote_code, samples=int(generate.samples),
+                   sample_temperatures=tuple(float(t) for t in generate.sample_temperatures))
 
     def temperature_of(self, sample: int) -> float:
         """Answer 0 of a prompt samples at ``temperature``, answer k >= 1 at ``sample_temperatures[(k - 1) % len]``.

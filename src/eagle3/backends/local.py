@@ -35,7 +35,8 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from eagle3.backends.base import Answer, Done, Generation, Request, cut_at_stop, split_reasoning
 from eagle3.backends.padding import left_pad, padded_width
-from eagle3.backends.slots import SlotsCannotAttend, cache_bytes_per_position, decode_groups, group_requests
+from eagle3.backends.slot_groups import cache_bytes_per_position, group_requests
+from eagle3.backends.slots import Ending, SlotsCannotAttend, decode_groups
 from eagle3.common import UserError
 from eagle3.lm.loading import eos_token_ids, load_tokenizer, load_verifier
 
@@ -105,7 +106,7 @@ class SeededSampling(LogitsProcessor):
 
 
 class LocalBackend:
-    decode_kernel: str | None = None  # slot decoding's attention (slots.KERNELS); None: the fastest that runs here
+    decode_kernel: str | None = None  # slot decoding's attention (slot_kernels.KERNELS); None: the fastest that runs here
 
     def __init__(self, cfg: DictConfig, verifier: Path, generation: Generation):
         torch.set_num_threads(int(cfg.threads))
@@ -159,7 +160,7 @@ class LocalBackend:
         max_new_tokens = self.generation.max_new_tokens
         groups = group_requests(requests, max_new_tokens, self.batch_size, self.slot_cache_tokens())
         try:
-            self.graph_replays += decode_groups(self.model, groups, max_new_tokens, sorted(self.eos_ids), self.pad_id,
+            self.graph_replays += decode_groups(self.model, groups, Ending(max_new_tokens, sorted(self.eos_ids), self.pad_id),
                                                 lambda request, tokens: done(request, self.to_answer(request, tokens)),
                                                 self.decode_kernel)
         except torch.cuda.OutOfMemoryError as error:

@@ -122,7 +122,8 @@ def parse_answer(body: dict, think_tags: Sequence[str] | None, stops: Sequence[s
         reasoning, content = split_reasoning(content, think_tags)
     if not content and not reasoning:  # a server glitch more often than a model's choice; whitespace counts
         raise Retry("empty answer")
-    return Answer(content, reasoning, finish_reason, prompt_tokens, completion_tokens, stop)
+    return Answer(content=content, reasoning_content=reasoning, finish_reason=finish_reason, prompt_tokens=prompt_tokens,
+                  completion_tokens=completion_tokens, stop=stop)
 
 
 class OpenAIBackend:

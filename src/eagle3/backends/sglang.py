@@ -25,7 +25,8 @@ from omegaconf import DictConfig
 
 from eagle3.backends.base import Done, Generation, Request
 from eagle3.backends.openai import OpenAIBackend
-from eagle3.common import UserError, die_with_parent
+from eagle3.common import UserError
+from eagle3.launch import die_with_parent
 from eagle3.lm.loading import weights_dir
 from eagle3.lm.spec import VerifierSpec
 

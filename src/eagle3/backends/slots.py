@@ -18,13 +18,13 @@ How, in the verifier's own modules (any family whose attention goes through tran
   over while the GPU runs the next steps, and refills free rows once enough are free (a prefill is an
   eager forward: batched so its launches are paid rarely); with no prompt left, live rows move to the
   front and the graph over fewer slots runs (the drain of the longest answers);
-- a decode step's attention (``KERNELS``, the first that runs here by default) reads each live row's
+- a decode step's attention (``slot_kernels.KERNELS``, the first that runs here by default) reads each live row's
   used keys only: ``split`` (split_attention.py: Triton, the keys split across programs) or ``flash``
   (flash attention's varlen kernel) over a packed cache [slots, length, kv_heads, head_dim]; a finished
   row reads one key. ``masked`` (SDPA over whole rows, masked past each row's position) runs anywhere:
   the CPU, fp32, GPUs older than Ampere.
 
-Requests are grouped by prompt width (``group_requests``): a group's cache is as long as its widest
+Requests are grouped by prompt width (``slot_groups.group_requests``): a group's cache is as long as its widest
 prompt + max_new_tokens and has as many rows as ``batch_size`` and ``batch_tokens`` allow (the local
 backend sizes the latter from the GPU memory free: ``cache_bytes_per_position``).
 
@@ -35,7 +35,6 @@ steps run eagerly.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections import deque
@@ -48,56 +47,17 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from eagle3.backends.base import Request
-from eagle3.backends.padding import left_pad, padded_width
-from eagle3.lm.spec import attention_shape
+from eagle3.backends.padding import left_pad
+from eagle3.backends.slot_groups import Group
+from eagle3.backends.slot_kernels import fastest_kernel, split_attention, varlen_attention, whole_row_attention
 
 log = logging.getLogger(__name__)
 
 ATTENTION = "eagle3_slots"  # our attention function's name in transformers' AttentionInterface
 SYNC_STEPS = 16  # decode steps between two looks at which rows finished
 PREFILL_TOKENS = 32768  # padded prompt tokens per prefill forward
-MIN_WIDTH = 256  # narrowest prompt-width bucket: groups by width 256, 512, 1024, ...
-WIDTH_MULTIPLE = 64  # a group's cache length: its widest prompt rounded up to this, + max_new_tokens
 MIN_SLOTS = 16  # smallest graph the drain moves down to
 REFILL_SHARE = 8  # refill when 1/REFILL_SHARE of the rows are free (or none is decoding)
-KERNELS = ("split", "flash", "masked")  # decode attention, fastest first (docs/benchmarks.md measures them)
-
-
-@dataclass(frozen=True)
-class Group:
-    """Requests decoded over one cache of ``slots`` rows x ``length`` positions."""
-
-    requests: list[Request]  # sorted by prompt length
-    slots: int
-    length: int  # widest prompt (rounded up to WIDTH_MULTIPLE) + max_new_tokens
-
-
-def width_bucket(length: int) -> int:
-    """The power of two (at least MIN_WIDTH) a prompt of ``length`` tokens is grouped under: 90 -> 256, 300 -> 512."""
-    return max(MIN_WIDTH, 1 << (length - 1).bit_length())
-
-
-def group_requests(requests: Sequence[Request], max_new_tokens: int, batch_size: int, batch_tokens: int | None) -> list[Group]:
-    """Requests sorted by (prompt length, id), cut into groups by ``width_bucket``; a group smaller than
-    its slot count joins the next one (each group ends with a drain: fewer groups, fewer drains).
-
-    Slots: ``batch_size`` rows, fewer when rows x length would exceed ``batch_tokens``, never more
-    than the group's requests. Example: lengths [10, 20, 300], max_new_tokens 100, batch_size 2 ->
-    one group of the 2 short prompts (256 bucket, length 64 + 100) and one of [300] (length 320 + 100).
-    """
-    ordered = sorted(requests, key=lambda r: (len(r.prompt_ids), r.id))
-    buckets: dict[int, list[Request]] = {}
-    for request in ordered:
-        buckets.setdefault(width_bucket(len(request.prompt_ids)), []).append(request)
-    groups, carried = [], []
-    for index, bucket in enumerate(buckets.values()):
-        carried += bucket
-        length = padded_width(len(carried[-1].prompt_ids), WIDTH_MULTIPLE) + max_new_tokens
-        slots = min(batch_size, max(1, batch_tokens // length) if batch_tokens else batch_size)
-        if len(carried) >= slots or index == len(buckets) - 1:
-            groups.append(Group(carried, min(slots, len(carried)), length))
-            carried = []
-    return groups
 
 
 @dataclass(frozen=True)
@@ -151,12 +111,17 @@ class SlotCache:
             self.values[index] = torch.zeros(shape, dtype=like.dtype, device=like.device)
         return self.keys[index], self.values[index]
 
-    def attend(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        """query [n, heads, q, D], key/value [n, kv_heads, q, D] (after RoPE) -> ([n, q, heads, D], None)."""
-        self.check(kwargs)
-        keys, values = self.layer(module.layer_idx, key)
+    def attend(self, module, query, key, value, attention_mask, **options):
+        """query [n, heads, q, D], key/value [n, kv_heads, q, D] (after RoPE) -> ([n, q, heads, D], None).
+
+        transformers' attention function: ``options`` are the layer's keywords (``scaling``, ``dropout``:
+        none at inference, and what ``check`` refuses)."""
+        scaling = options.pop("scaling", None)
+        self.check(options)
+        cache = self.layer(module.layer_idx, key)
         if self.prefill is not None:
-            return self.attend_prefill(query, key, value, attention_mask, scaling, keys, values), None
+            return self.attend_prefill(query, key, value, attention_mask, scaling, cache), None
+        keys, values = cache
         n, kv_heads, _, head_dim = key.shape
         keys, values, rows, positions = keys[:n], values[:n], self.rows[:n], self.positions[:n]
         scale = scaling if scaling is not None else head_dim ** -0.5
@@ -166,8 +131,8 @@ class SlotCache:
             if self.kernel == "split":
                 out = split_attention(query[:, :, 0], keys, values, self.used[:n], scale)
             else:
-                out = varlen_attention(query[:, :, 0], keys, values, self.used[:n], scale, self.row_starts[: n + 1],
-                                       self.key_starts[: n + 1])
+                starts = (self.row_starts[: n + 1], self.key_starts[: n + 1])
+                out = varlen_attention(query[:, :, 0], keys, values, self.used[:n], scale, starts)
             return out[:, None], None  # [n, 1, heads, D]
         keys[rows, :, positions] = key[:, :, 0]
         values[rows, :, positions] = value[:, :, 0]
@@ -181,7 +146,9 @@ class SlotCache:
             raise SlotsCannotAttend("the verifier's attention needs softcapping, sinks or a sliding window shorter than "
                                     "the answers, which slot decoding lacks")
 
-    def attend_prefill(self, query, key, value, mask, scaling, keys, values) -> torch.Tensor:
+    def attend_prefill(self, query, key, value, mask, scaling, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The prompts attend within themselves; their keys and values go to their rows of ``cache`` (keys, values)."""
+        keys, values = cache
         n, kv_heads, width, head_dim = key.shape
         repeat = query.shape[1] // kv_heads  # query heads per kv head (kv head i serves heads i*repeat...)
         out = F.scaled_dot_product_attention(query, key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1),
@@ -195,80 +162,6 @@ class SlotCache:
             keys[self.prefill.slots, :, :width] = rolled_keys
             values[self.prefill.slots, :, :width] = rolled_values
         return out.transpose(1, 2)  # [n, T, heads, D]
-
-
-def whole_row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale) -> torch.Tensor:
-    """The ``masked`` kernel: one query per row over its whole row, masked (SDPA): query [n, heads, D],
-    keys/values [n, kv_heads, length, D], mask [n, 1, 1, length] -> [n, heads, D]."""
-    n, kv_heads, _, head_dim = keys.shape
-    grouped = query.reshape(n, kv_heads, -1, head_dim)  # one query a row: a kv head's query heads act as its queries
-    return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale).reshape(n, -1, head_dim)
-
-
-def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, used: torch.Tensor, scale) -> torch.Tensor:
-    """One query per row over the row's first ``used[row]`` keys of a packed cache, masked: query [n, heads, D],
-    keys/values [n, length, kv_heads, D] -> [n, heads, D] (the packed kernels off CUDA)."""
-    mask = (torch.arange(keys.shape[1], device=keys.device)[None] < used[:, None])[:, None, None, :]  # [n, 1, 1, length]
-    return whole_row_attention(query, keys.transpose(1, 2), values.transpose(1, 2), mask, scale)
-
-
-def varlen_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, used: torch.Tensor, scale,
-                     row_starts: torch.Tensor, key_starts: torch.Tensor) -> torch.Tensor:
-    """``masked_attention`` by flash attention's varlen kernel on CUDA: row b's keys start at
-    ``key_starts[b]`` (b x length) of the flattened cache and it reads ``used[b]`` of them (int32, as are
-    ``row_starts``, 0..n: one query a row)."""
-    if not query.is_cuda:
-        return masked_attention(query, keys, values, used, scale)
-    return torch.ops.aten._flash_attention_forward(
-        query.contiguous(), keys.flatten(0, 1), values.flatten(0, 1), row_starts, key_starts, 1, keys.shape[1], 0.0, False, False,
-        scale=scale, seqused_k=used)[0]
-
-
-def split_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, used: torch.Tensor, scale) -> torch.Tensor:
-    """``masked_attention`` by the Triton kernels of split_attention.py on CUDA."""
-    if not query.is_cuda:
-        return masked_attention(query, keys, values, used, scale)
-    from eagle3.backends.split_attention import decode_attention  # imports triton: CUDA hosts only
-
-    return decode_attention(query, keys, values, used, scale)
-
-
-@functools.cache
-def kernel_runs(kernel: str, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether ``kernel`` runs on ``device`` for this dtype and head shape: one call on a tiny cache, once a process
-    (both packed kernels take fp16/bf16 on CUDA; flash needs an Ampere or newer GPU, split Triton and a
-    power-of-two head_dim)."""
-    if kernel == "masked":
-        return True
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):  # fp32 stays exact: masked SDPA
-        return False
-    query = torch.zeros(2, heads, head_dim, dtype=dtype, device=device)
-    keys = torch.zeros(2, 16, kv_heads, head_dim, dtype=dtype, device=device)
-    used = torch.tensor([1, 16], dtype=torch.int32, device=device)
-    try:
-        if kernel == "split":
-            split_attention(query, keys, keys, used, 1.0)
-        else:
-            starts = torch.arange(3, dtype=torch.int32, device=device)
-            varlen_attention(query, keys, keys, used, 1.0, starts, starts * 16)
-        return True
-    except Exception as reason:  # noqa: BLE001 (an unsupported GPU, dtype or shape, or no Triton: the next kernel)
-        log.info("slots: decode kernel %s does not run here (%s: %s)", kernel, type(reason).__name__, reason)
-        return False
-
-
-def fastest_kernel(model) -> str:
-    """The first of KERNELS that runs for this verifier on its device."""
-    shape = attention_shape(model.config.get_text_config())
-    return next(k for k in KERNELS if kernel_runs(k, model.device, model.dtype, *shape))
-
-
-def cache_bytes_per_position(model) -> int:
-    """Bytes of the slot cache a row position takes: keys and values of every layer (SmolLM2-135M in bf16:
-    2 x 30 layers x 3 kv heads x 64 x 2 bytes = 23,040; Llama-3.1-8B: 131,072)."""
-    config = model.config.get_text_config()
-    _, kv_heads, head_dim = attention_shape(config)
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
 
 
 @contextmanager
@@ -458,15 +351,23 @@ class SlotDecoder:
                 finished(request, tokens)
 
 
-def decode_groups(model, groups: Sequence[Group], max_new_tokens: int, eos_ids: Sequence[int], pad_id: int,
-                  finished: Finished, kernel: str | None = None) -> int:
+@dataclass(frozen=True)
+class Ending:
+    """How every row of slot decoding ends and pads."""
+
+    max_new_tokens: int  # a row ends after this many tokens ...
+    eos_ids: Sequence[int]  # ... or at one of these
+    pad_id: int  # the left padding of a prefill's prompts
+
+
+def decode_groups(model, groups: Sequence[Group], ending: Ending, finished: Finished, kernel: str | None = None) -> int:
     """Decode every group (one cache at a time) with the decode attention ``kernel`` (default: the fastest
     that runs here); returns the graph replays (0 without CUDA)."""
     replays = 0
     kernel = kernel or fastest_kernel(model)
     for group in groups:
         start = time.perf_counter()
-        decoder = SlotDecoder(model, group, max_new_tokens, eos_ids, pad_id, kernel)
+        decoder = SlotDecoder(model, group, ending.max_new_tokens, ending.eos_ids, ending.pad_id, kernel)
         decoder.decode(group.requests, finished)
         replays += decoder.replays
         log.info("slots: %d requests over %d rows x %d positions in %.1f s (%s attention): %d tokens, %d graph replays, "

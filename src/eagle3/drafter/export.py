@@ -16,7 +16,6 @@ Folder: ``config.json`` (served as is by both engines: the taps at the top level
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from eagle3.common import UserError, read_json, write_json
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.lm.identity import build_difference, note_other_build
-from eagle3.lm.loading import language_model, text_config_dict, verifier_build, verifier_fingerprint, weights_dir
+from eagle3.lm.loading import language_model, text_config_dict, verifier_build, verifier_fingerprint
 from eagle3.lm.spec import tap_problem, verifier_mismatch
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -393,32 +392,3 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(path)
     except SafetensorError as err:
         raise UserError(f"{path}: not a readable safetensors file ({err}); export it again (`dvc repro -f train`)") from None
-
-
-def speculators_command(folder: str | Path, verifier_folder: str | Path | None = None) -> str:
-    """The ``speculators convert`` (0.9.0) command line for this drafter, its taps filled in.
-
-    speculators reads neither tap key of config.json and, without ``eagle_aux_hidden_state_layer_ids``
-    in ``--algorithm-kwargs``, silently converts with the default taps; it takes our ids (vLLM's
-    convention), since vLLM reads them from its config. Its verifier is the folder of the weights.
-    """
-    folder = Path(folder)
-    taps = json.dumps({"eagle_aux_hidden_state_layer_ids": list(read_json(folder / "meta.json")["aux_layers"])})
-    verifier = weights_dir(verifier_folder) if verifier_folder else "<verifier weights folder>"
-    named = folder if folder.name else folder.resolve()  # "." has no name to derive the output's from
-    return (f"speculators convert {folder} --algorithm eagle3 --verifier {verifier} "
-            f"--output-path {named.with_name(named.name + '-speculators')} --algorithm-kwargs '{taps}'")
-
-
-def rewrite_config(folder: str | Path, verifier_folder: str | Path | None = None) -> Path:
-    """Rewrite config.json from meta.json's taps and the config's shape (an export of an older version);
-    the token ids from ``verifier_folder``, else as meta.json recorded them, else as config.json had them."""
-    folder = Path(folder)
-    meta, config = read_json(folder / "meta.json"), read_json(folder / "config.json")
-    cfg = config_from_export(config, meta["aux_layers"])
-    verifier = verifier_facts(verifier_folder) if verifier_folder else meta.get("verifier") or {}
-    token_ids = {key: verifier[key] if verifier.get(key) is not None else config.get(key) for key in TOKEN_IDS}
-    write_json(folder / "config.json", engine_config(cfg, token_ids))
-    for stale in ("config.vllm.json", "config.sglang.json"):  # per-engine copies of older exports
-        (folder / stale).unlink(missing_ok=True)
-    return folder / "config.json"

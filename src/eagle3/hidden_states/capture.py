@@ -49,8 +49,10 @@ class Settings:
                             f"processes (GPUs), layout.extract_workers is {layout.extract_workers}: use a layout with "
                             f"{placement.tp} GPUs (gpu8), or set extract_workers to tp")
         return cls(
-            str(extract.name), VerifierSpec.from_params(params.model).aux_layers, extract.dtype, int(extract.max_length), int(extract.batch_tokens),
-            int(extract.part_bytes), layout.device, layout.dtype, int(layout.extract_workers), int(layout.threads), placement,
+            name=str(extract.name), aux_layers=VerifierSpec.from_params(params.model).aux_layers, dtype=extract.dtype,
+            max_length=int(extract.max_length), batch_tokens=int(extract.batch_tokens), part_bytes=int(extract.part_bytes),
+            device=layout.device, compute_dtype=layout.dtype, workers=int(layout.extract_workers), threads=int(layout.threads),
+            placement=placement,
         )
 
     def section(self) -> dict[str, Any]:

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from eagle3.common import UserError, sha256_file
-from eagle3.config import STORAGE_DTYPES
+from eagle3.hidden_states.config import STORAGE_DTYPES
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
 

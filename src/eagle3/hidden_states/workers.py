@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3.common import exit_with_launcher, read_json, write_json
+from eagle3.common import read_json, write_json
+from eagle3.launch import exit_with_launcher
 from eagle3.hidden_states.capture import Settings, extract_samples
 from eagle3.hidden_states.samples import Sample
 from eagle3.lm.loading import load_verifier, shard_rank

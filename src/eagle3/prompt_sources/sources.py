@@ -109,7 +109,8 @@ def folder_candidates(folder: str, paths: list[Path], root: Path, seed: int,
                 lines.append((order_key(seed, source.encode() + b"\0" + line), index, offset))
                 offset += len(line)
     lines.sort()
-    return len(lines), (Candidate(key, sources[index], paths[index], offset, unseen=unseen) for key, index, offset in lines)
+    return len(lines), (Candidate(key=key, source=sources[index], path=paths[index], offset=offset, unseen=unseen)
+                        for key, index, offset in lines)
 
 
 def evals_candidates(spec: DictConfig, seed: int, where: str, unseen: float | int, report: dict) -> Iterator[Candidate]:
@@ -198,7 +199,7 @@ def memory_candidates(records: Iterator[dict], source: str, seed: int) -> Iterat
     for index, record in enumerate(records):
         # surrogatepass: a lone surrogate must reach the walk, which names or counts it, not fail here
         data = json.dumps(record, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass")
-        yield Candidate(order_key(seed, source.encode() + b"\0" + data), f"{source}#{index}", record=record)
+        yield Candidate(key=order_key(seed, source.encode() + b"\0" + data), source=f"{source}#{index}", record=record)
 
 
 def sharegpt_path(spec: DictConfig, where: str) -> Path:
@@ -227,8 +228,8 @@ def sharegpt_candidates(spec: DictConfig, seed: int, where: str, report: dict) -
         data = raw.encode("utf-8", "surrogatepass")
         for turn, prompt in human_turn_prompts(record):
             report["prompts"] = report.get("prompts", 0) + 1
-            yield Candidate(order_key(seed, name.encode() + b"\0" + data + b"\0" + str(turn).encode()),
-                            f"{conversation}/{turn}", record=prompt)
+            yield Candidate(key=order_key(seed, name.encode() + b"\0" + data + b"\0" + str(turn).encode()),
+                            source=f"{conversation}/{turn}", record=prompt)
     report["conversations"] = conversations.records
     if conversations.cut:
         report["truncated_at_byte"] = path.stat().st_size

@@ -1,10 +1,11 @@
 """A training run's identity, its lock and its resumable checkpoints (what ``eagle3.train`` keeps
-outside the DVC outputs, in ``<checkpoints>/<run id>/``).
+outside the DVC outputs, in ``<checkpoints>/<run id>/``), and the export of its best weights.
 
     with run_folder(checkpoints, merged, hidden_states, shards, make_id, world) as run_dir:
         state = resume(run_dir, model, optimizers, schedulers, world)      # or a fresh TrainState
         ...
         save_checkpoint(run_dir, model, optimizers, schedulers, state, world)
+    export(out, verifier, Trained(best["model"], draft, embed, d2t), training)   # the best weights, checked
 
 The run id hashes everything that determines the trained weights: the params, the source of every
 eagle3 module training runs (derived from the imports, ``training_code``: a superset of the code that
@@ -23,6 +24,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import random
 from collections.abc import Callable, Iterator
@@ -33,18 +35,24 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
-import eagle3.drafter.parallel as parallel
-from eagle3.common import UserError, sha256_file, stable_hash, write_json
-from eagle3.drafter.parallel import World
+from eagle3.common import UserError, atomic_dir, sha256_file, stable_hash, write_json
+from eagle3.drafter.export import check_drafter, verifier_facts, write_drafter
+from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.hidden_states.loader import check_recorded_digests
+import eagle3.training.parallel as parallel
+from eagle3.training.parallel import World
+
+log = logging.getLogger(__name__)
 
 PACKAGE = Path(__file__).resolve().parents[1]  # src/eagle3
 
-# The export writes the weights it is given and determines none of them: a rerun after an export
-# change resumes the finished run and only re-exports.
-EXPORT_CODE = "eagle3.drafter.export"
+# Code that determines none of the weights: the export writes the weights it is given (a rerun
+# after an export change resumes the finished run and only re-exports), and the launcher's
+# supervision and exit statuses run the stage, no part of it.
+NO_WEIGHTS_CODE = ("eagle3.drafter.export", "eagle3.launch")
 
 # ---------------------------------------------------------------------------------------------
 # Run identity: the checkpoint folder is keyed by everything that determines the trained weights
@@ -62,8 +70,8 @@ def run_id(train: dict[str, Any], draft: dict[str, Any], fingerprint: str, seed:
 
 
 def training_code(stage: str = "eagle3.train") -> list[Path]:
-    """The source files of ``stage`` and of every eagle3 module it imports, transitively, but the
-    export's (``EXPORT_CODE``). Read with ``ast``, so an import inside a function counts and
+    """The source files of ``stage`` and of every eagle3 module it imports, transitively, but those
+    of ``NO_WEIGHTS_CODE``. Read with ``ast``, so an import inside a function counts and
     nothing is imported. Package ``__init__`` files are not followed: they hold only docstrings
     (tests/test_dvc_deps.py checks it), and train's dvc.yaml deps list the same files.
     """
@@ -72,12 +80,12 @@ def training_code(stage: str = "eagle3.train") -> list[Path]:
         file = todo.pop()
         if file not in seen:
             seen.add(file)
-            todo += imported_sources(file) - {module_source(EXPORT_CODE)}
+            todo += imported_sources(file) - {module_source(name) for name in NO_WEIGHTS_CODE}
     return sorted(seen)
 
 
 def module_source(name: str) -> Path | None:
-    """``eagle3.drafter.loss`` -> ``src/eagle3/drafter/loss.py``; None for a package or another library."""
+    """``eagle3.training.loss`` -> ``src/eagle3/drafter/loss.py``; None for a package or another library."""
     package, *path = name.split(".")
     file = PACKAGE.joinpath(*path).with_suffix(".py")
     return file if package == "eagle3" and path and file.is_file() else None
@@ -251,3 +259,31 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The export: the best weights as the drafter folder
+
+
+@dataclass(frozen=True)
+class Trained:
+    """A trained drafter as training holds it."""
+
+    state: dict[str, Tensor]  # the TTT module's state dict (names under ``drafter.``)
+    draft: DraftConfig  # its shape
+    embed: Tensor  # the verifier's input embedding (the drafter's, not trained)
+    d2t: Tensor  # data/merged's draft-to-verifier token map, which the state must hold
+
+
+def export(out: Path, verifier: Path, trained: Trained, training: dict) -> None:
+    """Write the drafter of ``trained`` to ``out`` and refuse it unless check_drafter passes."""
+    drafter = Eagle3Drafter(trained.draft, trained.embed.cpu())
+    drafter.load_state_dict({k.removeprefix("drafter."): v for k, v in trained.state.items()})
+    if not torch.equal(drafter.d2t, trained.d2t):
+        raise RuntimeError("the trained drafter's d2t differs from data/merged's")
+    with atomic_dir(out) as tmp:
+        write_drafter(drafter, tmp, verifier_facts(verifier), training)
+        problems = check_drafter(tmp, verifier)
+        if problems:
+            raise UserError(f"{out}: the export fails check-drafter: {'; '.join(problems)}")
+    log.info("drafter exported to %s", out)

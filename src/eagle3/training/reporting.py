@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-import eagle3.drafter.parallel as parallel
-from eagle3.drafter.checkpoints import TrainState
-from eagle3.drafter.loss import StepMetrics
-from eagle3.drafter.parallel import World
+import eagle3.training.parallel as parallel
+from eagle3.training.checkpoints import TrainState
+from eagle3.training.loss import StepMetrics
+from eagle3.training.parallel import World
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,84 @@
+"""A params group's schema: a frozen dataclass beside the code that reads the group, one field per
+key of its conf/ files, with the key's type and the check of its values, and the group's cross-key
+rules in its ``relations``. ``eagle3.config.validate`` runs every schema over the keys a view holds.
+
+    @dataclass(frozen=True)
+    class ExtractSettings:
+        GROUP: ClassVar[str] = "extract"
+        max_length: int = setting(POSITIVE)   # tokens per sequence
+
+        @staticmethod
+        def relations(get: Lookup) -> None:   # rules over several keys, of any group
+            ...
+
+    check_schema(ExtractSettings, get)   # get("extract.max_length"): the value, or ABSENT
+
+Why here and not in config.py: a key's type, bounds and rules are declared once, where the code
+that reads the key can see them; config.py composes the groups and cuts each stage's view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import field, fields
+from typing import Any, NamedTuple
+
+from eagle3.common import UserError
+
+ABSENT = object()  # what a Lookup gives for a key the view does not hold
+Lookup = Callable[[str], Any]  # a dotted key's plain value in the params view, or ABSENT
+
+
+class Check(NamedTuple):
+    """A value check: the test, and what the one-line refusal says is allowed."""
+
+    test: Callable[[Any], bool]
+    allowed: str
+
+
+def setting(check: Check | None = None) -> Any:
+    """A schema field without a default (a key missing from params.yaml is an error, never a silent
+    second value) and with the check of its values; None: any value of the field's type passes."""
+    return field(metadata={"check": check})
+
+
+def integer(low: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def number(low: float, high: float = float("inf"), open_low: bool = False) -> Callable[[Any], bool]:
+    def check(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and (v > low if open_low else v >= low) and v <= high
+
+    return check
+
+
+def one_of(*allowed: Any) -> Check:
+    return Check(lambda v: v in allowed, f"one of {list(allowed)}")
+
+
+POSITIVE = Check(integer(1), "an integer >= 1")
+NON_NEGATIVE = Check(integer(0), "an integer >= 0")
+BOOL = Check(lambda v: isinstance(v, bool), "true or false")
+FRACTION = Check(number(0, 1), "a number in [0, 1]")
+FRACTION_BELOW_1 = Check(lambda v: number(0, 1)(v) and v < 1, "a number in [0, 1)")
+FRACTION_ABOVE_0 = Check(number(0, 1, open_low=True), "a number in (0, 1]")
+POSITIVE_NUMBER = Check(number(0, open_low=True), "a number > 0")
+NON_NEGATIVE_NUMBER = Check(number(0), "a number >= 0")
+
+
+def refuse(key: str, value: Any, allowed: str) -> UserError:
+    """The one-line error of a params value: its key, the value and what is allowed."""
+    return UserError(f"params.yaml: {key} = {value!r}: must be {allowed}")
+
+
+def check_schema(schema: type, get: Lookup) -> None:
+    """Refuse the first value of ``schema``'s group that fails its field's check, then apply the
+    group's ``relations`` (where it has rules over several keys); keys the view does not hold are
+    not checked."""
+    for item in fields(schema):
+        check, value = item.metadata.get("check"), get(f"{schema.GROUP}.{item.name}")
+        if check is not None and value is not ABSENT and not check.test(value):
+            raise refuse(f"{schema.GROUP}.{item.name}", value, check.allowed)
+    if hasattr(schema, "relations"):
+        schema.relations(get)

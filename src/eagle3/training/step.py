@@ -1,0 +1,150 @@
+"""One optimizer step and one validation: the micro-batches on the device, the TTT forward, the
+loss normalised over the global batch, backward, clipping, the optimizers (AdamW, or Muon beside
+it) and their warmup-then-cosine schedule.
+
+    optimizers = make_optimizers(model, cfg, fused=True)
+    sums, norm = train_step(model, head, micro, Optimisation(optimizers, schedulers), cfg, world)
+    metrics = validate(model, head, val_set, cfg, world)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+import eagle3.training.parallel as parallel
+from eagle3.training.config import Batching, TrainConfig
+from eagle3.training.data import InOrder, collate
+from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
+from eagle3.training.parallel import World
+
+# ---------------------------------------------------------------------------------------------
+# Batches: the data order is training.data's DataPlan; here the TTT selection is added
+
+
+def collate_ttt(items: list[dict[str, Tensor]], batching: Batching, ttt_steps: int) -> dict[str, Any]:
+    """``eagle3.training.data.collate`` into the packed rows of a micro-batch, plus the rows each
+    of the ``ttt_steps`` TTT steps scores and the count of real tokens (host side)."""
+    batch = collate(items, batching)
+    return {"input_ids": batch["input_ids"], "aux": batch["aux"], "final": batch["final"], "position_ids": batch["position_ids"],
+            "selection": select_rows(batch["loss_mask"], batch["position_ids"], ttt_steps), "tokens": batch["tokens"]}
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The micro-batch on ``device`` (asynchronous from pinned memory). The selection's sizes (targets, rows
+    each TTT step scores) differ from batch to batch: they are marked dynamic for torch.compile (nothing
+    else reads the mark), so a compiled step compiles once, not once static and then again dynamic."""
+    moved = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, Tensor)}
+    if device.type == "cpu":  # the CPU computes in float32: bf16-stored states widened, exactly (a GPU's autocast casts)
+        moved.update({k: moved[k].float() for k in ("aux", "final")})
+    selection = batch["selection"].to(device, non_blocking=True)
+    for tensor in selection.tensors():
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    return {**batch, **moved, "selection": selection}
+
+
+def compiles(cfg: TrainConfig, world: World) -> bool:
+    """Whether ``train.compile`` compiles the step on this process's device."""
+    if cfg.compile == "auto":
+        return world.device.type == "cuda" and not cfg.fsdp
+    return bool(cfg.compile)
+
+
+def compile_step(ttt: TrainingTimeTest, head: VerifierHead) -> None:
+    """``train.compile``: the TTT unroll (forward and, through autograd, backward: loss, metrics, attention,
+    the soft cross-entropy over the draft vocabulary) and the verifier head compiled into generated
+    kernels, in place (state dicts keep their names). Why: eager, each op of the unroll is a kernel
+    launched from Python, and at the 10k recipe's shape the host, not the GPU, set the pace (one H200
+    read 2-13 % busy). The optimizer (fused AdamW) and the clipping stay eager: a few multi-tensor
+    kernels each."""
+    ttt.compile()
+    head.compile()
+
+# ---------------------------------------------------------------------------------------------
+# Optimisation
+
+
+def lr_factor(step: int, warmup: int, total: int, floor: float) -> float:
+    """Multiplier of the peak lr for optimizer step ``step`` (0-based): linear warmup, cosine decay.
+
+    Worked example (warmup 2, total 6, floor 0.1): steps 0, 1 -> 0.5, 1.0; then the cosine runs
+    from 1.0 at step 2 to 0.1 at step 6 (step 4 -> 0.55).
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def warmup_steps(fraction: float, total: int) -> int:
+    """Warmup steps of a run of ``total`` steps: ``fraction`` of them, at least one unless fraction is 0."""
+    return max(1, round(fraction * total)) if fraction > 0 else 0
+
+def make_optimizers(model: torch.nn.Module, cfg: TrainConfig, fused: bool) -> list[torch.optim.Optimizer]:
+    """``train.optimizer``'s optimizers over the trained parameters: AdamW alone, or (muon) Muon on the
+    hidden matrices (fc and the layer's projections) beside AdamW on the rest (norms, the lm_head:
+    an output head is no hidden transform to orthogonalise). Muon's update is scaled to AdamW's RMS
+    (``match_rms_adamw``), so one ``lr`` means the same step size in both."""
+    matrices, rest = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            hidden_matrix = cfg.optimizer == "muon" and p.ndim == 2 and not name.endswith("lm_head.weight")
+            (matrices if hidden_matrix else rest).append(p)
+    adamw = torch.optim.AdamW(rest, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=fused)
+    if not matrices:
+        return [adamw]
+    return [torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"), adamw]
+
+
+class Optimisation(NamedTuple):
+    """The optimizers (``make_optimizers``) and their schedulers, one each, stepped together."""
+
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list[torch.optim.lr_scheduler.LRScheduler]
+
+
+def train_step(model, head: VerifierHead, micro: list[dict], optimisation: Optimisation, cfg: TrainConfig,
+               world: World) -> tuple[Tensor, Tensor]:
+    """One optimizer step over this process's micro-batches; returns (metric sums [6, K], grad norm).
+
+    The loss is normalised by the counts (valid targets, or documents: ``cfg.loss_normalisation``)
+    of the *global* batch (all-reduced before any backward), and multiplied by the world size
+    because DDP/FSDP average gradients: the gradient equals that of one process holding the whole
+    global batch.
+    """
+    targets = [head(b["final"], b["selection"].positions) for b in micro]  # no grad, once per batch
+    counts = sum(step_counts(t, b["selection"], cfg.loss_normalisation) for t, b in zip(targets, micro))
+    counts = parallel.all_reduce_sum(counts, world)
+    sums = 0
+    for i, (batch, target) in enumerate(zip(micro, targets)):
+        with parallel.gradient_sync(model, enabled=i == len(micro) - 1), parallel.autocast(world.device):
+            ce, step_sums = model(batch["input_ids"], batch["aux"], batch["position_ids"], target, batch["selection"])
+            loss = ttt_loss(ce, counts, cfg.step_decay) * world.size
+        loss.backward()
+        sums = sums + step_sums
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+    for optimizer, scheduler in zip(*optimisation):
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return sums, norm
+
+
+@torch.no_grad()
+def validate(model, head: VerifierHead, dataset: Dataset, cfg: TrainConfig, world: World) -> dict[str, float]:
+    """Metrics over the whole validation split (every process runs the same number of batches)."""
+    net = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    plan = InOrder(dataset.lengths, cfg.val_batching(), world.rank, world.size)
+    total = torch.zeros(6, cfg.ttt_steps, device=world.device)
+    for step in range(plan.steps(1)):
+        indices = sum(plan.micro_batches(step), [])  # none on a process the last step leaves without rows
+        batch = to_device(collate_ttt([dataset[i] for i in indices or [0]], plan.batching, cfg.ttt_steps), world.device)
+        with parallel.autocast(world.device):
+            target = head(batch["final"], batch["selection"].positions)
+            _, sums = net(batch["input_ids"], batch["aux"], batch["position_ids"], target, batch["selection"])
+        total += sums if indices else 0  # an idle process still joins FSDP's collectives
+    return StepMetrics(parallel.all_reduce_sum(total, world)).summary(cfg.step_decay)

@@ -1,0 +1,149 @@
+"""House rules of src/eagle3, read with ``ast``: no module over 400 lines, no function over 6
+parameters (a longer list is a keyword bundle or a small object), no dataclass of more than 5
+fields constructed positionally (its fields by keyword, so a reordered field cannot shift values)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from support.repo import ROOT
+
+PACKAGE = ROOT / "src" / "eagle3"
+MAX_LINES = 400
+MAX_PARAMETERS = 6
+MAX_POSITIONAL_FIELDS = 5
+
+# The decoding side, being reworked into its own package: held to these rules once it lands (a
+# folder covers its modules). Empty this when it has.
+DECODING_PENDING = ("drafter/speculative.py", "drafter/tree.py", "drafter/batch.py", "drafter/graphed.py",
+                    "drafter/skinny.py", "measurement", "evaluate.py")
+
+
+def pending(module: Path) -> bool:
+    name = module.relative_to(PACKAGE).as_posix()
+    return any(name == entry or name.startswith(f"{entry}/") for entry in DECODING_PENDING)
+
+
+def modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def checked() -> list[Path]:
+    return [module for module in modules() if not pending(module)]
+
+
+def tree(module: Path) -> ast.Module:
+    return ast.parse(module.read_text(), str(module))
+
+
+def where(module: Path, node: ast.AST) -> str:
+    return f"{module.relative_to(PACKAGE)}:{node.lineno}"
+
+
+def test_no_module_is_over_400_lines():
+    long = [f"{module.relative_to(PACKAGE)}: {n} lines" for module in checked()
+            if (n := len(module.read_text().splitlines())) > MAX_LINES]
+    assert not long, "\n".join(long)
+
+
+def triton_kernel(function: ast.FunctionDef) -> bool:
+    """A ``@triton.jit`` kernel: its parameters are its launch arguments (pointers, strides, constexprs),
+    not Python objects a bundle could carry."""
+    return any(ast.unparse(d).startswith("triton.jit") for d in function.decorator_list)
+
+
+def parameters(function: ast.FunctionDef | ast.AsyncFunctionDef, method: bool) -> list[str]:
+    """Every parameter by name (``*args`` and ``**kwargs`` too), a method's ``self`` or ``cls`` not counted."""
+    args = function.args
+    names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+    names += [a.arg for a in (args.vararg, args.kwarg) if a is not None]
+    static = any(ast.unparse(d) == "staticmethod" for d in function.decorator_list)
+    return names[1:] if method and not static and names[:1] in (["self"], ["cls"]) else names
+
+
+def functions(module: ast.Module):
+    """(function, is a method) for every def in the module, nested ones included."""
+    methods = {id(item) for node in ast.walk(module) if isinstance(node, ast.ClassDef) for item in node.body}
+    for node in ast.walk(module):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield node, id(node) in methods
+
+
+def test_no_function_takes_over_6_parameters():
+    wide = [f"{where(module, function)} {function.name}: {len(names)} parameters ({', '.join(names)})"
+            for module in checked() for function, method in functions(tree(module))
+            if not triton_kernel(function) and len(names := parameters(function, method)) > MAX_PARAMETERS]
+    assert not wide, "\n".join(wide)
+
+
+def dataclass_fields(node: ast.ClassDef) -> int | None:
+    """How many fields a ``@dataclass`` class has (ClassVar and the KW_ONLY marker are none); None for another class."""
+    if not any(ast.unparse(d).split("(")[0].endswith("dataclass") for d in node.decorator_list):
+        return None
+    return sum(1 for item in node.body if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+               and not any(word in ast.unparse(item.annotation) for word in ("ClassVar", "KW_ONLY")))
+
+
+def wide_dataclasses() -> dict[str, dict[str, int]]:
+    """Module name -> {class name: fields} of the dataclasses over MAX_POSITIONAL_FIELDS fields."""
+    found: dict[str, dict[str, int]] = {}
+    for module in modules():
+        name = ".".join(module.relative_to(PACKAGE.parent).with_suffix("").parts)
+        for node in tree(module).body:
+            if isinstance(node, ast.ClassDef) and (count := dataclass_fields(node)) and count > MAX_POSITIONAL_FIELDS:
+                found.setdefault(name, {})[node.name] = count
+    return found
+
+
+def visible_classes(module: Path, parsed: ast.Module, wide: dict[str, dict[str, int]]) -> dict[str, int]:
+    """The wide dataclasses a module names: its own and those it imports by name."""
+    own = ".".join(module.relative_to(PACKAGE.parent).with_suffix("").parts)
+    names = dict(wide.get(own, {}))
+    for node in ast.walk(parsed):
+        if isinstance(node, ast.ImportFrom) and node.module in wide:
+            names.update({alias.asname or alias.name: wide[node.module][alias.name] for alias in node.names
+                          if alias.name in wide[node.module]})
+    return names
+
+
+def positional_constructions(module: Path, wide: dict[str, dict[str, int]]) -> list[str]:
+    parsed = tree(module)
+    names = visible_classes(module, parsed, wide)
+    found = []
+    for cls in ast.walk(parsed):  # ``cls(...)`` inside a wide dataclass's own classmethods
+        if isinstance(cls, ast.ClassDef) and cls.name in names:
+            found += [f"{where(module, call)} cls(...) of {cls.name}: {len(call.args)} positional arguments"
+                      for call in ast.walk(cls) if isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                      and call.func.id == "cls" and call.args]
+    found += [f"{where(module, call)} {call.func.id}(...): {len(call.args)} positional arguments"
+              for call in ast.walk(parsed) if isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+              and call.func.id in names and call.args]
+    return found
+
+
+def test_no_wide_dataclass_is_constructed_positionally():
+    wide = wide_dataclasses()
+    found = [line for module in checked() for line in positional_constructions(module, wide)]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("source, problems", [
+    ("from dataclasses import dataclass\n@dataclass\nclass Wide:\n" + "".join(f"    f{i}: int\n" for i in range(6))
+     + "def make():\n    return Wide(1, 2, 3, 4, 5, 6)\ndef fine():\n    return Wide(**{})\n", 1),
+    ("def wide(a, b, c, d, e, f, g):\n    pass\nclass A:\n    def method(self, a, b, c, d, e, f):\n        pass\n", 1),
+])
+def test_the_rules_see_what_they_refuse(tmp_path, monkeypatch, source, problems):
+    """The checks themselves, on a module written for them (a wide dataclass built positionally; a
+    7-parameter function beside a 6-parameter method)."""
+    module = tmp_path / "eagle3" / "probe.py"
+    module.parent.mkdir()
+    module.write_text(source)
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path / "eagle3")
+    wide = wide_dataclasses()
+    calls = positional_constructions(module, wide)
+    parsed = tree(module)
+    long_lists = [f.name for f, method in functions(parsed) if len(parameters(f, method)) > MAX_PARAMETERS]
+    assert len(calls) + len(long_lists) == problems

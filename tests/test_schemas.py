@@ -1,0 +1,53 @@
+"""A setting is declared once: each converted group's schema (``config.SCHEMAS``) has exactly the keys
+its conf/ files declare (the union over the group's options), and no value of its own."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+from typing import ClassVar
+
+import pytest
+from omegaconf import OmegaConf
+
+from eagle3.common import UserError
+from eagle3.config import SCHEMAS, conf_schema, validate
+from eagle3.schema import ABSENT, POSITIVE, check_schema, setting
+from support.repo import ROOT
+
+# Hydra's name of the chosen option: a key of every group, read by no schema (composition's own)
+OPTION_NAME = "name"
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=lambda schema: schema.GROUP)
+def test_a_schema_has_exactly_the_keys_its_conf_files_declare(schema):
+    declared = set(conf_schema(ROOT / "conf")[schema.GROUP]) - {OPTION_NAME}
+    named = {item.name for item in fields(schema)}
+    assert not declared - named, f"conf/{schema.GROUP}/ keys without a schema field: {sorted(declared - named)}"
+    assert not named - declared, f"{schema.__name__} fields without a conf/{schema.GROUP}/ key: {sorted(named - declared)}"
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=lambda schema: schema.GROUP)
+def test_a_schema_holds_no_defaults(schema):
+    """The values live in conf/ alone: a field with a default would be a second place for one."""
+    defaulted = [item.name for item in fields(schema) if item.default is not MISSING or item.default_factory is not MISSING]
+    assert not defaulted
+
+
+@dataclass(frozen=True)
+class Probe:
+    GROUP: ClassVar[str] = "probe"
+    rows: int = setting(POSITIVE)
+
+
+def test_a_schema_checks_only_the_keys_a_view_holds():
+    check_schema(Probe, lambda key: ABSENT)  # nothing held: nothing refused
+    with pytest.raises(UserError, match=r"^params.yaml: probe.rows = 0: must be an integer >= 1$"):
+        check_schema(Probe, {"probe.rows": 0}.get)
+
+
+def test_validate_runs_the_schemas_cross_key_rules():
+    """TrainConfig.relations, DatasetSettings.relations: rules over several keys, one line each."""
+    with pytest.raises(UserError, match=r"train.batch_tokens = 3000: must be a multiple of train.pack_tokens \(2048\)"):
+        validate(OmegaConf.create({"train": {"batch_tokens": 3000, "pack_tokens": 2048}}))
+    with pytest.raises(UserError, match=r"dataset.shards = \['000032-001000'\]: must be contiguous ranges starting at 000000"):
+        validate(OmegaConf.create({"dataset": {"shards": ["000032-001000"]}}))
