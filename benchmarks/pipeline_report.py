@@ -222,10 +222,11 @@ def readme_results(result: dict, source: Path) -> str:
     """The README's headline from ``source``: the run's commit, GPU and command, τ per eval set it measured,
     train's pace, and whether it finished (an unfinished run's sets are those evaluate had logged as done)."""
     lines = [f"One `dvc repro` at {result['commit']} on {result['gpu'] or 'no GPU'} (`{source}`):", f"`{result['command']}`.", "",
-             "| eval set | prompts | new tokens, at most | chain τ | tree τ | prompt lookup τ |", "|---|---|---|---|---|---|"]
+             "| eval set | prompts | new tokens, at most | chain τ | tree τ | prompt lookup τ | chain / prompt lookup |",
+             "|---|---|---|---|---|---|---|"]
     for name, s in result["sets"].items():
         lines.append(f"| `{name}` | {s['prompts']} | {s['max_new_tokens']} | **{s['tau']:.2f}** | **{s['tree_tau']:.2f}** | "
-                     f"{s['ngram_tau']:.2f} |")
+                     f"{s['ngram_tau']:.2f} | {s['tau'] / s['ngram_tau']:.2f}× |")
     train, train_stage = result["train"], result["stages"].get("train")
     if train["tokens_per_s"] and train_stage:
         lines += ["", f"`train`: {train['steps']:,} steps, {train['tokens'] / 1e6:.1f}M training tokens, "
