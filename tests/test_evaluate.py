@@ -14,16 +14,16 @@ from support.repo import ROOT, project_params, run
 from eagle3.common import UserError
 from eagle3.config import validate
 from eagle3.drafter.export import verifier_facts, write_drafter
-from eagle3.drafter.speculative import StopStrings, greedy_decode, speculative_decode
-from eagle3.drafter.tree import EagleProposer, TreeShape
+from eagle3.decoding.speculative import StopStrings, greedy_decode, speculative_decode
+from eagle3.decoding.tree import EagleProposer, TreeShape
 from eagle3.config import compose_params
 from eagle3.evaluate import Conversations, check_pair, evaluate, load_eval_sets, main
 from eagle3.lm.chat import prompt_ids
 from eagle3.lm.loading import load_tokenizer, load_verifier, read_meta
-from eagle3.measurement.acceptance import acceptance_stats, bucket_names, tau_by_position
-from eagle3.measurement.baselines import baselines, most_frequent_token
-from eagle3.measurement.settings import Settings
-from eagle3.measurement.timing import Run, disagreeing, median_spread, timings
+from eagle3.decoding.acceptance import acceptance_stats, bucket_names, tau_by_position
+from eagle3.decoding.baselines import baselines, most_frequent_token
+from eagle3.decoding.settings import Settings
+from eagle3.decoding.timing import Run, disagreeing, median_spread, timings
 from eagle3.lm.tokenizer_id import tokenizer_fingerprint
 from support.models import import_rounded_the_other_way, verifier_model
 from support.speculative import K, QUESTIONS, TINY_TAPS, TableDrafter, encode, greedy_tables, random_drafter

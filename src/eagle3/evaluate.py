@@ -10,18 +10,18 @@ broken export shows up here as τ ≈ the baselines'.
 
 For each eval set (``data/prompts/eval/<set>.jsonl``, rendered with the chat template and the
 generation prompt), τ is decoded once over every prompt at the largest batch size of
-``evaluate.batch_sizes`` (``eagle3.drafter.speculative``), chain and tree drafting, answers of
+``evaluate.batch_sizes`` (``eagle3.decoding.speculative``), chain and tree drafting, answers of
 ``max_new_tokens``; a record's ``followups`` (MT-bench's second turns) are asked after the verifier's
 own answer and decoded the same way (``Conversations``), the set's τ pooling its turns. Every batch
 size is then timed: plain greedy decoding, chain and tree drafting, alternately per batch,
 ``evaluate.repeats`` times each, on the first max(``timed_prompts``, size) prompts for
 ``timed_new_tokens`` each; where that covers every prompt and token, the τ decode is the timing.
 Speedup = tokens/s over plain greedy decoding at the same batch size and repeat: median and spread
-over repeats (``eagle3.measurement.timing``).
-On a GPU the steps are CUDA graphs over static caches (``eagle3.drafter.graphed``), as engines
+over repeats (``eagle3.decoding.timing``).
+On a GPU the steps are CUDA graphs over static caches (``eagle3.decoding.graphed``), as engines
 serve; answers end at EOS, ``max_new_tokens`` or a ``model.stop`` string. Two baselines are
 replayed on the greedy output (exact under greedy verification, and free;
-``eagle3.measurement.baselines``): the set's most frequent output token K times (the best
+``eagle3.decoding.baselines``): the set's most frequent output token K times (the best
 context-free chain drafter), and prompt lookup (``ngram``, as vLLM and SGLang ship it). A drafter
 near the baselines' τ is broken.
 
@@ -56,13 +56,13 @@ import torch
 from eagle3.common import UserError, atomic_dir, read_json, read_jsonl, stage_main
 from eagle3.config import stage_params
 from eagle3.drafter.export import check_drafter, load_drafter
-from eagle3.drafter.graphed import DecodeGraphs
-from eagle3.drafter.skinny import skinny_matmuls
-from eagle3.drafter.speculative import StopStrings
-from eagle3.measurement.acceptance import acceptance_stats, tau_by_position
-from eagle3.measurement.baselines import baselines
-from eagle3.measurement.settings import Settings
-from eagle3.measurement.timing import (UNSTABLE_SPREAD, Run, chain_sweep, decode_all, decode_graphs, disagreeing, graph_rows,
+from eagle3.decoding.graphed import DecodeGraphs
+from eagle3.decoding.skinny import skinny_matmuls
+from eagle3.decoding.speculative import StopStrings
+from eagle3.decoding.acceptance import acceptance_stats, tau_by_position
+from eagle3.decoding.baselines import baselines
+from eagle3.decoding.settings import Settings
+from eagle3.decoding.timing import (UNSTABLE_SPREAD, Run, chain_sweep, decode_all, decode_graphs, disagreeing, graph_rows,
                                        step_costs, timed_prompts, timings, warm_up)
 from eagle3.lm.chat import prompt_ids
 from eagle3.lm.loading import (close_sharded, eos_token_ids, input_embedding, load_tokenizer, load_verifier, shard_rank,

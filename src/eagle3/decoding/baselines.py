@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from eagle3.drafter.batch import Batch
-from eagle3.drafter.tree import Draft, Round
-from eagle3.measurement.acceptance import acceptance_stats, tau_by_position
+from eagle3.decoding.batch import Batch
+from eagle3.decoding.tree import Draft, Round
+from eagle3.decoding.acceptance import acceptance_stats, tau_by_position
 
 
 def most_frequent(token: int) -> Callable[[list[int], int], list[int]]:

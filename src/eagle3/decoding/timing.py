@@ -7,7 +7,7 @@ Why: a speedup is what a user of an engine sees, and it varies with the load and
 The methods are timed alternately per batch (fair under a varying load), each ``repeats`` times,
 after an untimed warm-up (``warm_up``); a speedup pairs each repeat with plain decoding's same one,
 and repeats that disagree by more than UNSTABLE_SPREAD are flagged (``disagreeing``). On a GPU
-the steps are CUDA graphs (``decode_graphs``, ``eagle3.drafter.graphed``), whose replay times
+the steps are CUDA graphs (``decode_graphs``, ``eagle3.decoding.graphed``), whose replay times
 also give each method's price in verifier forwards (``step_costs``).
 """
 
@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from eagle3.drafter.graphed import DecodeGraphs
-from eagle3.drafter.speculative import StopStrings, prefill, speculative_decode
-from eagle3.drafter.tree import EagleProposer, TreeShape
-from eagle3.measurement.acceptance import acceptance_stats
-from eagle3.measurement.settings import Settings
+from eagle3.decoding.graphed import DecodeGraphs
+from eagle3.decoding.speculative import StopStrings, prefill, speculative_decode
+from eagle3.decoding.tree import EagleProposer, TreeShape
+from eagle3.decoding.acceptance import acceptance_stats
+from eagle3.decoding.settings import Settings
 
 WARMUP_TOKENS = 2  # the untimed decode of every method before the first set: its prefill and one round (``warm_up``)
 WARMUP_PROMPT_TOKENS = 16  # of each warm-up prompt
@@ -74,7 +74,7 @@ def decode_all(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Set
     The prompts of a batch are prefilled once, untimed, and every method decodes from a copy: the
     prefill is the same work for all of them, so times and speedups are of decoding alone. Outputs
     and acceptance are of the first repeat (greedy decoding repeats them exactly).
-    ``graphs``: decode in static caches with captured steps (``eagle3.drafter.graphed``), every method
+    ``graphs``: decode in static caches with captured steps (``eagle3.decoding.graphed``), every method
     alike; a last, smaller batch is filled up with copies of its last prompt (``graph_rows``), as an
     engine pads a batch to a captured size, and only its own rows are counted. ``stops``: answers
     also end at ``model.stop``'s strings.

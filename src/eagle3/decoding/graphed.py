@@ -41,8 +41,8 @@ from torch import Tensor
 from transformers import AttentionInterface, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from eagle3.drafter.batch import Batch, decoder_forward
-from eagle3.drafter.tree import DraftBatchCache
+from eagle3.decoding.batch import Batch, decoder_forward
+from eagle3.decoding.tree import DraftBatchCache
 
 
 COLUMN_MULTIPLE = 64

@@ -3,7 +3,7 @@
     settings = Settings.from_params(stage_params(evaluate.PARAMS, "params.yaml"))
     settings.methods()   # {"plain": None, "chain": TreeShape.chain(K), "tree": ...}
 
-Why a module of its own: the timed decoding (``eagle3.measurement.timing``) is planned by these
+Why a module of its own: the timed decoding (``eagle3.decoding.timing``) is planned by these
 settings as much as the stage is.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from eagle3.drafter.tree import TreeShape
+from eagle3.decoding.tree import TreeShape
 from eagle3.lm.loading import Placement
 from eagle3.lm.spec import VerifierSpec
 
@@ -29,7 +29,7 @@ class Settings:
     timed_prompts: int | None  # timings at batch size B on a set's first max(this, B) prompts; None: all
     timed_new_tokens: int | None  # tokens per prompt in the timings (at most max_new_tokens); None: max_new_tokens
     chain_sweep: tuple[int, ...]  # chain K also timed, on every set at the first batch size (the best K)
-    cuda_graphs: bool  # on a GPU, static caches and captured steps (``eagle3.drafter.graphed``); False: eager
+    cuda_graphs: bool  # on a GPU, static caches and captured steps (``eagle3.decoding.graphed``); False: eager
     max_new_tokens: int  # tokens generated per prompt in the τ decode (fewer at EOS)
     position_buckets: tuple[int, ...]  # edges of the answer-position buckets of τ, e.g. (64, 256): 0-64, 64-256, 256+
     sets: tuple[str, ...]  # eval sets: data/prompts/eval/<set>.jsonl

@@ -5,7 +5,7 @@
     drop_rejected(batch, block=4, kept=torch.tensor([0, 1]))       # columns no row accepted leave
     keep_rows(batch, torch.tensor([0, 2]))                          # finished rows leave
 
-Why: ``eagle3.drafter.speculative`` decodes several prompts at once, each row accepting its own
+Why: ``eagle3.decoding.speculative`` decodes several prompts at once, each row accepting its own
 drafts. Every forward appends its columns for every row, and a bool per column says whether it
 holds an accepted token of that row (``Batch.valid``; not padding, not a rejected draft). Attention
 masks are built from it (``attention_masks``), so no column needs to be cropped or reordered for
@@ -13,7 +13,7 @@ the others' sake, whatever each row accepted, and sliding-window layers stay exa
 is a distance between positions, applied in the mask). Each column also records its position in
 its sequence; RoPE and the window use positions, never column indices. Decoding eagerly, the
 columns no row accepted and the rows that finished are taken out all the same (``drop_rejected``,
-``keep_rows``), only so later forwards stop paying for them; ``eagle3.drafter.graphed``'s static
+``keep_rows``), only so later forwards stop paying for them; ``eagle3.decoding.graphed``'s static
 cache keeps both, masked.
 """
 

@@ -1,7 +1,7 @@
 """Speculative decoding of the verifier, several prompts at once: prefill -> propose -> verify -> accept.
 
     plain = greedy_decode(verifier, prompts, max_new_tokens=64, eos_ids={2})       # token lists
-    tree = EagleProposer(drafter, TreeShape(num_steps=5, topk=4, num_draft_tokens=16))   # eagle3.drafter.tree
+    tree = EagleProposer(drafter, TreeShape(num_steps=5, topk=4, num_draft_tokens=16))   # eagle3.decoding.tree
     out = speculative_decode(verifier, tree, prompts, layer_ids=(2, 15, 27), max_new_tokens=64, eos_ids={2})
     assert [d.tokens for d in out] == plain     # greedy verification is lossless
     out[0].accepted                             # drafts accepted per verifier forward; τ = accepted + 1
@@ -11,7 +11,7 @@ worker does (chain or tree drafting, greedy verification, KV caches on both mode
 export shows up as τ ≈ 1 instead of as a plausible training loss. Prompts are decoded in a batch:
 one-token forwards of a small verifier are launch-bound on a GPU and memory-bound on a CPU, so B
 rows cost little more than one. The batch's caches and masks, whatever each row accepted, are
-``eagle3.drafter.batch``'s; the drafts are a proposer's (``eagle3.drafter.tree``).
+``eagle3.decoding.batch``'s; the drafts are a proposer's (``eagle3.decoding.tree``).
 
 Bookkeeping for a prompt x_0..x_{n-1}; g_t = the verifier's tapped features at input x_t (the
 residual streams entering the drafter's aux layers, HF ``hidden_states[k]``, concatenated):
@@ -36,7 +36,7 @@ those of d_2, d_3 stay invalid; the next context step covers rows 5, 6 = (g(x_5)
 at positions 5, 6, and the drafts continue at positions 7, 8, ...
 
 A row ends at EOS, at max_new_tokens, or after one of ``model.stop``'s strings (``StopStrings``).
-On a GPU, ``eagle3.drafter.graphed`` runs the same loop over static caches with CUDA-graph-captured
+On a GPU, ``eagle3.decoding.graphed`` runs the same loop over static caches with CUDA-graph-captured
 steps (``graphs=``): rows then stay in the batch and rejected columns stay masked, not removed.
 """
 
@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eagle3.drafter.batch import Batch, drop_rejected, forward_verifier, keep_rows, new_cache
-from eagle3.drafter.tree import Draft, Round
+from eagle3.decoding.batch import Batch, drop_rejected, forward_verifier, keep_rows, new_cache
+from eagle3.decoding.tree import Draft, Round
 
 
 @dataclass
