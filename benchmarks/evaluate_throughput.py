@@ -57,9 +57,9 @@ from eagle3.common import read_jsonl
 from eagle3.drafter.export import load_drafter
 from eagle3.decoding.graphed import DecodeGraphs
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
-from eagle3.decoding.speculative import greedy_decode, prefill, speculative_decode
+from eagle3.decoding.speculative import Target, greedy_decode, prefill, speculative_decode
 from eagle3.decoding.tree import EagleProposer, TreeShape
-from eagle3.evaluate import configure_torch, for_decoding
+from eagle3.decoding.session import Session, configure_torch, for_decoding
 from eagle3.lm.chat import prompt_ids
 from eagle3.lm.loading import WHOLE_COPY, eos_token_ids, input_embedding, load_tokenizer, load_verifier
 from eagle3.decoding.acceptance import acceptance_stats
@@ -161,7 +161,8 @@ def agreement(verifier, drafter, prompts, settings: Settings, eos: set[int], gra
     for name, shape in settings.methods().items():
         def decode(with_graphs: DecodeGraphs | None):
             proposer = shape and EagleProposer(drafter, shape, with_graphs)
-            return speculative_decode(verifier, proposer, prompts, layer_ids, settings.max_new_tokens, eos, prefilled, with_graphs)
+            target = Target(verifier=verifier, layer_ids=layer_ids, eos_ids=eos, graphs=with_graphs)
+            return speculative_decode(target, proposer, prompts, settings.max_new_tokens, prefilled)
 
         eager, layout, graphed = decode(None), decode(static_eager), decode(graphs)
         report[name] = {"tau_eager": tau(eager), "tau_graph": tau(graphed)}
@@ -181,15 +182,16 @@ def timed(verifier, drafter, prompts, settings: Settings, eos: set[int], batch_s
     methods = methods or settings.methods()
     batch = prompts[:batch_size]
     settings = dataclasses.replace(settings, batch_sizes=(batch_size,))  # the eager warm-up's batch too
+    session = Session.create(verifier, drafter, settings, eos).with_graphs(graphs)
     start = time.perf_counter()
-    warm_up(verifier, drafter, batch, settings, eos, graphs, [batch_size], methods)
+    warm_up(session, batch, [batch_size], methods)
     warmed = time.perf_counter()
-    runs = decode_all(verifier, drafter, batch, settings, eos, batch_size, methods, settings.repeats, graphs=graphs)
+    runs = decode_all(session, batch, batch_size, methods, settings.repeats)
     report = timings(runs)
     for name, shape in methods.items():
         report[name]["tau"] = acceptance_stats(runs[name].pooled, shape.num_steps)["tau"] if shape else 1.0
         if shape:
-            report[name].update(step_costs(graphs, drafter, batch, batch_size, shape))
+            report[name].update(step_costs(session, batch, batch_size, shape))
     report["seconds"] = {"warm_up_and_capture": warmed - start, "timed": time.perf_counter() - warmed}
     return report
 

@@ -2,7 +2,7 @@
 context-free chain drafter) and prompt lookup (``ngram``, as vLLM and SGLang ship it).
 
     baselines(prompts, greedy_outputs, k=3)   # {"baseline": {"tau", ..., "token"}, "ngram": {"tau", ...}}
-    speculative_decode(verifier, HistoryProposer(ngram, 3), prompts, taps, 64, eos)   # decoded for real
+    speculative_decode(Target(verifier=verifier, layer_ids=taps, eos_ids=eos), HistoryProposer(ngram, 3), prompts, 64)   # for real
 
 Why: a drafter near their τ is broken. They propose from the tokens alone, so their τ is replayed
 exactly on the greedy output (``replay``; evaluate's is the chain's, equal to plain greedy decoding's

@@ -18,7 +18,7 @@ from eagle3.lm.loading import Placement
 from eagle3.lm.spec import VerifierSpec
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Settings:
     """What ``evaluate`` reads from params: its section and the layout (hardware only)."""
 
@@ -47,14 +47,16 @@ class Settings:
         cfg, layout, spec = params.evaluate, params.layout, VerifierSpec.from_params(params.model)
         tree = cfg.tree
         return cls(  # values validated by config.validate (stage_params), the tree's shape included
-            int(cfg.draft_tokens), None if tree is None else TreeShape(int(tree.num_steps), int(tree.topk), int(tree.num_draft_tokens)),
-            tuple(map(int, cfg.batch_sizes)), int(cfg.repeats), None if cfg.timed_prompts is None else int(cfg.timed_prompts),
-            None if cfg.timed_new_tokens is None else int(cfg.timed_new_tokens),
-            tuple(map(int, cfg.chain_sweep)), bool(cfg.cuda_graphs),
-            int(cfg.max_new_tokens), tuple(map(int, cfg.position_buckets)), tuple(cfg.sets),
-            None if cfg.max_prompts is None else int(cfg.max_prompts), bool(cfg.baseline),
-            str(layout.device), str(layout.dtype), int(layout.threads), spec.stop, spec.trust_remote_code,
-            Placement.from_params(layout),
+            draft_tokens=int(cfg.draft_tokens),
+            tree=None if tree is None else TreeShape(int(tree.num_steps), int(tree.topk), int(tree.num_draft_tokens)),
+            batch_sizes=tuple(map(int, cfg.batch_sizes)), repeats=int(cfg.repeats),
+            timed_prompts=None if cfg.timed_prompts is None else int(cfg.timed_prompts),
+            timed_new_tokens=None if cfg.timed_new_tokens is None else int(cfg.timed_new_tokens),
+            chain_sweep=tuple(map(int, cfg.chain_sweep)), cuda_graphs=bool(cfg.cuda_graphs),
+            max_new_tokens=int(cfg.max_new_tokens), position_buckets=tuple(map(int, cfg.position_buckets)), sets=tuple(cfg.sets),
+            max_prompts=None if cfg.max_prompts is None else int(cfg.max_prompts), baseline=bool(cfg.baseline),
+            device=str(layout.device), dtype=str(layout.dtype), threads=int(layout.threads), stop=spec.stop,
+            trust_remote_code=spec.trust_remote_code, placement=Placement.from_params(layout),
         )
 
     @property
