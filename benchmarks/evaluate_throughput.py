@@ -58,7 +58,8 @@ from eagle3.drafter.export import load_drafter
 from eagle3.decoding.graphed import DecodeGraphs
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.decoding.speculative import Target, greedy_decode, prefill, speculative_decode
-from eagle3.decoding.tree import EagleProposer, TreeShape
+from eagle3.decoding.tree import EagleProposer
+from eagle3.decoding.config import TreeShape
 from eagle3.decoding.session import Session, configure_torch, for_decoding
 from eagle3.lm.chat import prompt_ids
 from eagle3.lm.loading import WHOLE_COPY, eos_token_ids, input_embedding, load_tokenizer, load_verifier

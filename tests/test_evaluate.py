@@ -15,7 +15,8 @@ from eagle3.common import UserError
 from eagle3.config import validate
 from eagle3.drafter.export import verifier_facts, write_drafter
 from eagle3.decoding.speculative import StopStrings, Target, greedy_decode, speculative_decode
-from eagle3.decoding.tree import EagleProposer, TreeShape
+from eagle3.decoding.tree import EagleProposer
+from eagle3.decoding.config import TreeShape
 from eagle3.config import compose_params
 from eagle3.decoding.evaluation import Conversations, evaluate
 from eagle3.decoding.session import Session

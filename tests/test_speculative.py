@@ -15,13 +15,13 @@ import torch
 from torch import nn
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from eagle3.config import tree_shape_problem
 from eagle3.decoding.batch import drop_rejected
 from eagle3.decoding.graphed import DecodeGraphs
 from eagle3.decoding.skinny import SKINNY_ROWS, skinny_matmuls
 from eagle3.decoding.speculative import (StopStrings, Target, accept, commit, greedy_decode, prefill, read_round, speculative_decode, truncate,
                                         verify)
-from eagle3.decoding.tree import Draft, EagleProposer, TreeShape
+from eagle3.decoding.tree import Draft, EagleProposer
+from eagle3.decoding.config import TreeShape, tree_shape_problem
 from eagle3.lm.loading import load_tokenizer, load_verifier
 from eagle3.decoding.acceptance import acceptance_stats
 from eagle3.decoding.baselines import HistoryProposer, most_frequent, ngram, replay

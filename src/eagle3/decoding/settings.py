@@ -1,4 +1,5 @@
-"""What ``evaluate`` reads from params: its section and the layout (hardware only).
+"""What ``evaluate`` reads from params: its section (``config.EvaluateConfig``, the group's schema)
+and the layout (hardware only).
 
     settings = Settings.from_params(stage_params(evaluate.PARAMS, "params.yaml"))
     settings.methods()   # {"plain": None, "chain": TreeShape.chain(K), "tree": ...}
@@ -13,28 +14,16 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from eagle3.decoding.tree import TreeShape
+from eagle3.decoding.config import EvaluateConfig, TreeShape
 from eagle3.lm.loading import Placement
 from eagle3.lm.spec import VerifierSpec
 
 
 @dataclass(frozen=True, kw_only=True)
-class Settings:
-    """What ``evaluate`` reads from params: its section and the layout (hardware only)."""
+class Settings(EvaluateConfig):
+    """What ``evaluate`` reads from params: its section (the fields of ``EvaluateConfig``) and the
+    layout (hardware only)."""
 
-    draft_tokens: int  # K: chain drafts per verifier forward
-    tree: TreeShape | None  # SGLang's draft tree (num_steps, topk, num_draft_tokens); None: chain only
-    batch_sizes: tuple[int, ...]  # prompts decoded together, one timing per size; τ and outputs at the largest
-    repeats: int  # timings per batch size (median and spread); one: no spread, so no speedup metric
-    timed_prompts: int | None  # timings at batch size B on a set's first max(this, B) prompts; None: all
-    timed_new_tokens: int | None  # tokens per prompt in the timings (at most max_new_tokens); None: max_new_tokens
-    chain_sweep: tuple[int, ...]  # chain K also timed, on every set at the first batch size (the best K)
-    cuda_graphs: bool  # on a GPU, static caches and captured steps (``eagle3.decoding.graphed``); False: eager
-    max_new_tokens: int  # tokens generated per prompt in the τ decode (fewer at EOS)
-    position_buckets: tuple[int, ...]  # edges of the answer-position buckets of τ, e.g. (64, 256): 0-64, 64-256, 256+
-    sets: tuple[str, ...]  # eval sets: data/prompts/eval/<set>.jsonl
-    max_prompts: int | None  # at most this many prompts per set (file order); None: all
-    baseline: bool  # also replay the most-frequent-token and n-gram baselines
     device: str
     dtype: str
     threads: int
@@ -44,20 +33,10 @@ class Settings:
 
     @classmethod
     def from_params(cls, params: DictConfig) -> Settings:
-        cfg, layout, spec = params.evaluate, params.layout, VerifierSpec.from_params(params.model)
-        tree = cfg.tree
-        return cls(  # values validated by config.validate (stage_params), the tree's shape included
-            draft_tokens=int(cfg.draft_tokens),
-            tree=None if tree is None else TreeShape(int(tree.num_steps), int(tree.topk), int(tree.num_draft_tokens)),
-            batch_sizes=tuple(map(int, cfg.batch_sizes)), repeats=int(cfg.repeats),
-            timed_prompts=None if cfg.timed_prompts is None else int(cfg.timed_prompts),
-            timed_new_tokens=None if cfg.timed_new_tokens is None else int(cfg.timed_new_tokens),
-            chain_sweep=tuple(map(int, cfg.chain_sweep)), cuda_graphs=bool(cfg.cuda_graphs),
-            max_new_tokens=int(cfg.max_new_tokens), position_buckets=tuple(map(int, cfg.position_buckets)), sets=tuple(cfg.sets),
-            max_prompts=None if cfg.max_prompts is None else int(cfg.max_prompts), baseline=bool(cfg.baseline),
-            device=str(layout.device), dtype=str(layout.dtype), threads=int(layout.threads), stop=spec.stop,
-            trust_remote_code=spec.trust_remote_code, placement=Placement.from_params(layout),
-        )
+        layout, spec = params.layout, VerifierSpec.from_params(params.model)
+        return cls(**vars(EvaluateConfig.from_params(params.evaluate)), device=str(layout.device), dtype=str(layout.dtype),
+                   threads=int(layout.threads), stop=spec.stop, trust_remote_code=spec.trust_remote_code,
+                   placement=Placement.from_params(layout))
 
     @property
     def timed_tokens(self) -> int:

@@ -25,7 +25,8 @@ from eagle3.decoding.graphed import DecodeGraphs
 from eagle3.decoding.session import Session
 from eagle3.decoding.settings import Settings
 from eagle3.decoding.speculative import prefill, speculative_decode
-from eagle3.decoding.tree import EagleProposer, TreeShape
+from eagle3.decoding.tree import EagleProposer
+from eagle3.decoding.config import TreeShape
 
 WARMUP_TOKENS = 2  # the untimed decode of every method before the first set: its prefill and one round (``warm_up``)
 WARMUP_PROMPT_TOKENS = 16  # of each warm-up prompt

@@ -26,20 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eagle3.decoding.batch import Batch
+from eagle3.decoding.config import TreeShape
 from eagle3.drafter.attention import KVCache
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """SGLang's draft-tree flags: --speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens."""
-
-    num_steps: int  # drafter steps = the deepest draft
-    topk: int  # children kept per expanded node, and nodes expanded per step
-    num_draft_tokens: int  # tokens per verifier forward: the root plus num_draft_tokens - 1 drafts
-
-    @classmethod
-    def chain(cls, k: int) -> TreeShape:
-        return cls(num_steps=k, topk=1, num_draft_tokens=k + 1)
 
 
 @dataclass
