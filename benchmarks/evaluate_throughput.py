@@ -10,12 +10,12 @@
 Parts, each in turn; one that fails prints its whole traceback and the next one runs:
 
 1. ``check``: --check-rows prompts decoded by every method eagerly (the growing caches, as on the
-   CPU), in ``eagle3.drafter.graphed``'s static caches eagerly, and in those caches with
+   CPU), in ``eagle3.decoding.graphed``'s static caches eagerly, and in those caches with
    CUDA-graph-captured steps (on the CPU: eager too): the share of the graphs' outputs and
    acceptance counts equal to each of the other two.
 2. ``graph``: per batch size B (--batch-sizes) the first B prompts decoded as one batch by plain
    greedy, a chain of --draft-tokens and SGLang's tree, with ``evaluate``'s own loop
-   (``eagle3.measurement.timing``: ``warm_up``, then ``decode_all`` with --repeats alternating timings) and statistics
+   (``eagle3.decoding.timing``: ``warm_up``, then ``decode_all`` with --repeats alternating timings) and statistics
    (``timings``: median and spread; ``step_costs``).
 3. ``oracle`` (random verifier only): ``OracleDrafter``, the verifier's own greedy continuation,
    as 1 (its chains and trees accepted whole through the graphs) and as 2 at --oracle-batch-sizes
@@ -55,16 +55,17 @@ from transformers import AutoConfig, LlamaForCausalLM
 
 from eagle3.common import read_jsonl
 from eagle3.drafter.export import load_drafter
-from eagle3.drafter.graphed import DecodeGraphs
+from eagle3.decoding.graphed import DecodeGraphs
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
-from eagle3.drafter.speculative import greedy_decode, prefill, speculative_decode
-from eagle3.drafter.tree import EagleProposer, TreeShape
-from eagle3.evaluate import configure_torch, for_decoding
+from eagle3.decoding.speculative import Target, greedy_decode, prefill, speculative_decode
+from eagle3.decoding.tree import EagleProposer
+from eagle3.decoding.config import TreeShape
+from eagle3.decoding.session import Session, configure_torch, for_decoding
 from eagle3.lm.chat import prompt_ids
 from eagle3.lm.loading import WHOLE_COPY, eos_token_ids, input_embedding, load_tokenizer, load_verifier
-from eagle3.measurement.acceptance import acceptance_stats
-from eagle3.measurement.settings import Settings
-from eagle3.measurement.timing import decode_all, step_costs, timings, warm_up
+from eagle3.decoding.acceptance import acceptance_stats
+from eagle3.decoding.settings import Settings
+from eagle3.decoding.timing import decode_all, step_costs, timings, warm_up
 from shapes import VERIFIER_SHAPES
 
 # Random verifiers (Llama architecture), by the CLI's names: SmolLM2-135M's shape, and a tiny one for the CPU test.
@@ -161,7 +162,8 @@ def agreement(verifier, drafter, prompts, settings: Settings, eos: set[int], gra
     for name, shape in settings.methods().items():
         def decode(with_graphs: DecodeGraphs | None):
             proposer = shape and EagleProposer(drafter, shape, with_graphs)
-            return speculative_decode(verifier, proposer, prompts, layer_ids, settings.max_new_tokens, eos, prefilled, with_graphs)
+            target = Target(verifier=verifier, layer_ids=layer_ids, eos_ids=eos, graphs=with_graphs)
+            return speculative_decode(target, proposer, prompts, settings.max_new_tokens, prefilled)
 
         eager, layout, graphed = decode(None), decode(static_eager), decode(graphs)
         report[name] = {"tau_eager": tau(eager), "tau_graph": tau(graphed)}
@@ -181,15 +183,16 @@ def timed(verifier, drafter, prompts, settings: Settings, eos: set[int], batch_s
     methods = methods or settings.methods()
     batch = prompts[:batch_size]
     settings = dataclasses.replace(settings, batch_sizes=(batch_size,))  # the eager warm-up's batch too
+    session = Session.create(verifier, drafter, settings, eos).with_graphs(graphs)
     start = time.perf_counter()
-    warm_up(verifier, drafter, batch, settings, eos, graphs, [batch_size], methods)
+    warm_up(session, batch, [batch_size], methods)
     warmed = time.perf_counter()
-    runs = decode_all(verifier, drafter, batch, settings, eos, batch_size, methods, settings.repeats, graphs=graphs)
+    runs = decode_all(session, batch, batch_size, methods, settings.repeats)
     report = timings(runs)
     for name, shape in methods.items():
         report[name]["tau"] = acceptance_stats(runs[name].pooled, shape.num_steps)["tau"] if shape else 1.0
         if shape:
-            report[name].update(step_costs(graphs, drafter, batch, batch_size, shape))
+            report[name].update(step_costs(session, batch, batch_size, shape))
     report["seconds"] = {"warm_up_and_capture": warmed - start, "timed": time.perf_counter() - warmed}
     return report
 

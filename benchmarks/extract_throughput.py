@@ -42,7 +42,7 @@ import torch
 from omegaconf import OmegaConf
 
 from common import random_verifier
-from eagle3.extract import bytes_per_token
+from eagle3.hidden_states.storage import bytes_per_token
 from eagle3.hidden_states.capture import Settings, batches, extract_samples, hidden_states
 from eagle3.hidden_states.samples import prepare
 from eagle3.hidden_states.workers import Job, run_workers

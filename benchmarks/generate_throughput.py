@@ -93,7 +93,7 @@ def random_prompts(count: int, vocab_size: int) -> list[list[int]]:
 
 
 def shard_prompts(verifier: Path, shard: Path, count: int) -> list[list[int]]:
-    from eagle3.generate import read_prompts
+    from eagle3.backends.shard import read_prompts
     from eagle3.lm.chat import prompt_ids
     from eagle3.lm.loading import load_tokenizer
 
@@ -348,7 +348,7 @@ def openai_pass(spec: dict):
     from eagle3.backends import make_backend
     from eagle3.backends.base import Generation
     from eagle3.config import compose_params
-    from eagle3.generate import Asking, Journal, generate_shard, generation_params, read_prompts
+    from eagle3.backends.shard import Asking, Journal, generate_shard, generation_params, read_prompts
     from eagle3.lm.loading import load_tokenizer
     from eagle3.lm.spec import VerifierSpec
 

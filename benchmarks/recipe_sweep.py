@@ -26,7 +26,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from eagle3.summary import eval_set_headline, has_tau
+from eagle3.decoding.report import eval_set_headline, has_tau
 
 # Answer lengths: what `generate` and `extract` change (the scale's prompts are the same).
 DATA = {

@@ -14,16 +14,19 @@ from support.repo import ROOT, project_params, run
 from eagle3.common import UserError
 from eagle3.config import validate
 from eagle3.drafter.export import verifier_facts, write_drafter
-from eagle3.drafter.speculative import StopStrings, greedy_decode, speculative_decode
-from eagle3.drafter.tree import EagleProposer, TreeShape
+from eagle3.decoding.speculative import StopStrings, Target, greedy_decode, speculative_decode
+from eagle3.decoding.tree import EagleProposer
+from eagle3.decoding.config import TreeShape
 from eagle3.config import compose_params
-from eagle3.evaluate import Conversations, check_pair, evaluate, load_eval_sets, main
+from eagle3.decoding.evaluation import Conversations, evaluate
+from eagle3.decoding.session import Session
+from eagle3.evaluate import check_pair, load_eval_sets, main
 from eagle3.lm.chat import prompt_ids
 from eagle3.lm.loading import load_tokenizer, load_verifier, read_meta
-from eagle3.measurement.acceptance import acceptance_stats, bucket_names, tau_by_position
-from eagle3.measurement.baselines import baselines, most_frequent_token
-from eagle3.measurement.settings import Settings
-from eagle3.measurement.timing import Run, disagreeing, median_spread, timings
+from eagle3.decoding.acceptance import acceptance_stats, bucket_names, tau_by_position
+from eagle3.decoding.baselines import baselines, most_frequent_token
+from eagle3.decoding.settings import Settings
+from eagle3.decoding.timing import Run, disagreeing, median_spread, timings
 from eagle3.lm.tokenizer_id import tokenizer_fingerprint
 from support.models import import_rounded_the_other_way, verifier_model
 from support.speculative import K, QUESTIONS, TINY_TAPS, TableDrafter, encode, greedy_tables, random_drafter
@@ -90,7 +93,7 @@ def test_evaluate_reports_every_method_per_set_lossless(tiny_verifier_dir):
                        "cuda_graphs": True, "timed_new_tokens": None, "position_buckets": [4], "tree": {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}}
     settings = Settings.from_params(params)
     sets = {"a": [encode(tokenizer, q) for q in QUESTIONS], "b": [encode(tokenizer, QUESTIONS[0])]}
-    reports = evaluate(verifier, drafter, sets, settings, {2})
+    reports = evaluate(Session.create(verifier, drafter, settings, {2}), sets)
     assert list(reports) == ["a", "b"]
     for name, report in reports.items():
         assert report["plain"]["prompts"] == len(sets[name]) and report["plain"]["tokens"] > 0
@@ -164,7 +167,7 @@ def test_evaluate_stops_at_the_verifier_specs_stop_strings(tiny_verifier_dir):
     settings = Settings.from_params(params)
     assert settings.stop == tuple(params.model.stop)
     stops = StopStrings(tokenizer, settings.stop)
-    report = evaluate(verifier, random_drafter(verifier, 512, TINY_TAPS), {"a": prompts}, settings, {2}, stops)["a"]
+    report = evaluate(Session.create(verifier, random_drafter(verifier, 512, TINY_TAPS), settings, {2}, stops), {"a": prompts})["a"]
     served = greedy_decode(verifier, prompts, 8, {2}, stops)
     assert len(served[0]) <= 4 and report["plain"]["tokens"] == sum(map(len, served)) < sum(map(len, plain))
     assert report["chain"]["lossless"] == report["tree"]["lossless"] == 1
@@ -211,11 +214,12 @@ def test_smollm2_random_and_partly_right_drafters_are_lossless(smollm2_dir):
     prompts = [encode(tokenizer, question) for question in QUESTIONS[:2]]
     expected = greedy_decode(verifier, prompts, 16, eos)
     for shape in (TreeShape.chain(K), TreeShape(3, 2, 6)):
-        assert [d.tokens for d in speculative_decode(verifier, EagleProposer(drafter, shape), prompts, taps, 16, eos)] == expected
+        target = Target(verifier=verifier, layer_ids=taps, eos_ids=eos)
+        assert [d.tokens for d in speculative_decode(target, EagleProposer(drafter, shape), prompts, 16)] == expected
     table = greedy_tables(verifier, prompts, 16 + K + 2)
     table[:, ::3] = (table[:, ::3] + 1) % verifier.config.vocab_size
-    spec = speculative_decode(verifier, EagleProposer(TableDrafter(table, verifier.config.vocab_size), TreeShape.chain(K)),
-                              prompts, taps, 16, eos)
+    spec = speculative_decode(target, EagleProposer(TableDrafter(table, verifier.config.vocab_size), TreeShape.chain(K)),
+                              prompts, 16)
     assert [d.tokens for d in spec] == expected and max(spec[0].accepted) > 0
 
 
@@ -313,9 +317,9 @@ def test_tau_covers_every_prompt_whatever_the_timings_cover(tiny_verifier_dir):
     verifier, tokenizer = load_verifier(tiny_verifier_dir), load_tokenizer(tiny_verifier_dir)
     drafter = random_drafter(verifier, 512, TINY_TAPS)
     sets = {"a": [encode(tokenizer, q) for q in QUESTIONS]}
-    whole = evaluate(verifier, drafter, sets, Settings.from_params(eval_params()), {2})["a"]
+    whole = evaluate(Session.create(verifier, drafter, Settings.from_params(eval_params()), {2}), sets)["a"]
     quick = Settings.from_params(eval_params(batch_sizes=[1, 3], repeats=2, timed_prompts=1, timed_new_tokens=4))
-    report = evaluate(verifier, drafter, sets, quick, {2})["a"]
+    report = evaluate(Session.create(verifier, drafter, quick, {2}), sets)["a"]
     for method in ("chain", "tree", "baseline", "ngram"):
         for key in ("tau", "forwards", "acceptance", "tau_by_position"):
             assert report[method][key] == whole[method][key], (method, key)

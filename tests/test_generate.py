@@ -12,7 +12,8 @@ from eagle3.backends.base import Request, split_reasoning
 from eagle3.backends.local import LocalBackend, SeededSampling, plan_batches, top_p_filter
 from eagle3.backends.padding import left_pad
 from eagle3.common import UserError, read_json
-from eagle3.generate import Journal, read_prompts, run_stage
+from eagle3.backends.shard import Journal, read_prompts
+from eagle3.generate import run_stage
 from eagle3.lm.chat import prompt_ids
 from eagle3.lm.loading import load_tokenizer
 from support.generate import QUESTIONS, generate, output_bytes, shard_file, stage_params

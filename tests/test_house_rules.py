@@ -1,13 +1,17 @@
 """House rules of src/eagle3, read with ``ast``: no module over 400 lines, no function over 6
 parameters (a longer list is a keyword bundle or a small object), no dataclass of more than 5
-fields constructed positionally (its fields by keyword, so a reordered field cannot shift values)."""
+fields constructed positionally (its fields by keyword, so a reordered field cannot shift values);
+and no module of src/eagle3 or benchmarks/ imports a stage module (a library module holds what
+two of them share)."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from support.repo import ROOT
 
@@ -16,23 +20,8 @@ MAX_LINES = 400
 MAX_PARAMETERS = 6
 MAX_POSITIONAL_FIELDS = 5
 
-# The decoding side, being reworked into its own package: held to these rules once it lands (a
-# folder covers its modules). Empty this when it has.
-DECODING_PENDING = ("drafter/speculative.py", "drafter/tree.py", "drafter/batch.py", "drafter/graphed.py",
-                    "drafter/skinny.py", "measurement", "evaluate.py")
-
-
-def pending(module: Path) -> bool:
-    name = module.relative_to(PACKAGE).as_posix()
-    return any(name == entry or name.startswith(f"{entry}/") for entry in DECODING_PENDING)
-
-
 def modules() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
-
-
-def checked() -> list[Path]:
-    return [module for module in modules() if not pending(module)]
 
 
 def tree(module: Path) -> ast.Module:
@@ -44,7 +33,7 @@ def where(module: Path, node: ast.AST) -> str:
 
 
 def test_no_module_is_over_400_lines():
-    long = [f"{module.relative_to(PACKAGE)}: {n} lines" for module in checked()
+    long = [f"{module.relative_to(PACKAGE)}: {n} lines" for module in modules()
             if (n := len(module.read_text().splitlines())) > MAX_LINES]
     assert not long, "\n".join(long)
 
@@ -74,7 +63,7 @@ def functions(module: ast.Module):
 
 def test_no_function_takes_over_6_parameters():
     wide = [f"{where(module, function)} {function.name}: {len(names)} parameters ({', '.join(names)})"
-            for module in checked() for function, method in functions(tree(module))
+            for module in modules() for function, method in functions(tree(module))
             if not triton_kernel(function) and len(names := parameters(function, method)) > MAX_PARAMETERS]
     assert not wide, "\n".join(wide)
 
@@ -126,7 +115,7 @@ def positional_constructions(module: Path, wide: dict[str, dict[str, int]]) -> l
 
 def test_no_wide_dataclass_is_constructed_positionally():
     wide = wide_dataclasses()
-    found = [line for module in checked() for line in positional_constructions(module, wide)]
+    found = [line for module in modules() for line in positional_constructions(module, wide)]
     assert not found, "\n".join(found)
 
 
@@ -147,3 +136,42 @@ def test_the_rules_see_what_they_refuse(tmp_path, monkeypatch, source, problems)
     parsed = tree(module)
     long_lists = [f.name for f, method in functions(parsed) if len(parameters(f, method)) > MAX_PARAMETERS]
     assert len(calls) + len(long_lists) == problems
+
+
+def stage_modules() -> set[str]:
+    """The modules dvc.yaml's stages run (``python -m eagle3.<stage>``; a launcher before it is none)."""
+    found = set()
+    for body in yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"].values():
+        cmd = body.get("do", body)["cmd"]
+        found.add(re.findall(r"-m\s+(eagle3[\w.]*)", cmd if isinstance(cmd, str) else " ".join(cmd))[-1])
+    return found
+
+
+def stage_imports(path: Path, stages: set[str]) -> list[str]:
+    """The stage modules ``path`` imports (inside functions too), its own name aside; importing a stage's
+    ``main`` alone, to run the stage, is no use of it as a library."""
+    found = []
+    for node in ast.walk(tree(path)):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if alias.name in stages]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if node.module in stages and [alias.name for alias in node.names] != ["main"]:
+                found.append(node.module)
+            found += [f"{node.module}.{alias.name}" for alias in node.names if f"{node.module}.{alias.name}" in stages]
+    own = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts) if PACKAGE in path.parents else None
+    return [name for name in found if name != own]
+
+
+def test_no_module_imports_a_stage():
+    stages = stage_modules()
+    assert {"eagle3.train", "eagle3.evaluate", "eagle3.generate"} <= stages
+    files = [*modules(), *sorted((ROOT / "benchmarks").rglob("*.py"))]
+    found = [f"{path.relative_to(ROOT)}: imports {name}" for path in files for name in stage_imports(path, stages)]
+    assert not found, "\n".join(found)
+
+
+def test_the_stage_import_rule_sees_what_it_refuses(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from eagle3.evaluate import main\nfrom eagle3 import summary\n"
+                     "def f():\n    from eagle3.generate import Journal\n    import eagle3.train\n")
+    assert sorted(stage_imports(probe, stage_modules())) == ["eagle3.generate", "eagle3.summary", "eagle3.train"]

@@ -46,8 +46,11 @@ def test_a_schema_checks_only_the_keys_a_view_holds():
 
 
 def test_validate_runs_the_schemas_cross_key_rules():
-    """TrainConfig.relations, DatasetSettings.relations: rules over several keys, one line each."""
+    """TrainConfig.relations, DatasetSettings.relations, EvaluateConfig.relations: rules over several keys,
+    one line each."""
     with pytest.raises(UserError, match=r"train.batch_tokens = 3000: must be a multiple of train.pack_tokens \(2048\)"):
         validate(OmegaConf.create({"train": {"batch_tokens": 3000, "pack_tokens": 2048}}))
     with pytest.raises(UserError, match=r"dataset.shards = \['000032-001000'\]: must be contiguous ranges starting at 000000"):
         validate(OmegaConf.create({"dataset": {"shards": ["000032-001000"]}}))
+    with pytest.raises(UserError, match=r"^params.yaml: evaluate.sets = \['code'\]: must be sets that dataset.eval_sets builds"):
+        validate(OmegaConf.create({"evaluate": {"sets": ["code"]}, "dataset": {"eval_sets": {"heldout": 8}}}))

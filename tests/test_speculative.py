@@ -15,16 +15,16 @@ import torch
 from torch import nn
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from eagle3.config import tree_shape_problem
-from eagle3.drafter.batch import drop_rejected
-from eagle3.drafter.graphed import DecodeGraphs
-from eagle3.drafter.skinny import SKINNY_ROWS, skinny_matmuls
-from eagle3.drafter.speculative import (StopStrings, accept, commit, greedy_decode, prefill, read_round, speculative_decode, truncate,
+from eagle3.decoding.batch import drop_rejected
+from eagle3.decoding.graphed import DecodeGraphs
+from eagle3.decoding.skinny import SKINNY_ROWS, skinny_matmuls
+from eagle3.decoding.speculative import (StopStrings, Target, accept, commit, greedy_decode, prefill, read_round, speculative_decode, truncate,
                                         verify)
-from eagle3.drafter.tree import Draft, EagleProposer, TreeShape
+from eagle3.decoding.tree import Draft, EagleProposer
+from eagle3.decoding.config import TreeShape, tree_shape_problem
 from eagle3.lm.loading import load_tokenizer, load_verifier
-from eagle3.measurement.acceptance import acceptance_stats
-from eagle3.measurement.baselines import HistoryProposer, most_frequent, ngram, replay
+from eagle3.decoding.acceptance import acceptance_stats
+from eagle3.decoding.baselines import HistoryProposer, most_frequent, ngram, replay
 
 from support.speculative import K, QUESTIONS, TINY_TAPS, TableDrafter, encode, greedy_tables, random_drafter
 
@@ -33,7 +33,7 @@ TREE = TreeShape(num_steps=K, topk=3, num_draft_tokens=10)
 
 
 def decode(verifier, proposer, prompts, max_new=MAX_NEW, eos=frozenset({2})):
-    return speculative_decode(verifier, proposer, prompts, TINY_TAPS, max_new, set(eos))
+    return speculative_decode(Target(verifier=verifier, layer_ids=TINY_TAPS, eos_ids=set(eos)), proposer, prompts, max_new)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def test_decoding_from_a_shared_prefill_leaves_it_unchanged(tiny):
     drafter = random_drafter(verifier, 512, TINY_TAPS)
     prefilled = prefill(verifier, prompts, TINY_TAPS)
     for proposer in (None, EagleProposer(drafter, TREE), None):
-        out = speculative_decode(verifier, proposer, prompts, TINY_TAPS, MAX_NEW, {2}, prefilled)
+        out = speculative_decode(Target(verifier=verifier, layer_ids=TINY_TAPS, eos_ids={2}), proposer, prompts, MAX_NEW, prefilled)
         assert [d.tokens for d in out] == plain
 
 
@@ -156,7 +156,7 @@ def test_columns_no_row_accepted_leave_the_cache(tiny):
     drop_rejected(batch, 4, torch.tensor([0, 1]))
     assert batch.valid.shape[1] == batch.positions.shape[1] == batch.cache.get_seq_length() == width + 2
     assert batch.valid[:, width:].tolist() == [[True, True], [True, False]]
-    out = speculative_decode(verifier, None, prompts[:2], TINY_TAPS, 8, set(), (batch, features))
+    out = speculative_decode(Target(verifier=verifier, layer_ids=TINY_TAPS, eos_ids=set()), None, prompts[:2], 8, (batch, features))
     assert [d.tokens for d in out] == [plain[0][2:10], plain[1][1:9]]
 
 
@@ -354,8 +354,8 @@ def test_static_caches_read_growing_windows_exactly(sliding_verifier, shape):
     table = greedy_tables(sliding_verifier, prompts, max_new + K + 2)
     table[:, ::3] = (table[:, ::3] + 1) % 512  # rounds of about two accepted drafts
     graphs = DecodeGraphs(max(map(len, prompts)), max_new, capture=False)
-    out = speculative_decode(sliding_verifier, EagleProposer(TableDrafter(table, 512), shape, graphs), prompts, TINY_TAPS,
-                             max_new, set(), graphs=graphs)
+    target = Target(verifier=sliding_verifier, layer_ids=TINY_TAPS, eos_ids=set(), graphs=graphs)
+    out = speculative_decode(target, EagleProposer(TableDrafter(table, 512), shape, graphs), prompts, max_new)
     assert [d.tokens for d in out] == expected
     (cache,) = graphs.verifier_caches.values()
     assert cache.columns > 256 and len(cache.windows()) >= 2  # the windows grew past the first
@@ -374,8 +374,8 @@ def test_static_caches_decode_as_the_growing_ones(tiny, method):
     graphs = DecodeGraphs(max(map(len, prompts)), MAX_NEW, capture=False)
     for batch in (prompts[:2], prompts[1:]):
         eager = decode(verifier, shape and EagleProposer(drafter, shape), batch, eos=eos)
-        static = speculative_decode(verifier, shape and EagleProposer(drafter, shape, graphs), batch, TINY_TAPS,
-                                    MAX_NEW, eos, graphs=graphs)
+        static = speculative_decode(Target(verifier=verifier, layer_ids=TINY_TAPS, eos_ids=eos, graphs=graphs),
+                                    shape and EagleProposer(drafter, shape, graphs), batch, MAX_NEW)
         assert [d.tokens for d in static] == [d.tokens for d in eager] == greedy_decode(verifier, batch, MAX_NEW, eos)
         assert [d.accepted for d in static] == [d.accepted for d in eager]
     assert len(graphs.verifier_caches) == 1
@@ -399,7 +399,8 @@ def test_decoding_stops_after_a_stop_string_as_generation_does(tiny, tiny_verifi
     graphs = DecodeGraphs(max(map(len, prompts)), MAX_NEW, capture=False) if layout == "static" else None
     oracle = TableDrafter(greedy_tables(verifier, prompts, MAX_NEW + K + 2), verifier.config.vocab_size)
     for proposer in (None, EagleProposer(oracle, TreeShape.chain(K), graphs), EagleProposer(oracle, TREE, graphs)):
-        out = speculative_decode(verifier, proposer, prompts, TINY_TAPS, MAX_NEW, {2}, graphs=graphs, stops=stops)
+        target = Target(verifier=verifier, layer_ids=TINY_TAPS, eos_ids={2}, stops=stops, graphs=graphs)
+        out = speculative_decode(target, proposer, prompts, MAX_NEW)
         assert [d.tokens for d in out] == expected and out[0].stopped
         assert all(1 + sum(a + 1 for a in d.accepted) == len(d.tokens) for d in out)  # every kept token, once
     assert greedy_decode(verifier, prompts, MAX_NEW, {2}, stops) == expected

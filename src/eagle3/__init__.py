@@ -5,9 +5,10 @@ Each dvc.yaml stage is one top-level module of this package run as ``python -m e
 The library the stages share is grouped by concern: ``lm`` (the verifier as a language model:
 loading its folder, its family's spec, chat rendering), ``verifier_sources`` and
 ``prompt_sources`` (what the verifier and prompts stages read), ``backends`` (generation),
-``hidden_states`` (capture, the on-disk format and the training loader), ``drafter`` (model, loss,
-checkpoints, export, speculative decoding, parallelism), ``measurement`` (what evaluate times and
-counts) and ``lifecycle`` (DVC cache gc, the S3 remote).
+``hidden_states`` (capture, the on-disk format and the training loader), ``drafter`` (the model
+and its export), ``training`` (loss, data plan, step, checkpoints, parallelism), ``decoding``
+(speculative decoding and what evaluate times and counts) and ``lifecycle`` (DVC cache gc, the S3
+remote).
 """
 
 __version__ = "0.1.0"

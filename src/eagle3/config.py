@@ -29,6 +29,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from eagle3.common import UserError, at_finish
+from eagle3.decoding.config import EvaluateConfig
 from eagle3.launch import USER_ERROR
 from eagle3.hidden_states.config import ExtractSettings
 from eagle3.lm.spec import VerifierSpec
@@ -215,7 +216,7 @@ def _check_keys(values: Any, schema: Schema | None, prefix: str, conf_dir: Path,
 
 # --- value checks: the groups' schemas, and key -> (test, what is allowed) of the others ----------
 
-SCHEMAS = (DatasetSettings, ExtractSettings, TrainConfig)  # each beside the code that reads its group
+SCHEMAS = (DatasetSettings, ExtractSettings, TrainConfig, EvaluateConfig)  # each beside the code that reads its group
 
 CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": NON_NEGATIVE,
@@ -251,19 +252,6 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "merge.min_tokens": POSITIVE,
     "merge.max_tokens": POSITIVE,
     "merge.draft_vocab_size": POSITIVE,
-    "evaluate.draft_tokens": POSITIVE,
-    "evaluate.batch_sizes": ((lambda v: isinstance(v, list) and bool(v) and all(integer(1)(x) for x in v)),
-                             "a non-empty list of integers >= 1"),
-    "evaluate.repeats": POSITIVE,
-    "evaluate.cuda_graphs": BOOL,
-    "evaluate.timed_prompts": ((lambda v: v is None or integer(1)(v)), "an integer >= 1, or null for all"),
-    "evaluate.chain_sweep": ((lambda v: isinstance(v, list) and all(integer(1)(x) for x in v)), "a list of integers >= 1 (chain K)"),
-    "evaluate.max_new_tokens": POSITIVE,
-    "evaluate.timed_new_tokens": ((lambda v: v is None or integer(1)(v)), "an integer >= 1, or null for max_new_tokens"),
-    "evaluate.position_buckets": ((lambda v: isinstance(v, list) and all(integer(1)(x) for x in v) and v == sorted(set(v))),
-                                  "a list of increasing integers >= 1 (answer positions)"),
-    "evaluate.max_prompts": ((lambda v: v is None or integer(1)(v)), "an integer >= 1, or null for all"),
-    "evaluate.baseline": BOOL,
 }
 
 
@@ -283,45 +271,8 @@ def validate(params: DictConfig) -> None:
             raise refuse(key, value, allowed)
     for schema in SCHEMAS:
         check_schema(schema, partial(_get, params))
-    for check in (_check_eval_sets, _check_tree, _check_model, _check_relations):
+    for check in (_check_model, _check_relations):
         check(params)
-
-
-def _check_eval_sets(params: DictConfig) -> None:
-    """The eval sets to evaluate: some of those dataset.eval_sets builds (its counts: DatasetSettings)."""
-    sets = _get(params, "dataset.eval_sets")
-    chosen = _get(params, "evaluate.sets")
-    if chosen is not ABSENT and (not isinstance(chosen, list) or not chosen):
-        raise refuse("evaluate.sets", chosen, "a non-empty list of eval set names")
-    if ABSENT not in (sets, chosen) and set(chosen) - set(sets):
-        raise refuse("evaluate.sets", chosen, f"sets that dataset.eval_sets builds ({sorted(sets)})")
-
-
-
-TREE_KEYS = ("num_steps", "topk", "num_draft_tokens")
-
-
-def tree_shape_problem(num_steps: int, topk: int, num_draft_tokens: int) -> str | None:
-    """Why SGLang's tree expansion cannot fill this draft tree, or None when it can."""
-    most = topk + (num_steps - 1) * topk**2  # nodes the expansion produces
-    if min(num_steps, topk) < 1:
-        return f"num_steps and topk must be >= 1, got {num_steps} and {topk}"
-    if not 2 <= num_draft_tokens <= most + 1:
-        return (f"num_draft_tokens must be in 2..{most + 1} (1 + the {most} nodes of {num_steps} steps of "
-                f"top-{topk}), got {num_draft_tokens}")
-    return None
-
-
-def _check_tree(params: DictConfig) -> None:
-    """evaluate.tree: null, or a shape SGLang's tree expansion can fill (refused here, not after training)."""
-    tree = _get(params, "evaluate.tree")
-    if tree is ABSENT or tree is None:
-        return
-    if not isinstance(tree, dict) or set(tree) != set(TREE_KEYS) or not all(integer(0)(tree[key]) for key in TREE_KEYS):
-        raise refuse("evaluate.tree", tree, "null, or integers num_steps, topk and num_draft_tokens")
-    problem = tree_shape_problem(*(tree[key] for key in TREE_KEYS))
-    if problem:
-        raise UserError(f"params.yaml: evaluate.tree: {problem}")
 
 
 def _check_model(params: DictConfig) -> None:

@@ -40,7 +40,7 @@ from eagle3.common import UserError, atomic_dir, read_json, read_jsonl, sha256_f
 from eagle3.config import stage_params
 from eagle3.hidden_states.capture import Settings
 from eagle3.hidden_states.samples import Sample, check_rejections, prepare
-from eagle3.hidden_states.storage import size
+from eagle3.hidden_states.storage import bytes_per_token, size
 from eagle3.hidden_states.workers import Job, run_workers
 from eagle3.lm.identity import note_other_build
 from eagle3.lm.loading import close_sharded, load_tokenizer, read_meta, shard_rank, text_config, verifier_build, verifier_fingerprint
@@ -61,13 +61,6 @@ LAYER_CONVENTION = "aux layer k = residual stream entering decoder layer k = HF 
 
 
 # --- disk preflight ------------------------------------------------------------------------------
-
-
-def bytes_per_token(hidden_size: int, groups: int, dtype: str) -> int:
-    """Stored bytes per token: aux (groups·H) + final (H) + input_ids (int32) + loss_mask (uint8) [+ fp8 scales]."""
-    element = 2 if dtype == "bfloat16" else 1
-    scales = 4 * (groups + 1) if dtype == "float8_e4m3fn" else 0
-    return (groups + 1) * hidden_size * element + scales + 4 + 1
 
 
 def disk_free(path: Path) -> tuple[int, Path]:

@@ -33,41 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.common import UserError, atomic_dir, read_json, stage_main, write_json
+from eagle3.decoding.report import DIGITS, eval_set_headline, has_tau
 
 PARAMS = ()  # = dvc.yaml: it reads only the three metrics files
-DIGITS = 4  # rounding of ratios: differences below it are noise at the demo's scale
-
-
-def has_tau(value: Any) -> bool:
-    """Whether a value of evaluate's metrics is a result: an eval set, or a method or turn within one
-    (``tree``, ``baseline``, ``ngram``, ``turn2``). evaluate gives each its own ``tau``; what only details
-    one (``batch``: the timings per batch size, ``chain_k``: the chain K sweep, ``tau_by_position``) has
-    none, and ``wall_seconds`` is a number."""
-    return isinstance(value, dict) and "tau" in value
-
-
-def eval_set_headline(report: dict[str, Any]) -> dict[str, float]:
-    """``tau``, ``<method>_tau`` and, where timed with a spread, ``speedup``, ``speedup_spread``,
-    ``<method>_speedup``, ``<method>_speedup_spread`` and ``unstable`` of one eval set of evaluate's
-    metrics: its own keys and those of its methods (``has_tau``).
-
-    Example: {"tau": 2.1, "speedup": 1.4, "speedup_spread": 0.02, "unstable": false, "prompts": 4,
-    "tree": {"tau": 2.5, "speedup": 1.5, "speedup_spread": 0.03, "forwards": 9}, "baseline": {"tau": 1.2,
-    "token": 28}} -> {"tau": 2.1, "speedup": 1.4, "speedup_spread": 0.02, "unstable": 0, "tree_tau": 2.5,
-    "tree_speedup": 1.5, "tree_speedup_spread": 0.03, "baseline_tau": 1.2}; with "tau_by_position":
-    {"0-64": 2.3} beside them, also "tau_by_position": {"0-64": 2.3} (and the tree's as "tree_tau_by_position").
-    """
-    keys = ("tau", "speedup", "speedup_spread")
-    row = {key: report[key] for key in (*keys, "unstable") if key in report}
-    for method, value in report.items():
-        if has_tau(value):
-            row.update({f"{method}_{key}": value[key] for key in keys if key in value})
-    row = {key: round(float(value), DIGITS) if key != "unstable" else int(value) for key, value in row.items()}
-    for name, buckets in (("tau_by_position", report.get("tau_by_position")),
-                          ("tree_tau_by_position", report.get("tree", {}).get("tau_by_position"))):
-        if buckets:
-            row[name] = {bucket: round(float(tau), DIGITS) for bucket, tau in buckets.items()}
-    return row
 
 
 def headline(train: dict[str, Any], merge: dict[str, Any], evaluate: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
-from eagle3.drafter.speculative import greedy_decode
+from eagle3.decoding.speculative import greedy_decode
 from eagle3.lm.chat import prompt_ids
 from support.tiny_drafter import draft_d2t
 

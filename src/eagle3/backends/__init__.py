@@ -10,7 +10,8 @@ batch, because a row's numerics depend on its batch-mates' padding).
 - ``openai``: any OpenAI-compatible endpoint (SGLang, vLLM, ``transformers serve``, hosted APIs);
 - ``sglang``: starts an SGLang server with the layout's TP, then talks to it as ``openai`` does.
 
-``base`` holds what they share (requests, answers, the protocol); ``make_backend`` picks one by name.
+``base`` holds what they share (requests, answers, the protocol); ``make_backend`` picks one by name;
+``shard`` answers one prompt shard through a backend, resuming from its journal (the stage's core).
 """
 
 from __future__ import annotations

@@ -32,6 +32,13 @@ from eagle3.hidden_states.config import STORAGE_DTYPES
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
 
+def bytes_per_token(hidden_size: int, groups: int, dtype: str) -> int:
+    """Stored bytes per token: aux (groups·H) + final (H) + input_ids (int32) + loss_mask (uint8) [+ fp8 scales]."""
+    element = 2 if dtype == "bfloat16" else 1
+    scales = 4 * (groups + 1) if dtype == "float8_e4m3fn" else 0
+    return (groups + 1) * hidden_size * element + scales + 4 + 1
+
+
 def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, G*H] -> (fp8 [T, G*H], scale [T, G] float32): one scale per token and per group.
 

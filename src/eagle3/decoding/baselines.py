@@ -2,7 +2,7 @@
 context-free chain drafter) and prompt lookup (``ngram``, as vLLM and SGLang ship it).
 
     baselines(prompts, greedy_outputs, k=3)   # {"baseline": {"tau", ..., "token"}, "ngram": {"tau", ...}}
-    speculative_decode(verifier, HistoryProposer(ngram, 3), prompts, taps, 64, eos)   # decoded for real
+    speculative_decode(Target(verifier=verifier, layer_ids=taps, eos_ids=eos), HistoryProposer(ngram, 3), prompts, 64)   # for real
 
 Why: a drafter near their τ is broken. They propose from the tokens alone, so their τ is replayed
 exactly on the greedy output (``replay``; evaluate's is the chain's, equal to plain greedy decoding's
@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from eagle3.drafter.batch import Batch
-from eagle3.drafter.tree import Draft, Round
-from eagle3.measurement.acceptance import acceptance_stats, tau_by_position
+from eagle3.decoding.batch import Batch
+from eagle3.decoding.tree import Draft, Round
+from eagle3.decoding.acceptance import acceptance_stats, tau_by_position
 
 
 def most_frequent(token: int) -> Callable[[list[int], int], list[int]]:

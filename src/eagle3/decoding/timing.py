@@ -1,13 +1,13 @@
 """Tokens/s and speedup of every decoding method, per batch size, over repeats: median and spread.
 
-    runs = decode_all(verifier, drafter, prompts, settings, eos_ids, batch_size=4, repeats=3)   # {method: Run}
+    runs = decode_all(session, prompts, batch_size=4, repeats=3)   # {method: Run}; session: eagle3.decoding.session
     timings(runs)["chain"]   # {"tokens_per_s", "tokens_per_s_spread", "speedup", "speedup_spread"}
 
 Why: a speedup is what a user of an engine sees, and it varies with the load and the batch size.
 The methods are timed alternately per batch (fair under a varying load), each ``repeats`` times,
 after an untimed warm-up (``warm_up``); a speedup pairs each repeat with plain decoding's same one,
 and repeats that disagree by more than UNSTABLE_SPREAD are flagged (``disagreeing``). On a GPU
-the steps are CUDA graphs (``decode_graphs``, ``eagle3.drafter.graphed``), whose replay times
+the steps are CUDA graphs (``decode_graphs``, ``eagle3.decoding.graphed``), whose replay times
 also give each method's price in verifier forwards (``step_costs``).
 """
 
@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from eagle3.drafter.graphed import DecodeGraphs
-from eagle3.drafter.speculative import StopStrings, prefill, speculative_decode
-from eagle3.drafter.tree import EagleProposer, TreeShape
-from eagle3.measurement.acceptance import acceptance_stats
-from eagle3.measurement.settings import Settings
+from eagle3.decoding.acceptance import acceptance_stats
+from eagle3.decoding.graphed import DecodeGraphs
+from eagle3.decoding.session import Session
+from eagle3.decoding.settings import Settings
+from eagle3.decoding.speculative import prefill, speculative_decode
+from eagle3.decoding.tree import EagleProposer
+from eagle3.decoding.config import TreeShape
 
 WARMUP_TOKENS = 2  # the untimed decode of every method before the first set: its prefill and one round (``warm_up``)
 WARMUP_PROMPT_TOKENS = 16  # of each warm-up prompt
@@ -65,34 +67,32 @@ def batches(items: Sequence, size: int) -> list[Sequence]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def decode_all(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int], batch_size: int,
-               methods: Mapping[str, TreeShape | None] | None = None, repeats: int = 1, max_new_tokens: int | None = None,
-               graphs: DecodeGraphs | None = None, stops: StopStrings | None = None) -> dict[str, Run]:
-    """Every method (default ``settings.methods()``) on every batch of ``batch_size`` prompts, alternating
+def decode_all(session: Session, prompts: Sequence[torch.Tensor], batch_size: int,
+               methods: Mapping[str, TreeShape | None] | None = None, repeats: int = 1, max_new_tokens: int | None = None) -> dict[str, Run]:
+    """Every method (default ``settings.methods()``) of the session on every batch of ``batch_size`` prompts, alternating
     methods per batch (fair under a varying load), the batch's methods ``repeats`` times in turn.
 
     The prompts of a batch are prefilled once, untimed, and every method decodes from a copy: the
     prefill is the same work for all of them, so times and speedups are of decoding alone. Outputs
     and acceptance are of the first repeat (greedy decoding repeats them exactly).
-    ``graphs``: decode in static caches with captured steps (``eagle3.drafter.graphed``), every method
-    alike; a last, smaller batch is filled up with copies of its last prompt (``graph_rows``), as an
-    engine pads a batch to a captured size, and only its own rows are counted. ``stops``: answers
-    also end at ``model.stop``'s strings.
+    With the session's graphs: decode in static caches with captured steps (``eagle3.decoding.graphed``),
+    every method alike; a last, smaller batch is filled up with copies of its last prompt (``graph_rows``),
+    as an engine pads a batch to a captured size, and only its own rows are counted. With its stops:
+    answers also end at ``model.stop``'s strings.
     """
+    settings, target, graphs = session.settings, session.target, session.graphs
     methods = methods or settings.methods()
     runs = {name: Run(seconds=[0.0] * repeats) for name in methods}
-    layer_ids = drafter.config.aux_layers
     for batch in tqdm(batches(prompts, batch_size), desc="/".join(methods), unit="batch", leave=False):
         rows = len(batch)
         if graphs is not None:
             batch = [*batch, *[batch[-1]] * (graph_rows(len(prompts), batch_size) - rows)]
-        prefilled = prefill(verifier, batch, layer_ids)
+        prefilled = prefill(target.verifier, batch, target.layer_ids)
         for repeat in range(repeats):
             for name, shape in methods.items():
-                proposer = EagleProposer(drafter, shape, graphs) if shape else None
+                proposer = EagleProposer(session.drafter, shape, graphs) if shape else None
                 start = time.perf_counter()
-                decoded = speculative_decode(verifier, proposer, batch, layer_ids, max_new_tokens or settings.max_new_tokens,
-                                             eos_ids, prefilled, graphs, stops)
+                decoded = speculative_decode(target, proposer, batch, max_new_tokens or settings.max_new_tokens, prefilled)
                 if str(settings.device).startswith("cuda"):
                     torch.cuda.synchronize()
                 runs[name].seconds[repeat] += time.perf_counter() - start
@@ -135,63 +135,63 @@ def timed_prompts(prompts: Sequence[torch.Tensor], settings: Settings, batch_siz
     return prompts[: max(settings.timed_prompts, batch_size)]
 
 
-def chain_sweep(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
-                graphs: DecodeGraphs | None, stops: StopStrings | None = None) -> dict:
+def chain_sweep(session: Session, prompts: Sequence[torch.Tensor]) -> dict:
     """Chains of every K in ``chain_sweep`` timed against plain decoding at the first batch size, on ``prompts``
     (its timed ones) for ``timed_tokens`` each: {"timing": ``timings``, "tau": {name: τ}, "costs": {name: ...},
     "best": the K of the highest median speedup}."""
+    settings = session.settings
     size = settings.batch_sizes[0]
     methods = settings.chain_methods()
-    runs = decode_all(verifier, drafter, prompts, settings, eos_ids, size, methods, settings.repeats, settings.timed_tokens,
-                      graphs=graphs, stops=stops)
+    runs = decode_all(session, prompts, size, methods, settings.repeats, settings.timed_tokens)
     timing = timings(runs)
     chains = {name: shape for name, shape in methods.items() if shape}
     best = max(chains, key=lambda name: timing[name]["speedup"])
     return {"timing": timing, "tau": {name: acceptance_stats(runs[name].pooled, shape.num_steps)["tau"] for name, shape in chains.items()},
-            "costs": {name: step_costs(graphs, drafter, prompts, size, shape) for name, shape in chains.items()},
+            "costs": {name: step_costs(session, prompts, size, shape) for name, shape in chains.items()},
             "best": chains[best].num_steps}
 
 
-def step_costs(graphs: DecodeGraphs | None, drafter, prompts: Sequence[torch.Tensor], batch_size: int, shape: TreeShape) -> dict:
-    """With graphs: a proposal's and a verify forward's time over a 1-token verifier forward, at the
+def step_costs(session: Session, prompts: Sequence[torch.Tensor], batch_size: int, shape: TreeShape) -> dict:
+    """With the session's graphs: a proposal's and a verify forward's time over a 1-token verifier forward, at the
     batches' rows, each graph replayed alone: {"draft_cost", "draft_step_cost" (per drafter step),
     "verify_cost"}; eager: {}.
 
     Why beside τ: speedup ≈ τ / (verify_cost + draft_cost) against plain decoding at the same batch,
     so the two say whether a low speedup is the drafter's acceptance or its price.
     """
+    graphs = session.graphs
     if graphs is None:
         return {}
     rows = graph_rows(len(prompts), batch_size)
     forward = graphs.replay_seconds(graphs.verifier_key(rows, 1))
-    draft = graphs.replay_seconds(graphs.draft_key(drafter, shape, rows))
+    draft = graphs.replay_seconds(graphs.draft_key(session.drafter, shape, rows))
     verify = graphs.replay_seconds(graphs.verifier_key(rows, shape.num_draft_tokens))
     if None in (forward, draft, verify):  # every answer ended before a second round: no draft graph was needed
         return {}
     return {"draft_cost": draft / forward, "draft_step_cost": draft / forward / shape.num_steps, "verify_cost": verify / forward}
 
 
-def warm_up(verifier, drafter, prompts: Sequence[torch.Tensor], settings: Settings, eos_ids: set[int],
-            graphs: DecodeGraphs | None = None, row_counts: Sequence[int] = (),
+def warm_up(session: Session, prompts: Sequence[torch.Tensor], row_counts: Sequence[int] = (),
             methods: Mapping[str, TreeShape | None] | None = None) -> None:
     """A short untimed decode of every method on the first batch, so one-off setup costs (allocator,
     kernels, first calls) are timed in no method.
 
     Its prompts are cut to their last WARMUP_PROMPT_TOKENS: a whole prompt's prefill costs more
     than the rest of the warm-up (about 1.5 s of the demo's) and sets up nothing a short one does not.
-    With ``graphs``, every batch row count in ``row_counts`` is warmed up with ``methods`` (default
-    ``settings.methods()``), each for two rounds whatever is accepted (the second captures the
-    drafter's graph): graphs are per row count and shape.
+    With the session's graphs, every batch row count in ``row_counts`` is warmed up with ``methods``
+    (default ``settings.methods()``), each for two rounds whatever is accepted (the second captures
+    the drafter's graph; no stop string ends a warm-up answer): graphs are per row count and shape.
     """
-    if graphs is None:
+    settings, session = session.settings, session.without_stops()
+    if session.graphs is None:
         first = [p[-WARMUP_PROMPT_TOKENS:] for p in prompts[: settings.batch_sizes[0]]]
-        decode_all(verifier, drafter, first, settings, eos_ids, settings.batch_sizes[0], max_new_tokens=WARMUP_TOKENS)
+        decode_all(session, first, settings.batch_sizes[0], max_new_tokens=WARMUP_TOKENS)
         return
     methods = methods or settings.methods()
     tokens = min(WARMUP_TOKENS + max(shape.num_steps + 1 for shape in methods.values() if shape), settings.max_new_tokens)
     for rows in row_counts:
         first = [prompts[i % len(prompts)][-WARMUP_PROMPT_TOKENS:] for i in range(rows)]
-        decode_all(verifier, drafter, first, settings, eos_ids, rows, methods, max_new_tokens=tokens, graphs=graphs)
+        decode_all(session, first, rows, methods, max_new_tokens=tokens)
 
 
 def decode_graphs(settings: Settings, longest_prompt: int) -> DecodeGraphs | None:

@@ -1,8 +1,9 @@
 """Speculative decoding of the verifier, several prompts at once: prefill -> propose -> verify -> accept.
 
     plain = greedy_decode(verifier, prompts, max_new_tokens=64, eos_ids={2})       # token lists
-    tree = EagleProposer(drafter, TreeShape(num_steps=5, topk=4, num_draft_tokens=16))   # eagle3.drafter.tree
-    out = speculative_decode(verifier, tree, prompts, layer_ids=(2, 15, 27), max_new_tokens=64, eos_ids={2})
+    tree = EagleProposer(drafter, TreeShape(num_steps=5, topk=4, num_draft_tokens=16))   # eagle3.decoding.tree
+    target = Target(verifier=verifier, layer_ids=(2, 15, 27), eos_ids={2})
+    out = speculative_decode(target, tree, prompts, max_new_tokens=64)
     assert [d.tokens for d in out] == plain     # greedy verification is lossless
     out[0].accepted                             # drafts accepted per verifier forward; τ = accepted + 1
 
@@ -11,7 +12,7 @@ worker does (chain or tree drafting, greedy verification, KV caches on both mode
 export shows up as τ ≈ 1 instead of as a plausible training loss. Prompts are decoded in a batch:
 one-token forwards of a small verifier are launch-bound on a GPU and memory-bound on a CPU, so B
 rows cost little more than one. The batch's caches and masks, whatever each row accepted, are
-``eagle3.drafter.batch``'s; the drafts are a proposer's (``eagle3.drafter.tree``).
+``eagle3.decoding.batch``'s; the drafts are a proposer's (``eagle3.decoding.tree``).
 
 Bookkeeping for a prompt x_0..x_{n-1}; g_t = the verifier's tapped features at input x_t (the
 residual streams entering the drafter's aux layers, HF ``hidden_states[k]``, concatenated):
@@ -36,7 +37,7 @@ those of d_2, d_3 stay invalid; the next context step covers rows 5, 6 = (g(x_5)
 at positions 5, 6, and the drafts continue at positions 7, 8, ...
 
 A row ends at EOS, at max_new_tokens, or after one of ``model.stop``'s strings (``StopStrings``).
-On a GPU, ``eagle3.drafter.graphed`` runs the same loop over static caches with CUDA-graph-captured
+On a GPU, ``eagle3.decoding.graphed`` runs the same loop over static caches with CUDA-graph-captured
 steps (``graphs=``): rows then stay in the batch and rejected columns stay masked, not removed.
 """
 
@@ -45,13 +46,14 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eagle3.drafter.batch import Batch, drop_rejected, forward_verifier, keep_rows, new_cache
-from eagle3.drafter.tree import Draft, Round
+from eagle3.decoding.batch import Batch, drop_rejected, forward_verifier, keep_rows, new_cache
+from eagle3.decoding.tree import Draft, Round
 
 
 @dataclass
@@ -61,6 +63,19 @@ class Decoded:
     tokens: list[int]  # generated tokens after the prompt, up to and including EOS, at most max_new_tokens
     accepted: list[int] = field(default_factory=list)  # per verifier forward after prefill: drafts accepted
     stopped: bool = False  # ended by a stop string (its last token completes it; ``StopStrings``)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a decode runs and where its answers end: the verifier, the layers whose features it taps
+    (the drafter's ``aux_layers``), its EOS ids, ``model.stop``'s strings and, on a GPU, the graphs
+    (``graphed.DecodeGraphs``, the proposer made with the same ones; None: eager)."""
+
+    verifier: Any
+    layer_ids: Sequence[int]
+    eos_ids: set[int]
+    stops: StopStrings | None = None
+    graphs: Any = None
 
 
 # --- the ladder: prefill, verify, accept, commit ---------------------------------------------------
@@ -80,9 +95,9 @@ def prefill(verifier, prompts: Sequence[Tensor], layer_ids: Sequence[int]) -> tu
     columns = torch.arange(n, device=device)
     valid = columns >= pad[:, None]  # [B, n]
     positions = (columns - pad[:, None]).clamp(min=0)
-    batch = Batch(new_cache(), valid[:, :0], positions[:, :0], ids[:, -1], pad.new_zeros(len(prompts)))
-    causal = (columns[None, :] <= columns[:, None]) & valid[:, None, :]  # [B, n, n]
-    hidden, features = forward_verifier(verifier, batch, ids, positions, causal, causal[:, :, :0], layer_ids)
+    batch = Batch(cache=new_cache(), valid=valid[:, :0], positions=positions[:, :0], root=ids[:, -1], length=pad.new_zeros(len(prompts)))
+    causal = (columns[None, :] <= columns[:, None]) & valid[:, None, :]  # [B, n, n]: no cache column to see yet
+    hidden, features = forward_verifier(verifier, batch, ids, positions, causal, layer_ids)
     batch.valid, batch.root, batch.length = valid, verifier.get_output_embeddings()(hidden[:, -1]).argmax(-1), positions[:, -1] + 1
     return batch, features
 
@@ -94,7 +109,8 @@ def verify(verifier, batch: Batch, draft: Draft, layer_ids: Sequence[int]) -> tu
     depth, ancestors = draft.structure
     input_ids = torch.cat([batch.root[:, None], draft.tokens], 1)  # [B, 1 + N]
     see_cache = batch.valid[:, None, :].expand(-1, input_ids.shape[1], -1)  # [B, 1 + N, S]
-    hidden, features = forward_verifier(verifier, batch, input_ids, batch.length[:, None] + depth, ancestors, see_cache, layer_ids)
+    visible = torch.cat([see_cache, ancestors], -1)  # [B, 1 + N, S + 1 + N]
+    hidden, features = forward_verifier(verifier, batch, input_ids, batch.length[:, None] + depth, visible, layer_ids)
     return greedy_tokens(verifier, hidden, draft), features
 
 
@@ -206,17 +222,17 @@ def finished(output: Decoded, max_new_tokens: int, eos_ids: set[int]) -> bool:
 
 
 @torch.no_grad()
-def speculative_decode(verifier, proposer, prompts: Sequence[Tensor], layer_ids: Sequence[int], max_new_tokens: int,
-                       eos_ids: set[int], prefilled: tuple[Batch, Tensor] | None = None, graphs=None,
-                       stops: StopStrings | None = None) -> list[Decoded]:
-    """Greedy decoding of ``verifier`` from each prompt [n_b], sped up by ``proposer``'s drafts (None: plain).
+def speculative_decode(target: Target, proposer, prompts: Sequence[Tensor], max_new_tokens: int,
+                       prefilled: tuple[Batch, Tensor] | None = None) -> list[Decoded]:
+    """Greedy decoding of ``target``'s verifier from each prompt [n_b], sped up by ``proposer``'s drafts (None: plain).
 
     ``prefilled``: ``prefill``'s result for these prompts, to decode several ways from one prefill
-    (it is copied, never changed). ``graphs``: a ``graphed.DecodeGraphs`` to decode in its static
-    caches and captured steps (the proposer made with the same one); the tokens are the same.
-    A row ends at EOS, at ``max_new_tokens`` or after a stop string (``stops``); a forward whose
-    tokens run past a stop string counts the drafts it accepted up to there.
+    (it is copied, never changed). With ``target.graphs`` the decode runs in their static caches
+    and captured steps; the tokens are the same. A row ends at EOS, at ``max_new_tokens`` or after
+    a stop string (``target.stops``); a forward whose tokens run past a stop string counts the
+    drafts it accepted up to there.
     """
+    verifier, layer_ids, eos_ids, graphs, stops = target.verifier, target.layer_ids, target.eos_ids, target.graphs, target.stops
     batch, features = prefilled if prefilled else prefill(verifier, prompts, layer_ids)
     if graphs is None:
         batch = copy.deepcopy(batch) if prefilled else batch
@@ -286,4 +302,5 @@ def no_draft(batch: Batch) -> Draft:
 def greedy_decode(verifier, prompts: Sequence[Tensor], max_new_tokens: int, eos_ids: set[int],
                   stops: StopStrings | None = None) -> list[list[int]]:
     """Plain greedy decoding, one verifier forward per token (the reference and the speed baseline)."""
-    return [d.tokens for d in speculative_decode(verifier, None, prompts, (0,), max_new_tokens, eos_ids, stops=stops)]
+    target = Target(verifier=verifier, layer_ids=(0,), eos_ids=eos_ids, stops=stops)
+    return [d.tokens for d in speculative_decode(target, None, prompts, max_new_tokens)]

@@ -1,11 +1,11 @@
 """The verifier's side of a decoding batch: its KV cache, what each column holds, and the masks built from it.
 
-    batch = Batch(new_cache(), valid, positions, root, length)      # ``speculative.prefill`` makes it
-    hidden, features = forward_verifier(verifier, batch, ids, positions, block, see_cache, layer_ids)
+    batch = Batch(cache=new_cache(), valid=valid, positions=positions, root=root, length=length)   # ``speculative.prefill``'s
+    hidden, features = forward_verifier(verifier, batch, ids, positions, visible, layer_ids)
     drop_rejected(batch, block=4, kept=torch.tensor([0, 1]))       # columns no row accepted leave
     keep_rows(batch, torch.tensor([0, 2]))                          # finished rows leave
 
-Why: ``eagle3.drafter.speculative`` decodes several prompts at once, each row accepting its own
+Why: ``eagle3.decoding.speculative`` decodes several prompts at once, each row accepting its own
 drafts. Every forward appends its columns for every row, and a bool per column says whether it
 holds an accepted token of that row (``Batch.valid``; not padding, not a rejected draft). Attention
 masks are built from it (``attention_masks``), so no column needs to be cropped or reordered for
@@ -13,7 +13,7 @@ the others' sake, whatever each row accepted, and sliding-window layers stay exa
 is a distance between positions, applied in the mask). Each column also records its position in
 its sequence; RoPE and the window use positions, never column indices. Decoding eagerly, the
 columns no row accepted and the rows that finished are taken out all the same (``drop_rejected``,
-``keep_rows``), only so later forwards stop paying for them; ``eagle3.drafter.graphed``'s static
+``keep_rows``), only so later forwards stop paying for them; ``eagle3.decoding.graphed``'s static
 cache keeps both, masked.
 """
 
@@ -76,14 +76,12 @@ def sliding_windows(config) -> dict[str | None, int | None]:
     return {None: window}
 
 
-def attention_masks(config, see_cache: Tensor, cache_positions: Tensor, block: Tensor, block_positions: Tensor,
-                    dtype: torch.dtype):
+def attention_masks(config, visible: Tensor, cache_positions: Tensor, block_positions: Tensor, dtype: torch.dtype):
     """Additive masks [B, 1, Q, S + Q] of a forward over Q new columns: the attention_mask argument.
 
-    see_cache [B, Q, S] (which valid cache columns each query may see), block [B, Q, Q] (which new
-    columns: causal, or ancestors in a tree), positions [B, S] and [B, Q] for the windows.
+    visible [B, Q, S + Q]: which valid cache columns each query may see, then which new columns
+    (causal, or ancestors in a tree); positions [B, S] and [B, Q] for the windows.
     """
-    visible = torch.cat([see_cache, block], -1)  # [B, Q, S + Q]
     distance = block_positions[:, :, None] - torch.cat([cache_positions, block_positions], 1)[:, None, :]
     masks = {}
     for kind, window in sliding_windows(config).items():
@@ -92,17 +90,18 @@ def attention_masks(config, see_cache: Tensor, cache_positions: Tensor, block: T
     return masks.pop(None) if None in masks else masks
 
 
-def forward_verifier(verifier, batch: Batch, input_ids: Tensor, positions: Tensor, block: Tensor, see_cache: Tensor,
+def forward_verifier(verifier, batch: Batch, input_ids: Tensor, positions: Tensor, visible: Tensor,
                      layer_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
-    """The verifier's decoder over input_ids [B, Q] appended to the batch's cache: (last hidden states [B, Q, H],
-    the lm_head's input; features [B, Q, 3H]).
+    """The verifier's decoder over input_ids [B, Q] appended to the batch's cache, each seeing the columns of
+    ``visible`` [B, Q, S + Q] (``attention_masks``): (last hidden states [B, Q, H], the lm_head's input;
+    features [B, Q, 3H]).
 
     The lm_head is left to the caller, which needs it for a few columns only (``greedy_tokens``).
     The new columns are recorded as not (yet) valid.
     """
     decoder = verifier.base_model
     dtype = verifier.get_input_embeddings().weight.dtype
-    masks = attention_masks(verifier.config, see_cache, batch.positions, block, positions, dtype)
+    masks = attention_masks(verifier.config, visible, batch.positions, positions, dtype)
     if batch.graphs is not None:
         hidden, features = batch.graphs.verifier_forward(decoder, batch.cache, input_ids, positions, masks, layer_ids)
     else:

@@ -4,11 +4,11 @@
     tree = EagleProposer(drafter, TreeShape(num_steps=5, topk=4, num_draft_tokens=16))   # SGLang's tree
     proposer.start(prompts, batch, features); draft = proposer.propose(); proposer.advance(round_)
 
-Why: ``eagle3.drafter.speculative`` verifies whatever a proposer drafts; this is the proposer SGLang's
+Why: ``eagle3.decoding.speculative`` verifies whatever a proposer drafts; this is the proposer SGLang's
 EAGLE-3 worker runs (``--speculative-num-steps``, ``-eagle-topk``, ``-num-draft-tokens``), so τ
 is measured with the drafting an engine serves. A proposer is told what each verifier forward
 accepted (``Round``) and answers with the next ``Draft``: nodes per row, each with its parent, the
-root being the last verified token. History-only proposers (``eagle3.measurement.baselines``)
+root being the last verified token. History-only proposers (``eagle3.decoding.baselines``)
 answer from the tokens alone.
 
 The drafter interface is that of ``Eagle3Drafter``: ``fc`` (features [B, T, 3H] -> hidden),
@@ -25,21 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from eagle3.drafter.batch import Batch
+from eagle3.decoding.batch import Batch
+from eagle3.decoding.config import TreeShape
 from eagle3.drafter.attention import KVCache
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """SGLang's draft-tree flags: --speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens."""
-
-    num_steps: int  # drafter steps = the deepest draft
-    topk: int  # children kept per expanded node, and nodes expanded per step
-    num_draft_tokens: int  # tokens per verifier forward: the root plus num_draft_tokens - 1 drafts
-
-    @classmethod
-    def chain(cls, k: int) -> TreeShape:
-        return cls(num_steps=k, topk=1, num_draft_tokens=k + 1)
 
 
 @dataclass

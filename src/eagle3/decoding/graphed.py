@@ -1,7 +1,8 @@
 """Static-shape decoding steps, replayed as CUDA graphs on a GPU: how SGLang and vLLM serve a drafter.
 
     graphs = DecodeGraphs(prompt_tokens=512, max_new_tokens=64, capture=True)   # eager: capture=False
-    out = speculative_decode(verifier, EagleProposer(drafter, shape, graphs), prompts, taps, 64, eos, graphs=graphs)
+    target = Target(verifier=verifier, layer_ids=taps, eos_ids=eos, graphs=graphs)   # eagle3.decoding.speculative
+    out = speculative_decode(target, EagleProposer(drafter, shape, graphs), prompts, 64)
 
 Why: a decoding forward of a small verifier is host-bound when eager (SmolLM2-135M at batch 1 on an
 H200: 34 ms per forward for 2.3 ms of GPU work, 3.3 ms as a CUDA graph), and so is every draft
@@ -41,8 +42,8 @@ from torch import Tensor
 from transformers import AttentionInterface, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from eagle3.drafter.batch import Batch, decoder_forward
-from eagle3.drafter.tree import DraftBatchCache
+from eagle3.decoding.batch import Batch, decoder_forward
+from eagle3.decoding.tree import DraftBatchCache
 
 
 COLUMN_MULTIPLE = 64
@@ -51,16 +52,18 @@ ATTENTION = "eagle3_decode"  # ``grouped_query_attention``'s name in transformer
 
 
 def grouped_query_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor,
-                            scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+                            **kwargs) -> tuple[Tensor, None]:
     """SDPA with each kv head's query heads stacked as its queries: query [B, H, Q, D], key/value
     [B, nkv, W, D], attention_mask [B, 1, Q, W] (additive) -> ([B, Q, H, D], None).
 
     The same attention as transformers' SDPA path, without its copy of every key and value per query
     head (kv head i serves heads i * H / nkv ...; the mask repeats per stacked query). Softcapping,
-    sinks and dropout, which plain SDPA lacks, go to transformers' own.
+    sinks and dropout, which plain SDPA lacks, go to transformers' own. ``scaling`` and ``dropout``
+    come by keyword, as transformers' attention interface passes them.
     """
-    if dropout or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    scaling = kwargs.get("scaling")
+    if kwargs.get("dropout", 0.0) or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
     B, heads, Q, D = query.shape
     kv_heads, width = key.shape[1], key.shape[2]
     repeat = heads // kv_heads
@@ -265,8 +268,8 @@ class DecodeGraphs:
         """A copy of ``prefill``'s batch in the static cache of its row count, for forwards of ``block`` columns."""
         cache = self.verifier_cache(len(prefilled.root), block)
         cache.load(prefilled.cache)
-        return Batch(cache, prefilled.valid.clone(), prefilled.positions.clone(), prefilled.root.clone(),
-                     prefilled.length.clone(), graphs=self)
+        return Batch(cache=cache, valid=prefilled.valid.clone(), positions=prefilled.positions.clone(),
+                     root=prefilled.root.clone(), length=prefilled.length.clone(), graphs=self)
 
     def verifier_forward(self, decoder, cache: ColumnCache, input_ids: Tensor, positions: Tensor, masks,
                          layer_ids) -> tuple[Tensor, Tensor]:
