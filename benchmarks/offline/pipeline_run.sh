@@ -18,18 +18,26 @@
 # (benchmarks/offline/stamp.py); the job's exit code to RUN/logs/job.rc. Run it again to resume: while the job
 # runs it only says so; after a failure (or a killed job) it starts the job again and `dvc repro` continues
 # (done stages are skipped, train resumes from its checkpoints); once the job has succeeded it does nothing.
+#
+# VARIANTS: more runs after the first in the same job, '|'-separated override sets added to OVERRIDES, e.g.
+#   VARIANTS="-S train.epochs=7|-S generate.max_new_tokens=256"
+# each a run folder of its own, RUN/variants/<n> (its logs, report and metrics as RUN's), started once the first
+# run has finished from its outputs (hard links to its data and models, copies of its metrics, its dvc.lock) on its
+# DVC cache, so `dvc repro` there runs only the stages the variant changes. (DVC's run cache would not restore
+# them: a stage with an uncached output is never in it.) An entry starting with "fresh" (e.g. "fresh" alone: the
+# first run again) starts from nothing with an empty cache of its own: a repeat. A variant may not change
+# `dataset`: the carried prompts are the first composition's.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
-if [ "${1:-}" = --job ]; then  # the detached job itself (below: `setsid ... "$0" --job RUN PROMPTS`)
-  run=$2 prompts=$3
-  cd "$run"
-  stamp() { python3 -u "$here/stamp.py" logs/dvc.log; }
-  python3 "$here/gpu_sampler.py" logs/gpu.tsv --every "${SAMPLE_EVERY:-0.2}" &
-  sampler=$!
-  trap 'kill "$sampler" 2>/dev/null || true' EXIT
+stamp() { python3 -u "$here/stamp.py" logs/dvc.log; }
+
+# One run folder's pipeline, from its folder (logs/dvc.log; logs/pipeline.rc: its exit code; a folder whose
+# pipeline.rc is 0 is skipped, so a resumed job goes on with the next one).
+pipeline() {
+  local prompts=$1 code
+  [ "$(cat logs/pipeline.rc 2>/dev/null)" = 0 ] && return 0
   echo "=== session start pid $$" | stamp
-  set +e
   python -m dvc repro verifier 2>&1 | stamp
   code=${PIPESTATUS[0]}
   echo "=== dvc repro verifier: exit $code" | stamp  # "=== " lines end a stage's window (pipeline_report.py)
@@ -43,6 +51,41 @@ if [ "${1:-}" = --job ]; then  # the detached job itself (below: `setsid ... "$0
     code=${PIPESTATUS[0]}
   fi
   echo "=== exit $code" | stamp
+  echo "$code" > logs/pipeline.rc
+  return "$code"
+}
+
+# The first run's outputs in a variant's folder: the folders of data/ and models/ as hard links (the stages write
+# their outputs whole and atomically, never into a file), the files (data/params.ok) and metrics as copies, its
+# dvc.lock.
+link_outputs() {
+  local from=$1 to=$2 entry
+  for entry in "$from"/data/* "$from"/models; do
+    case "$(basename "$entry")" in sources) ;; *) if [ -d "$entry" ]; then cp -al "$entry" "$to/${entry#"$from"/}"
+                                                     else cp -a "$entry" "$to/${entry#"$from"/}"; fi ;; esac
+  done
+  cp -a "$from/metrics" "$from/dvclive" "$from/dvc.lock" "$to/"
+}
+
+if [ "${1:-}" = --job ]; then  # the detached job itself (below: `setsid ... "$0" --job RUN PROMPTS`)
+  run=$2 prompts=$3
+  cd "$run"
+  python3 "$here/gpu_sampler.py" logs/gpu.tsv --every "${SAMPLE_EVERY:-0.2}" &
+  sampler=$!
+  trap 'kill "$sampler" 2>/dev/null || true' EXIT
+  set +e
+  pipeline "$prompts"
+  code=$?
+  for variant in variants/*/; do
+    [ "$code" = 0 ] && [ -d "$variant" ] || break
+    if [ -f "$variant/logs/linked" ]; then
+      [ -f "$variant/dvc.lock" ] || link_outputs "$run" "$variant"
+      (cd "$variant" && pipeline "")
+    else
+      (cd "$variant" && pipeline "$prompts")
+    fi
+    code=$?
+  done
   echo "$code" > logs/job.rc
   exit "$code"
 fi
@@ -57,23 +100,51 @@ if [ -f "$run/logs/job.pid" ] && kill -0 "$(cat "$run/logs/job.pid")" 2>/dev/nul
 fi
 if [ "$(cat "$run/logs/job.rc" 2>/dev/null)" = 0 ]; then echo "done: $run/logs/job.rc is 0"; exit 0; fi
 export PYTHONPATH="$run/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 DVC_NO_ANALYTICS=1
+# A run folder DIR from this repository's files and params composed from OVERRIDES ($2), its DVC cache at
+# CACHE ($3; default its own).
+prepare() {
+  local dir=$1 overrides=$2 cache=${3:-}
+  mkdir -p "$dir/logs" "$dir/data"
+  cp -r "$repo/dvc.yaml" "$repo/conf" "$repo/src" "$dir/"
+  cp -r "$repo/data/sources" "$dir/data/"
+  [ -f "$repo/.dvcignore" ] && cp "$repo/.dvcignore" "$dir/"
+  find "$dir/src" -name __pycache__ -prune -exec rm -rf {} +
+  # shellcheck disable=SC2086  # the overrides, split as words
+  (cd "$dir" && python -m eagle3.cli params $overrides)
+  (cd "$dir" && python -m dvc init --no-scm -q && python -m dvc config cache.type hardlink \
+    && python -m dvc config core.analytics false && { [ -z "$cache" ] || python -m dvc config cache.dir "$cache"; })
+  if [ -n "$cache" ]; then
+    touch "$dir/logs/linked"
+    echo "eagle3 params $overrides; dvc init --no-scm; the first run's outputs and cache; dvc repro" > "$dir/logs/command.txt"
+  else
+    echo "eagle3 params $overrides; dvc init --no-scm; dvc repro verifier;${prompts:+ prompts carried, dvc commit -f prompts;} dvc repro" \
+      > "$dir/logs/command.txt"  # the report's "command"
+  fi
+  [ -z "${COMMIT:-}" ] || echo "$COMMIT" > "$dir/logs/commit.txt"
+}
+
+dataset_of() { python3 -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["dataset"])' "$1"; }
+
 if [ ! -d "$run/.dvc" ]; then  # a fresh run folder
-  cp -r "$repo/dvc.yaml" "$repo/conf" "$repo/src" "$run/"
+  overrides=${OVERRIDES:--S dataset=10k -S layout=gpu1}
+  COMMIT=${COMMIT:-$(cat "$(dirname "${prompts:-.}")/commit.txt" 2>/dev/null || true)}  # the kit's (kit.sh)
+  prepare "$run" "$overrides"
   # the job runs from its own copy: a device call re-copies the repository while the job runs
   mkdir -p "$run/tools" && cp "$here/pipeline_run.sh" "$here/stamp.py" "$here/gpu_sampler.py" "$run/tools/"
-  mkdir -p "$run/data" && cp -r "$repo/data/sources" "$run/data/"
-  [ -f "$repo/.dvcignore" ] && cp "$repo/.dvcignore" "$run/"
-  find "$run/src" -name __pycache__ -prune -exec rm -rf {} +
-  # shellcheck disable=SC2086  # OVERRIDES: the overrides, split as words
-  (cd "$run" && python -m eagle3.cli params ${OVERRIDES:--S dataset=10k -S layout=gpu1})
   if [ -n "$prompts" ]; then
     tar -xzf "$prompts" -O params.yaml | cmp -s - "$run/params.yaml" \
       || { echo "error: $prompts holds another params.yaml than $run/params.yaml: compose both with the same OVERRIDES"; exit 2; }
   fi
-  (cd "$run" && python -m dvc init --no-scm -q && python -m dvc config cache.type hardlink \
-    && python -m dvc config core.analytics false)
-  echo "eagle3 params ${OVERRIDES:--S dataset=10k -S layout=gpu1}; dvc init --no-scm; dvc repro verifier;${prompts:+ prompts carried, dvc commit -f prompts;} dvc repro" \
-    > "$run/logs/command.txt"  # the report's "command"
+  n=0
+  IFS='|' read -ra variants <<< "${VARIANTS:-}"
+  for variant in "${variants[@]}"; do
+    n=$((n + 1)) dir=$run/variants/$n cache=$run/.dvc/cache
+    case "$variant" in fresh*) variant=${variant#fresh} cache= ;; esac
+    prepare "$dir" "$overrides $variant" "$cache"
+    ln -s ../../../logs/gpu.tsv "$dir/logs/gpu.tsv"  # the job's one sampler
+    [ "$(dataset_of "$dir/params.yaml")" = "$(dataset_of "$run/params.yaml")" ] \
+      || { echo "error: VARIANTS entry $n ($variant) changes dataset: the carried prompts are the first run's"; rm -rf "$run/variants" "$run/.dvc"; exit 2; }
+  done
 fi
 cd "$run"
 rm -f logs/job.rc

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Wait for benchmarks/offline/pipeline_run.sh's job: until it ends or SECONDS pass, printing its progress every
 # minute (benchmarks/pipeline_report.py --poll); then the report as it stands (finished: false while the job
-# runs) and the run's logs and metrics into OUT, gzipped where large (what a device call brings back: 8 files).
+# runs) and the run's logs and metrics into OUT, gzipped where large; with VARIANTS (pipeline_run.sh), each
+# variant's report, log and metrics in OUT/variants.tar.gz (variants/<n>/: pipeline_10k.json, dvc.log.gz, metrics.tar.gz).
 #
-#   COMMIT=<sha> bash benchmarks/offline/pipeline_wait.sh /root/run 540 "$OUT"   # PEER=FILE: pipeline_report.py --peer
+#   bash benchmarks/offline/pipeline_wait.sh /root/run 540 "$OUT"   # PEER=FILE: pipeline_report.py --peer
+# The commit is the kit's (kit.sh wrote it; COMMIT=<sha> overrides it).
 set -uo pipefail
 run=$1 seconds=$2 out=$3
 here=$(cd "$(dirname "$0")" && pwd)
@@ -15,13 +17,25 @@ end=$((SECONDS + seconds)) next=$((SECONDS + 60))
 while [ ! -f "$run/logs/job.rc" ] && [ "$SECONDS" -lt "$end" ]; do
   if ! kill -0 "$(cat "$run/logs/job.pid")" 2>/dev/null; then echo "the job ended without its exit code (killed?): rerun pipeline_run.sh to resume"; break; fi
   sleep 5
-  if [ "$SECONDS" -ge "$next" ]; then python3 "$report" "$run" --poll --lines 2; next=$((SECONDS + 60)); fi
+  if [ "$SECONDS" -ge "$next" ]; then
+    for dir in "$run" "$run"/variants/*; do [ -f "$dir/logs/dvc.log" ] && python3 "$report" "$dir" --poll --lines 2; done
+    next=$((SECONDS + 60))
+  fi
 done
-python3 "$report" "$run" --poll
-mkdir -p "$out"
-python3 "$report" "$run" --out "$out/pipeline_10k.json" --commit "${COMMIT:-unknown}" \
-  --command "${COMMAND:-$(cat "$run/logs/command.txt")}" ${PEER:+--peer "$PEER"} > /dev/null
-gzip -c "$run/logs/dvc.log" > "$out/dvc.log.gz"
+# One run folder's report, log and metrics into a folder.
+collect() {
+  local dir=$1 to=$2
+  mkdir -p "$to"
+  python3 "$report" "$dir" --out "$to/pipeline_10k.json" --commit "${COMMIT:-$(cat "$dir/logs/commit.txt" 2>/dev/null || echo unknown)}" \
+    --command "${COMMAND:-$(cat "$dir/logs/command.txt")}" ${PEER:+--peer "$PEER"} > /dev/null
+  gzip -c "$dir/logs/dvc.log" > "$to/dvc.log.gz"
+  tar -C "$dir" -czf "$to/metrics.tar.gz" --ignore-failed-read params.yaml dvc.lock logs/job.out metrics dvclive 2>/dev/null
+}
+for dir in "$run" "$run"/variants/*; do [ -f "$dir/logs/dvc.log" ] && python3 "$report" "$dir" --poll; done
+collect "$run" "$out"
 [ -f "$run/logs/gpu.tsv" ] && gzip -c "$run/logs/gpu.tsv" > "$out/gpu.tsv.gz"
-tar -C "$run" -czf "$out/metrics.tar.gz" --ignore-failed-read params.yaml dvc.lock logs/job.out metrics dvclive 2>/dev/null
+variants=$(mktemp -d)
+for dir in "$run"/variants/*; do [ -f "$dir/logs/dvc.log" ] && collect "$dir" "$variants/variants/$(basename "$dir")"; done
+[ -d "$variants/variants" ] && tar -C "$variants" -czf "$out/variants.tar.gz" variants
+rm -rf "$variants"
 ls -la "$out"
