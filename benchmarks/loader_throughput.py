@@ -9,7 +9,7 @@ of the ``--preset`` verifier's shape, their index.jsonl and meta.json, a merged 
 order as merge writes it: prompts of ``--prompt`` tokens and answers of ``--answer`` tokens on average, lengths
 uniform in [n/2, 3n/2]), then reads its train split as the stage does: ``HiddenStates`` items, packed and
 collated by ``collate_ttt`` in the order of ``DataPlan``, through the stage's ``step_batches`` DataLoader at
-each ``--workers`` count (pinned memory where CUDA is there), and times ``--rows`` micro-batches after the
+each ``--workers`` count (pinned memory where CUDA is there; the parts page-cached first), and times ``--rows`` micro-batches after the
 first (the workers' start is reported apart). Then the training process's work on one collated batch: the
 pin-memory thread's copy (on a GPU) and ``to_device`` (to the GPU where there is one) and, with ``--profile N``, the cProfile of N rows read and
 collated in one process, as a worker does it.
@@ -151,6 +151,9 @@ def main() -> None:
         root = Path(tmp)
         start = time.perf_counter()
         write_hidden_states(root, shape, args.samples, args.prompt, args.answer, args.part_bytes)
+        os.sync()  # the parts written back and then read once: page-cached, as the stage finds them after extract
+        for part in sorted((root / "hidden" / SHARD).glob("*.safetensors")):
+            part.read_bytes()
         dataset = HiddenStates(root / "merged", root / "hidden", "train")
         plan = DataPlan(dataset.lengths, batching, seed=0)
         print(f"wrote {len(dataset)} train samples, {sum(dataset.lengths)} tokens, {plan.steps_in(0)} rows of {args.pack_tokens} "
