@@ -29,6 +29,7 @@ SMOKE = {
     "evaluate_stage.py": ["{demo}"],
     "extract_throughput.py": ["{verifier}", "--smoke"],
     "generate_throughput.py": ["--smoke", "--json", "{out}"],
+    "loader_throughput.py": ["--smoke", "--out", "{out}"],
     "peer_speculators.py": ["--smoke"],  # without speculators installed: this project's side of the step only
     "peer_tau.py": ["--help"],  # a pipeline run and the peer's trainer: its imports (ours, peer_format's) only
     "peer_train.py": ["--help"],  # the peer's own trainer, nothing of ours: its imports only

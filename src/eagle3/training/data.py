@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from eagle3.common import UserError
 from eagle3.training.config import Batching
@@ -61,8 +61,9 @@ def collate(items: list[dict[str, torch.Tensor]], batching: Batching) -> dict[st
     if len(layout) > rows:
         raise ValueError(f"{len(items)} samples need {len(layout)} rows of {capacity} tokens, not {rows}")
     first = items[0]
-    batch = {key: first[key].new_zeros((rows, capacity, *first[key].shape[1:])) for key in ("input_ids", "loss_mask", "aux", "final")}
-    position_ids = torch.arange(capacity).repeat(rows, 1)  # [rows, capacity]: empty rows are one padding sequence
+    batch = {key: batch_tensor(first[key], (rows, capacity, *first[key].shape[1:])) for key in ("input_ids", "loss_mask", "aux", "final")}
+    position_ids = batch_tensor(torch.arange(0), (rows, capacity))
+    position_ids[:] = torch.arange(capacity)  # empty rows are one padding sequence
     for r, members in enumerate(layout):
         start = 0
         for i in members:
@@ -71,8 +72,22 @@ def collate(items: list[dict[str, torch.Tensor]], batching: Batching) -> dict[st
                 batch[key][r, start : start + n] = items[i][key]
             position_ids[r, start : start + n] = torch.arange(n)
             start += n
+        for key in batch:
+            batch[key][r, start:] = 0
         position_ids[r, start:] = torch.arange(capacity - start)
+    for key in batch:
+        batch[key][len(layout) :] = 0
     return {**batch, "position_ids": position_ids, "tokens": sum(lengths)}
+
+
+def batch_tensor(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised tensor of ``like``'s dtype, in shared memory inside a DataLoader worker. Why: a worker
+    hands its batch to the training process through shared memory, and a batch made in private memory is
+    copied there when it is sent (37 MB a row at the 10k shape: as long as reading and packing the row)."""
+    if get_worker_info() is None:
+        return like.new_empty(shape)
+    storage = like.untyped_storage()._new_shared(math.prod(shape) * like.element_size())
+    return torch.empty(0, dtype=like.dtype).set_(storage).view(shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,6 +201,25 @@ class StepSampler(Sampler):
 
     def __len__(self) -> int:
         return len(self.steps) * self.plan.batching.grad_accum
+
+
+class ValidationSampler(Sampler):
+    """Batch sampler of validation: each step's rows of this process (``InOrder``) in one micro-batch; sample 0
+    where the last step leaves a process without rows (computed, not counted: every process runs as many forwards)."""
+
+    def __init__(self, plan: InOrder):
+        self.plan = plan
+
+    def __iter__(self):
+        for step in range(len(self)):
+            yield sum(self.plan.micro_batches(step), []) or [0]
+
+    def __len__(self) -> int:
+        return self.plan.steps(1)
+
+    def counted(self, step: int) -> bool:
+        """Whether step ``step``'s micro-batch holds rows of this process (else it is sample 0, not counted)."""
+        return bool(self.plan.micro_batches(step))
 
 
 def step_batches(dataset: Dataset, plan: DataPlan, steps: range, collate_fn: Callable, num_workers: int = 0,

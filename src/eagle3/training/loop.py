@@ -24,7 +24,7 @@ from eagle3.training.loss import TrainingTimeTest, VerifierHead
 from eagle3.training.parallel import World
 from eagle3.training.reporting import Window, record, replay, train_metrics
 from eagle3.training.step import (Optimisation, collate_ttt, compile_step, compiles, lr_factor, make_optimizers, to_device,
-                                  train_step, validate, warmup_steps)
+                                  train_step, validate, validation_batches, warmup_steps)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
     replay(live, state)
     collate_fn = partial(collate_ttt, batching=batching, ttt_steps=cfg.ttt_steps)
     batches = iter(step_batches(train_set, plan, range(state.step, total), collate_fn, cfg.num_workers, world.device.type == "cuda"))
+    val_batches = validation_batches(val_set, cfg, world)
     window, clock = torch.zeros(6, cfg.ttt_steps, device=world.device), Window()
     while state.step < total:
         micro = [to_device(next(batches), world.device) for _ in range(batching.grad_accum)]
@@ -107,7 +108,7 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
             for step, metrics in train_metrics(clock, cfg.step_decay, world):  # one host sync for the queued lines
                 record(live, state, "train", metrics, step)
         if validating:
-            metrics = validate(model, head, val_set, cfg, world)
+            metrics = validate(model, head, val_batches, cfg, world)
             record(live, state, "val", metrics)
             if state.best is None or metrics["sim_accept_len"] > state.best["sim_accept_len"]:
                 state.best = {**metrics, "step": state.step}
