@@ -13,7 +13,8 @@ from torch import Tensor
 from transformers import AutoConfig, DeepseekV3Config, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from eagle3.drafter import attention, loss, model, rope
+from eagle3.drafter import attention, model, rope
+from eagle3.training import loss
 from eagle3.drafter.attention import KVCache, cached_attention, document_block_mask, masked_attention
 from eagle3.drafter.model import DraftConfig
 from eagle3.drafter.rope import rope_frequencies
