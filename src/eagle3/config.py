@@ -36,6 +36,7 @@ from eagle3.lm.spec import VerifierSpec
 from eagle3.prompt_sources.config import DatasetSettings
 from eagle3.schema import ABSENT, BOOL, NON_NEGATIVE, POSITIVE, check_schema, integer, number, one_of, refuse
 from eagle3.training.config import TrainConfig
+from eagle3.training.mixture import MixtureSettings
 
 
 
@@ -216,7 +217,7 @@ def _check_keys(values: Any, schema: Schema | None, prefix: str, conf_dir: Path,
 
 # --- value checks: the groups' schemas, and key -> (test, what is allowed) of the others ----------
 
-SCHEMAS = (DatasetSettings, ExtractSettings, TrainConfig, EvaluateConfig)  # each beside the code that reads its group
+SCHEMAS = (DatasetSettings, ExtractSettings, MixtureSettings, TrainConfig, EvaluateConfig)  # each beside the code that reads its group
 
 CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": NON_NEGATIVE,
@@ -248,10 +249,6 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "backend.backoff_max": (number(0), "a number >= 0"),
     "backend.port": ((lambda v: integer(1)(v) and v < 65536), "a port number in [1, 65535]"),
     "backend.health_timeout": (number(0, open_low=True), "a number > 0"),
-    "merge.val_fraction": ((lambda v: number(0, 1)(v) and v < 1), "a number in [0, 1)"),
-    "merge.min_tokens": POSITIVE,
-    "merge.max_tokens": POSITIVE,
-    "merge.draft_vocab_size": POSITIVE,
 }
 
 
@@ -293,9 +290,6 @@ def _check_relations(params: DictConfig) -> None:
     if ABSENT not in (context, new) and context <= new:
         raise refuse("generate.max_new_tokens", new, f"smaller than model.max_position_embeddings ({context}), the verifier's context")
     _check_sample_temperatures(params)
-    low, high = _get(params, "merge.min_tokens"), _get(params, "merge.max_tokens")
-    if ABSENT not in (low, high) and high < low:
-        raise refuse("merge.max_tokens", high, f">= merge.min_tokens ({low})")
 
 
 def _check_sample_temperatures(params: DictConfig) -> None:
