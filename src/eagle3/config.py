@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from eagle3.backends.config import BackendSettings
 from eagle3.common import UserError, at_finish
 from eagle3.decoding.config import EvaluateConfig
 from eagle3.launch import USER_ERROR
@@ -217,7 +218,7 @@ def _check_keys(values: Any, schema: Schema | None, prefix: str, conf_dir: Path,
 
 # --- value checks: the groups' schemas, and key -> (test, what is allowed) of the others ----------
 
-SCHEMAS = (DatasetSettings, ExtractSettings, MixtureSettings, TrainConfig, EvaluateConfig)  # each beside the code that reads its group
+SCHEMAS = (DatasetSettings, BackendSettings, ExtractSettings, MixtureSettings, TrainConfig, EvaluateConfig)  # each beside the code that reads its group
 
 CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": NON_NEGATIVE,
@@ -237,18 +238,6 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "generate.samples": POSITIVE,
     "generate.sample_temperatures": ((lambda v: isinstance(v, list) and bool(v) and all(number(0)(t) for t in v)),
                                      "a non-empty list of numbers >= 0 (cycled over the answers after the first)"),
-    "backend.batch_size": POSITIVE,
-    "backend.batch_tokens": ((lambda v: v is None or integer(1)(v)), "an integer >= 1, or null for no token budget"),
-    "backend.pad_multiple": POSITIVE,
-    "backend.cuda_graphs": BOOL,
-    "backend.cache_memory": (number(0, 1, open_low=True), "a number in (0, 1]: the share of the GPU memory free"),
-    "backend.concurrency": POSITIVE,
-    "backend.timeout": (number(0, open_low=True), "a number > 0"),
-    "backend.max_retries": NON_NEGATIVE,
-    "backend.backoff": (number(0), "a number >= 0"),
-    "backend.backoff_max": (number(0), "a number >= 0"),
-    "backend.port": ((lambda v: integer(1)(v) and v < 65536), "a port number in [1, 65535]"),
-    "backend.health_timeout": (number(0, open_low=True), "a number > 0"),
 }
 
 
