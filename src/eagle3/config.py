@@ -32,6 +32,7 @@ from eagle3.backends.config import BackendSettings
 from eagle3.common import UserError, at_finish
 from eagle3.decoding.config import EvaluateConfig
 from eagle3.launch import USER_ERROR
+from eagle3.layout import LayoutSettings
 from eagle3.hidden_states.config import ExtractSettings
 from eagle3.lm.spec import VerifierSpec
 from eagle3.prompt_sources.config import DatasetSettings
@@ -218,7 +219,8 @@ def _check_keys(values: Any, schema: Schema | None, prefix: str, conf_dir: Path,
 
 # --- value checks: the groups' schemas, and key -> (test, what is allowed) of the others ----------
 
-SCHEMAS = (DatasetSettings, BackendSettings, ExtractSettings, MixtureSettings, TrainConfig, EvaluateConfig)  # each beside the code that reads its group
+# each beside the code that reads its group
+SCHEMAS = (DatasetSettings, LayoutSettings, BackendSettings, ExtractSettings, MixtureSettings, TrainConfig, EvaluateConfig)
 
 CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": NON_NEGATIVE,
@@ -226,12 +228,6 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.trust_remote_code": BOOL,
     "model.num_layers": POSITIVE,
     "model.max_position_embeddings": POSITIVE,
-    "layout.device": one_of("cpu", "cuda"),
-    "layout.dtype": one_of("float32", "bfloat16", "float16"),
-    "layout.extract_workers": POSITIVE,
-    "layout.train_procs": POSITIVE,
-    "layout.nnodes": POSITIVE,
-    "layout.threads": POSITIVE,
     "generate.max_new_tokens": POSITIVE,
     "generate.temperature": (number(0), "a number >= 0"),
     "generate.top_p": (number(0, 1, open_low=True), "a number in (0, 1]"),
@@ -272,9 +268,6 @@ def _check_model(params: DictConfig) -> None:
 
 
 def _check_relations(params: DictConfig) -> None:
-    device, dtype = _get(params, "layout.device"), _get(params, "layout.dtype")
-    if device == "cpu" and dtype not in (ABSENT, "float32"):
-        raise refuse("layout.dtype", dtype, "float32 on the CPU (bf16 is several times slower there)")
     context, new = _get(params, "model.max_position_embeddings"), _get(params, "generate.max_new_tokens")
     if ABSENT not in (context, new) and context <= new:
         raise refuse("generate.max_new_tokens", new, f"smaller than model.max_position_embeddings ({context}), the verifier's context")
