@@ -34,9 +34,9 @@ from eagle3.decoding.config import EvaluateConfig
 from eagle3.launch import USER_ERROR
 from eagle3.layout import LayoutSettings
 from eagle3.hidden_states.config import ExtractSettings
-from eagle3.lm.spec import VerifierSpec
+from eagle3.lm.spec import ModelSettings
 from eagle3.prompt_sources.config import DatasetSettings
-from eagle3.schema import ABSENT, BOOL, NON_NEGATIVE, POSITIVE, check_schema, integer, number, one_of, refuse
+from eagle3.schema import ABSENT, NON_NEGATIVE, POSITIVE, check_schema, number, refuse
 from eagle3.training.config import TrainConfig
 from eagle3.training.mixture import MixtureSettings
 
@@ -220,14 +220,11 @@ def _check_keys(values: Any, schema: Schema | None, prefix: str, conf_dir: Path,
 # --- value checks: the groups' schemas, and key -> (test, what is allowed) of the others ----------
 
 # each beside the code that reads its group
-SCHEMAS = (DatasetSettings, LayoutSettings, BackendSettings, ExtractSettings, MixtureSettings, TrainConfig, EvaluateConfig)
+SCHEMAS = (DatasetSettings, ModelSettings, LayoutSettings, BackendSettings, ExtractSettings, MixtureSettings, TrainConfig,
+           EvaluateConfig)
 
 CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": NON_NEGATIVE,
-    "model.copy_weights": BOOL,
-    "model.trust_remote_code": BOOL,
-    "model.num_layers": POSITIVE,
-    "model.max_position_embeddings": POSITIVE,
     "generate.max_new_tokens": POSITIVE,
     "generate.temperature": (number(0), "a number >= 0"),
     "generate.top_p": (number(0, 1, open_low=True), "a number in (0, 1]"),
@@ -253,18 +250,7 @@ def validate(params: DictConfig) -> None:
             raise refuse(key, value, allowed)
     for schema in SCHEMAS:
         check_schema(schema, partial(_get, params))
-    for check in (_check_model, _check_relations):
-        check(params)
-
-
-def _check_model(params: DictConfig) -> None:
-    """The model keys' types here; the verifier spec applies its rules (the taps within model.num_layers
-    when the view has it, the final state; extract checks the taps against the verifier's own layers)."""
-    layers = _get(params, "model.aux_layers")
-    if layers is not ABSENT and (not isinstance(layers, list) or not all(integer(0)(k) for k in layers)):
-        raise refuse("model.aux_layers", layers, "a list of layer ids")
-    if "model" in params:
-        VerifierSpec.from_params(params.model).check_taps()
+    _check_relations(params)
 
 
 def _check_relations(params: DictConfig) -> None:
