@@ -345,7 +345,7 @@ def openai_pass(spec: dict):
     """One pass of the stage's core against a server: prompts as chats, so it needs a shard."""
     from omegaconf import OmegaConf
 
-    from eagle3.backends import make_backend
+    from eagle3.backends.by_name import make_backend
     from eagle3.backends.base import Generation
     from eagle3.config import compose_params
     from eagle3.backends.shard import Asking, Journal, generate_shard, generation_params, read_prompts

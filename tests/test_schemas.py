@@ -1,5 +1,6 @@
-"""A setting is declared once: each converted group's schema (``config.SCHEMAS``) has exactly the keys
-its conf/ files declare (the union over the group's options), and no value of its own."""
+"""A setting is declared once: every conf/ group has a schema (``config.SCHEMAS``) with exactly the keys
+its conf/ files declare (the union over the group's options), and no value of its own; the keys of no
+group are checked by ``config.TOP_LEVEL``."""
 
 from __future__ import annotations
 
@@ -10,12 +11,18 @@ import pytest
 from omegaconf import OmegaConf
 
 from eagle3.common import UserError
-from eagle3.config import SCHEMAS, conf_schema, validate
+from eagle3.config import SCHEMAS, TOP_LEVEL, conf_schema, validate
 from eagle3.schema import ABSENT, POSITIVE, check_schema, setting
 from support.repo import ROOT
 
 # Hydra's name of the chosen option: a key of every group, read by no schema (composition's own)
 OPTION_NAME = "name"
+
+
+def test_every_conf_group_has_one_schema_and_every_other_key_a_top_level_check():
+    groups = sorted(path.name for path in (ROOT / "conf").iterdir() if path.is_dir())
+    assert sorted(schema.GROUP for schema in SCHEMAS) == groups
+    assert set(conf_schema(ROOT / "conf")) - set(groups) == set(TOP_LEVEL)
 
 
 @pytest.mark.parametrize("schema", SCHEMAS, ids=lambda schema: schema.GROUP)
@@ -46,11 +53,19 @@ def test_a_schema_checks_only_the_keys_a_view_holds():
 
 
 def test_validate_runs_the_schemas_cross_key_rules():
-    """TrainConfig.relations, DatasetSettings.relations, EvaluateConfig.relations: rules over several keys,
-    one line each."""
+    """The schemas' relations (TrainConfig's, DatasetSettings', EvaluateConfig's, MixtureSettings', LayoutSettings',
+    ModelSettings', GenerateSettings'): rules over several keys, of any group, one line each."""
     with pytest.raises(UserError, match=r"train.batch_tokens = 3000: must be a multiple of train.pack_tokens \(2048\)"):
         validate(OmegaConf.create({"train": {"batch_tokens": 3000, "pack_tokens": 2048}}))
     with pytest.raises(UserError, match=r"dataset.shards = \['000032-001000'\]: must be contiguous ranges starting at 000000"):
         validate(OmegaConf.create({"dataset": {"shards": ["000032-001000"]}}))
     with pytest.raises(UserError, match=r"^params.yaml: evaluate.sets = \['code'\]: must be sets that dataset.eval_sets builds"):
         validate(OmegaConf.create({"evaluate": {"sets": ["code"]}, "dataset": {"eval_sets": {"heldout": 8}}}))
+    with pytest.raises(UserError, match=r"^params.yaml: merge.max_tokens = 4: must be >= merge.min_tokens \(8\)$"):
+        validate(OmegaConf.create({"merge": {"min_tokens": 8, "max_tokens": 4}}))
+    with pytest.raises(UserError, match=r"^params.yaml: layout.dtype = 'bfloat16': must be float32 on the CPU"):
+        validate(OmegaConf.create({"layout": {"device": "cpu", "dtype": "bfloat16"}}))
+    with pytest.raises(UserError, match=r"^params.yaml: model.aux_layers \[2, 15, 30\] must be 3 ascending layer ids in \[1, 30\)$"):
+        validate(OmegaConf.create({"model": {"num_layers": 30, "aux_layers": [2, 15, 30]}}))
+    with pytest.raises(UserError, match=r"^params.yaml: generate.max_new_tokens = 64: must be smaller than model.max_position_embeddings"):
+        validate(OmegaConf.create({"generate": {"max_new_tokens": 64}, "model": {"max_position_embeddings": 64}}))

@@ -1,8 +1,8 @@
 """Params: composition, validation and each stage's declared view.
 
 A group's keys are declared once, in its schema beside the code that reads it (``SCHEMAS``, see
-``eagle3.schema``: types, bounds, cross-key rules); the groups without one yet keep their checks
-here (``CHECKS`` and the ``_check_*`` rules).
+``eagle3.schema``: types, bounds, cross-key rules); conf/config.yaml's own top-level keys (seed)
+keep their check here (``TOP_LEVEL``).
 
 ``dvc exp run -S group=option`` composes ``conf/`` into ``params.yaml`` with Hydra; plain
 ``dvc repro`` reads the committed ``params.yaml``. ``eagle3 params -S ...`` composes it the same
@@ -20,7 +20,7 @@ import contextlib
 import difflib
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,14 +28,17 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from eagle3.backends.config import BackendSettings, GenerateSettings
 from eagle3.common import UserError, at_finish
 from eagle3.decoding.config import EvaluateConfig
 from eagle3.launch import USER_ERROR
+from eagle3.layout import LayoutSettings
 from eagle3.hidden_states.config import ExtractSettings
-from eagle3.lm.spec import VerifierSpec
+from eagle3.lm.spec import ModelSettings
 from eagle3.prompt_sources.config import DatasetSettings
-from eagle3.schema import ABSENT, BOOL, NON_NEGATIVE, POSITIVE, check_schema, integer, number, one_of, refuse
+from eagle3.schema import ABSENT, NON_NEGATIVE, Check, check_schema, refuse
 from eagle3.training.config import TrainConfig
+from eagle3.training.mixture import MixtureSettings
 
 
 
@@ -214,45 +217,11 @@ def _check_keys(values: Any, schema: Schema | None, prefix: str, conf_dir: Path,
             _check_keys(value, schema[str(key)], f"{dotted}.", conf_dir, name)
 
 
-# --- value checks: the groups' schemas, and key -> (test, what is allowed) of the others ----------
+# --- value checks: the groups' schemas, and the top-level keys' ----------------------------------
 
-SCHEMAS = (DatasetSettings, ExtractSettings, TrainConfig, EvaluateConfig)  # each beside the code that reads its group
-
-CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "seed": NON_NEGATIVE,
-    "model.copy_weights": BOOL,
-    "model.trust_remote_code": BOOL,
-    "model.num_layers": POSITIVE,
-    "model.max_position_embeddings": POSITIVE,
-    "layout.device": one_of("cpu", "cuda"),
-    "layout.dtype": one_of("float32", "bfloat16", "float16"),
-    "layout.extract_workers": POSITIVE,
-    "layout.train_procs": POSITIVE,
-    "layout.nnodes": POSITIVE,
-    "layout.threads": POSITIVE,
-    "generate.max_new_tokens": POSITIVE,
-    "generate.temperature": (number(0), "a number >= 0"),
-    "generate.top_p": (number(0, 1, open_low=True), "a number in (0, 1]"),
-    "generate.samples": POSITIVE,
-    "generate.sample_temperatures": ((lambda v: isinstance(v, list) and bool(v) and all(number(0)(t) for t in v)),
-                                     "a non-empty list of numbers >= 0 (cycled over the answers after the first)"),
-    "backend.batch_size": POSITIVE,
-    "backend.batch_tokens": ((lambda v: v is None or integer(1)(v)), "an integer >= 1, or null for no token budget"),
-    "backend.pad_multiple": POSITIVE,
-    "backend.cuda_graphs": BOOL,
-    "backend.cache_memory": (number(0, 1, open_low=True), "a number in (0, 1]: the share of the GPU memory free"),
-    "backend.concurrency": POSITIVE,
-    "backend.timeout": (number(0, open_low=True), "a number > 0"),
-    "backend.max_retries": NON_NEGATIVE,
-    "backend.backoff": (number(0), "a number >= 0"),
-    "backend.backoff_max": (number(0), "a number >= 0"),
-    "backend.port": ((lambda v: integer(1)(v) and v < 65536), "a port number in [1, 65535]"),
-    "backend.health_timeout": (number(0, open_low=True), "a number > 0"),
-    "merge.val_fraction": ((lambda v: number(0, 1)(v) and v < 1), "a number in [0, 1)"),
-    "merge.min_tokens": POSITIVE,
-    "merge.max_tokens": POSITIVE,
-    "merge.draft_vocab_size": POSITIVE,
-}
+SCHEMAS = (DatasetSettings, ModelSettings, LayoutSettings, GenerateSettings, BackendSettings, ExtractSettings,  # each beside
+           MixtureSettings, TrainConfig, EvaluateConfig)                                                      # its reader
+TOP_LEVEL: dict[str, Check] = {"seed": NON_NEGATIVE}  # conf/config.yaml's keys of no group
 
 
 def _get(params: DictConfig, key: str) -> Any:
@@ -265,48 +234,10 @@ def validate(params: DictConfig) -> None:
 
     Checks only the keys present, so a stage validates exactly the keys it declares.
     """
-    for key, (ok, allowed) in CHECKS.items():
+    for key, (ok, allowed) in TOP_LEVEL.items():
         value = _get(params, key)
         if value is not ABSENT and not ok(value):
             raise refuse(key, value, allowed)
     for schema in SCHEMAS:
         check_schema(schema, partial(_get, params))
-    for check in (_check_model, _check_relations):
-        check(params)
 
-
-def _check_model(params: DictConfig) -> None:
-    """The model keys' types here; the verifier spec applies its rules (the taps within model.num_layers
-    when the view has it, the final state; extract checks the taps against the verifier's own layers)."""
-    layers = _get(params, "model.aux_layers")
-    if layers is not ABSENT and (not isinstance(layers, list) or not all(integer(0)(k) for k in layers)):
-        raise refuse("model.aux_layers", layers, "a list of layer ids")
-    if "model" in params:
-        VerifierSpec.from_params(params.model).check_taps()
-
-
-def _check_relations(params: DictConfig) -> None:
-    device, dtype = _get(params, "layout.device"), _get(params, "layout.dtype")
-    if device == "cpu" and dtype not in (ABSENT, "float32"):
-        raise refuse("layout.dtype", dtype, "float32 on the CPU (bf16 is several times slower there)")
-    context, new = _get(params, "model.max_position_embeddings"), _get(params, "generate.max_new_tokens")
-    if ABSENT not in (context, new) and context <= new:
-        raise refuse("generate.max_new_tokens", new, f"smaller than model.max_position_embeddings ({context}), the verifier's context")
-    _check_sample_temperatures(params)
-    low, high = _get(params, "merge.min_tokens"), _get(params, "merge.max_tokens")
-    if ABSENT not in (low, high) and high < low:
-        raise refuse("merge.max_tokens", high, f">= merge.min_tokens ({low})")
-
-
-def _check_sample_temperatures(params: DictConfig) -> None:
-    """At most one answer to a prompt is greedy: greedy decoding gives one answer, so another is its copy."""
-    samples, first = _get(params, "generate.samples"), _get(params, "generate.temperature")
-    others = _get(params, "generate.sample_temperatures")
-    if ABSENT in (samples, first, others):
-        return
-    temperatures = [first] + [others[(k - 1) % len(others)] for k in range(1, samples)]
-    greedy = [k for k, t in enumerate(temperatures) if t == 0]
-    if len(greedy) > 1:
-        raise refuse("generate.sample_temperatures", others,
-                     f"free of 0 for the {samples} answers of generate.samples: answers {greedy} would be at temperature 0 "
-                     "(answer 0 at generate.temperature), one greedy answer repeated")

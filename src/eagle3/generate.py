@@ -36,7 +36,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from eagle3.backends import make_backend
+from eagle3.backends.by_name import make_backend
 from eagle3.backends.base import Generation, server_model
 from eagle3.backends.shard import Asking, Journal, Shard, generate_shard, generation_params, read_prompts
 from eagle3.common import atomic_dir, sha256_file, stable_hash, stage_main, to_plain, write_json, write_jsonl

@@ -10,33 +10,7 @@ batch, because a row's numerics depend on its batch-mates' padding).
 - ``openai``: any OpenAI-compatible endpoint (SGLang, vLLM, ``transformers serve``, hosted APIs);
 - ``sglang``: starts an SGLang server with the layout's TP, then talks to it as ``openai`` does.
 
-``base`` holds what they share (requests, answers, the protocol); ``make_backend`` picks one by name;
-``shard`` answers one prompt shard through a backend, resuming from its journal (the stage's core).
+``base`` holds what they share (requests, answers, the protocol); ``by_name.make_backend`` picks one by
+name; ``shard`` answers one prompt shard through a backend, resuming from its journal (the stage's
+core); ``config`` is the ``backend`` params section's schema, which every stage's view is checked with.
 """
-
-from __future__ import annotations
-
-from pathlib import Path
-
-from omegaconf import DictConfig
-
-from eagle3.backends.base import Backend, Generation
-from eagle3.common import UserError
-from eagle3.lm.spec import VerifierSpec
-
-
-def make_backend(cfg: DictConfig, verifier: Path, generation: Generation, spec: VerifierSpec) -> Backend:
-    """The backend named by ``cfg.name`` (the params' ``backend`` section)."""
-    if cfg.name == "local":
-        from eagle3.backends.local import LocalBackend
-
-        return LocalBackend(cfg, verifier, generation)
-    if cfg.name == "openai":
-        from eagle3.backends.openai import OpenAIBackend
-
-        return OpenAIBackend(cfg, generation)
-    if cfg.name == "sglang":
-        from eagle3.backends.sglang import SGLangBackend
-
-        return SGLangBackend(cfg, verifier, generation, spec)
-    raise UserError(f"params.yaml: backend.name: {cfg.name!r} is not one of local, openai, sglang")

@@ -23,12 +23,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from omegaconf import DictConfig
 
 from eagle3.common import UserError, to_plain
 from eagle3.lm.chat import ChatFormat
+from eagle3.schema import ABSENT, BOOL, POSITIVE, Lookup, integer, refuse, setting
 
 NUM_TAPS = 3  # low, middle and high layer: fc reads 3H
 FINAL_STATES = ("post-norm",)  # train applies only the lm_head to `final`: it must be after the final norm
@@ -192,3 +193,37 @@ class VerifierSpec:
     def chat(self) -> ChatFormat:
         """How conversations render (model.chat_template, reasoning_format, end_of_turn)."""
         return ChatFormat(self.chat_template, self.reasoning_format, self.end_of_turn)
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The ``model`` params section's schema: one field per key of conf/model/*.yaml and conf/config.yaml's
+    ``model`` defaults, with the key's check; ``VerifierSpec`` reads them, its rules in ``relations``."""
+
+    GROUP: ClassVar[str] = "model"
+
+    source: dict = setting()  # where the weights come from, by kind (verifier_sources)
+    copy_weights: bool = setting(BOOL)  # store the weights in models/verifier (DVC-cached)
+    trust_remote_code: bool = setting(BOOL)  # the verifier's tokenizer/model need their own code
+    num_layers: int = setting(POSITIVE)  # decoder layers (relations: the taps lie within them)
+    max_position_embeddings: int = setting(POSITIVE)  # the verifier's context
+    aux_layers: list = setting()  # the taps (relations)
+    language_model: dict = setting()  # where the text model sits in the checkpoint (LanguageModel)
+    placement: dict = setting()  # GPUs one copy needs (layout.verifier of the GPU layouts)
+    final_state: str = setting()  # which hidden state `final` is (VerifierSpec.from_params: FINAL_STATES)
+    chat_template: str | None = setting()  # Jinja written into models/verifier; null: the tokenizer's own
+    reasoning_parser: str | None = setting()  # SGLang --reasoning-parser; null: the model does not reason
+    reasoning_format: str = setting()  # "template", or a prefix with {reasoning} put before the answer
+    end_of_turn: str | None = setting()  # the marker closing an answer; null: the eos token
+    stop: list = setting()  # strings ending an answer besides EOS
+    draft_head: dict = setting()  # overrides of the drafter's shape
+
+    @staticmethod
+    def relations(get: Lookup) -> None:
+        """The taps a list of layer ids; the spec's rules (the taps within model.num_layers when the view has
+        it, the final state; extract checks the taps against the verifier's own layers)."""
+        layers, model = get("model.aux_layers"), get("model")
+        if layers is not ABSENT and (not isinstance(layers, list) or not all(integer(0)(k) for k in layers)):
+            raise refuse("model.aux_layers", layers, "a list of layer ids")
+        if model is not ABSENT:
+            VerifierSpec.from_params(model).check_taps()
