@@ -34,9 +34,12 @@ Imports eagle3.train, and so omegaconf (eagle3.config).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from functools import partial
@@ -49,7 +52,7 @@ from common import ROOT, commit
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.hidden_states.loader import HiddenStates
 from eagle3.training.config import TrainConfig
-from eagle3.training.data import DataPlan
+from eagle3.training.data import DataPlan, step_batches
 from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead
 from eagle3.training.parallel import World, close_world, init_world, wrap
 from eagle3.training.step import (Optimisation, collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step,
@@ -107,6 +110,21 @@ def real_documents(merged: str, hidden_states: str, cfg: TrainConfig, count: int
     plan = DataPlan(dataset.lengths, cfg.batching(world.size), 0, world.rank, world.size)
     batches = [b for step in range(count) for b in plan.micro_batches(step)][:count]
     return [[dataset[i] for i in indices] for indices in batches]
+
+
+def synthetic_split(args, draft: DraftConfig, batching) -> tuple[HiddenStates, DataPlan]:
+    """``--loader-workers``: random hidden states of the drafter's verifier shape written in the stage's format
+    (``loader_throughput.write_hidden_states``: 2,000 samples, prompts and answers of the 10k data's ~170 and ~128
+    tokens in an 8,192-token row, scaled to the row) into a temporary folder removed at exit, and the train split's plan."""
+    from loader_throughput import write_hidden_states
+
+    root = Path(tempfile.mkdtemp(prefix="eagle3-train-bench-"))
+    atexit.register(shutil.rmtree, root, True)
+    shape = {"hidden_size": draft.hidden_size, "vocab_size": draft.vocab_size, "aux_layers": draft.aux_layers}
+    prompt, answer = (max(2, batching.pack_tokens * n // 8192) for n in (170, 128))
+    write_hidden_states(root, shape, samples=2000, prompt=prompt, answer=answer, part_bytes=256 << 20)
+    dataset = HiddenStates(root / "merged", root / "hidden", "train")
+    return dataset, DataPlan(dataset.lengths, batching, seed=0)
 
 
 def step_flops(cfg: DraftConfig, batch: dict, lengths: list[int], frozen_head: bool) -> float:
@@ -181,8 +199,13 @@ def measure(args, draft: DraftConfig, cfg: TrainConfig, host_batches: list[dict]
     factor = partial(lr_factor, warmup=warmup_steps(cfg.warmup_fraction, total), total=total, floor=cfg.min_lr_ratio)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer, factor) for optimizer in optimizers]
 
+    loader = iter(args.loader(range(total))) if args.loader else None  # the stage's DataLoader, its workers started here
+    taken = []  # tokens of each step's batch
+
     def step(i: int) -> torch.Tensor:
-        micro = [to_device(host_batches[i % len(host_batches)], world.device)]
+        batch = next(loader) if loader else host_batches[i % len(host_batches)]
+        taken.append(batch["tokens"])
+        micro = [to_device(batch, world.device)]
         return train_step(model, head, micro, Optimisation(optimizers, schedulers), cfg, world)[0]
 
     start = time.perf_counter()
@@ -210,7 +233,7 @@ def measure(args, draft: DraftConfig, cfg: TrainConfig, host_batches: list[dict]
             marks.append(time.perf_counter())
     spans = [(a.elapsed_time(b) / 1000 if gpu else b - a) for a, b in zip(marks, marks[1:])]
     median = statistics.median(spans)
-    tokens = statistics.fmean(host_batches[i % len(host_batches)]["tokens"] for i in range(args.warmup, total))
+    tokens = statistics.fmean(taken[args.warmup :])
     step_flop = statistics.fmean(flops[i % len(flops)] for i in range(args.warmup, total))
     result = {"median_step_s": round(median, 5), "mean_step_s": round(statistics.fmean(spans), 5),
               "tokens_per_s": round(world.size * tokens / median, 1), "first_step_s": round(first_step_s, 2),
@@ -255,6 +278,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], help="default: both (--smoke: eager)")
     parser.add_argument("--batches", type=int, default=8, help="distinct batches cycled through")
     parser.add_argument("--check-steps", type=int, default=5, help="first steps whose losses are compared across modes")
+    parser.add_argument("--loader-workers", type=int, help="read random hidden states written in the stage's format through "
+                        "the stage's DataLoader with this many workers (pinned on GPUs), as train does, instead of "
+                        "cycling collated batches")
     parser.add_argument("--merged", help="real data: the merge output folder (with --hidden-states)")
     parser.add_argument("--hidden-states", help="real data: the extracted shards folder")
     parser.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
@@ -281,7 +307,13 @@ def main(argv: list[str] | None = None) -> None:
     seq, ttt_steps = args.seq or base.pack_tokens, args.ttt_steps or base.ttt_steps
     cfg = recipe(args.recipe, rows, pack_tokens=seq, batch_tokens=rows * seq * world.size, ttt_steps=ttt_steps, fsdp=args.fsdp)
     batching = cfg.batching(world.size)
-    if args.merged:
+    args.loader = None
+    if args.loader_workers is not None:  # items of the stage's own format on disk, read as the stage reads them
+        dataset, plan = synthetic_split(args, draft, batching)
+        collate = partial(collate_ttt, batching=batching, ttt_steps=cfg.ttt_steps)
+        args.loader = partial(step_batches, dataset, plan, collate_fn=collate, num_workers=args.loader_workers, pin_memory=gpu)
+        items = [[dataset[i] for i in plan.micro_batches(step)[0]] for step in range(args.batches)]
+    elif args.merged:
         items = real_documents(args.merged, args.hidden_states, cfg, args.batches, world)
     else:
         generator = torch.Generator().manual_seed(1 + world.rank)  # batches of its own on every process
@@ -295,7 +327,8 @@ def main(argv: list[str] | None = None) -> None:
              "torch": torch.__version__, "processes": world.size, "parallel": ("fsdp" if args.fsdp else "ddp") if world.size > 1 else "none",
              "preset": "smoke" if args.smoke else args.preset, "H": draft.hidden_size, "V": draft.vocab_size, "Vd": draft.draft_vocab_size,
              "recipe": args.recipe, "rows": rows, "seq": seq, "ttt_steps": cfg.ttt_steps, "optimizer": cfg.optimizer,
-             "data": args.merged or f"random, doc_tokens {args.doc_tokens}, answer {args.answer}",
+             "data": (f"random, the stage's format through {args.loader_workers} loader workers" if args.loader else args.merged
+                      or f"random, doc_tokens {args.doc_tokens}, answer {args.answer}"),
              "documents_per_row": round(sum(map(len, lengths)) / len(lengths) / rows, 2),
              "targets_per_step": round(statistics.fmean(len(b["selection"].positions) for b in host_batches), 1),
              "padding_fraction": round(1 - sum(map(sum, lengths)) / (len(lengths) * rows * seq), 4),

@@ -141,11 +141,13 @@ def fused_causal_attention(q: Tensor, k: Tensor, v: Tensor, block_mask) -> tuple
     starts. The log-sum-exp is differentiable, which the chain keys of training-time test need:
     they are merged in outside the kernel.
     """
-    attend = flex_attention_kernel()
-    out, lse = attend(
-        q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1], return_lse=True,
-    )
-    return out, lse.float()
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    # return_aux, not the deprecated return_lse: its once-only warning adds to a global set, which a compiled
+    # step guards on, so the step compiled twice (about 30 s of a 10k run on one H200)
+    out, aux = flex_attention_kernel()(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1],
+                                       return_aux=AuxRequest(lse=True))
+    return out, aux.lse.float()
 
 
 def cached_attention(q: Tensor, cache: KVCache, last: Tensor) -> Tensor:

@@ -8,6 +8,8 @@ steps (keeping the weights of the best validation), ``save_checkpoint`` every
 from __future__ import annotations
 
 import logging
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -44,6 +46,27 @@ def warn_if_undertrained(total: int, cfg: TrainConfig) -> None:
         advice = f"Lower train.batch_tokens (now {cfg.batch_tokens}) or raise train.epochs (now {cfg.epochs})"
     log.warning("\n%s\nUNDER-TRAINED: only %d optimizer steps (fewer than %d): the drafter will accept far fewer tokens "
                 "than this data can teach. %s.\n%s", "!" * 100, total, MIN_STEPS, advice, "!" * 100)
+
+
+class Spent:
+    """Wall seconds of the training loop, and how much of it went to named parts (what a slow run looks at first:
+    a loop that mostly waits for rows is input-bound, not GPU-bound). Host clocks: GPU work queued meanwhile
+    runs on."""
+
+    def __init__(self):
+        self.start, self.parts = time.perf_counter(), {}
+
+    @contextmanager
+    def on(self, part: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.parts[part] = self.parts.get(part, 0.0) + time.perf_counter() - start
+
+    def summary(self) -> str:
+        total = time.perf_counter() - self.start
+        return f"{total:.1f} s; " + ", ".join(f"{part} {seconds:.1f} s ({seconds / total:.0%})" for part, seconds in self.parts.items())
 
 
 class Splits(NamedTuple):
@@ -92,9 +115,10 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
     collate_fn = partial(collate_ttt, batching=batching, ttt_steps=cfg.ttt_steps)
     batches = iter(step_batches(train_set, plan, range(state.step, total), collate_fn, cfg.num_workers, world.device.type == "cuda"))
     val_batches = validation_batches(val_set, cfg, world)
-    window, clock = torch.zeros(6, cfg.ttt_steps, device=world.device), Window()
+    window, clock, spent = torch.zeros(6, cfg.ttt_steps, device=world.device), Window(), Spent()
     while state.step < total:
-        micro = [to_device(next(batches), world.device) for _ in range(batching.grad_accum)]
+        with spent.on("waiting for rows"):
+            micro = [to_device(next(batches), world.device) for _ in range(batching.grad_accum)]
         sums, norm = train_step(model, head, micro, Optimisation(optimizers, schedulers), cfg, world)
         state.step += 1
         window += sums
@@ -108,12 +132,16 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
             for step, metrics in train_metrics(clock, cfg.step_decay, world):  # one host sync for the queued lines
                 record(live, state, "train", metrics, step)
         if validating:
-            metrics = validate(model, head, val_batches, cfg, world)
+            with spent.on("validating"):
+                metrics = validate(model, head, val_batches, cfg, world)
             record(live, state, "val", metrics)
             if state.best is None or metrics["sim_accept_len"] > state.best["sim_accept_len"]:
                 state.best = {**metrics, "step": state.step}
                 save_best(run_dir, model, state, world)
         if saving:
-            save_checkpoint(run_dir, model, optimizers, schedulers, state, world)
+            with spent.on("checkpointing"):
+                save_checkpoint(run_dir, model, optimizers, schedulers, state, world)
+    if world.main:
+        log.info("the loop's wall time: %s", spent.summary())
     last = next((metrics for _, prefix, metrics in reversed(state.history) if prefix == "train"), {})
     return {"steps": total, "train": last, "best": state.best}
