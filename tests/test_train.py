@@ -28,7 +28,7 @@ from eagle3.lm.loading import verifier_parts
 from eagle3.train import TrainPaths, main, train
 from eagle3.training.checkpoints import lock_run
 from eagle3.training.config import Batching, TrainConfig
-from eagle3.training.data import DataPlan, InOrder, ValidationSampler, collate, pack, read_ahead
+from eagle3.training.data import DataPlan, InOrder, ValidationSampler, collate, pack
 from eagle3.training.loop import Run, Splits, fit
 from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead
 from eagle3.training.parallel import World
@@ -150,26 +150,6 @@ def test_a_worker_packs_its_rows_in_shared_memory_with_the_same_values():
     assert all(shared.values()) and not any(private.values())
     for key, value in here.items():
         assert torch.equal(from_worker[key], value) if isinstance(value, torch.Tensor) else from_worker[key] == value, key
-
-
-def test_read_ahead_gives_the_loader_batches_in_order_and_its_errors():
-    """A loader without workers is read by a background thread: the same batches in the same order, and an item that
-    fails to read fails the consumer with its own error (the stage's one-line message), not a silent stop."""
-    class Numbers(Dataset):
-        def __len__(self) -> int:
-            return 9
-
-        def __getitem__(self, i: int) -> torch.Tensor:
-            if i == 7:
-                raise UserError("sample 7 is damaged")
-            return torch.tensor(i)
-
-    loader = DataLoader(Numbers(), batch_size=2)
-    assert [b.tolist() for b in read_ahead(DataLoader(range(9), batch_size=2))] == [[0, 1], [2, 3], [4, 5], [6, 7], [8]]
-    batches = read_ahead(loader)
-    assert [next(batches).tolist() for _ in range(3)] == [[0, 1], [2, 3], [4, 5]]
-    with pytest.raises(UserError, match="sample 7 is damaged"):
-        next(batches)
 
 
 def test_validation_batches_give_an_idle_process_sample_0_uncounted():

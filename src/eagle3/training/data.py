@@ -14,9 +14,7 @@ of its shapes): the data order is a pure function of (seed, step), so resuming n
 from __future__ import annotations
 
 import math
-import queue
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
@@ -225,38 +223,8 @@ class ValidationSampler(Sampler):
 
 
 def step_batches(dataset: Dataset, plan: DataPlan, steps: range, collate_fn: Callable, num_workers: int = 0,
-                 pin_memory: bool = False) -> Iterator:
+                 pin_memory: bool = False) -> DataLoader:
     """The collated micro-batches of optimizer steps ``steps`` (e.g. range(start, stop)), read by
-    ``num_workers`` processes, or (0) read ahead by a thread of this one (``read_ahead``)."""
-    return read_ahead(DataLoader(dataset, batch_sampler=StepSampler(plan, steps), collate_fn=collate_fn,
-                                 num_workers=num_workers, pin_memory=pin_memory))
-
-
-def read_ahead(loader: DataLoader, depth: int = 2) -> Iterator:
-    """The loader's batches; one without worker processes is read (and pinned) by a background thread, up to
-    ``depth`` batches ahead of the consumer. Why: worker processes hand each batch over through shared memory,
-    and at 8,192-token rows of SmolLM2 states (37 MB) that hand-over capped a run at ~60 rows/s whatever the
-    worker count, while one thread reads ~116 (one H200 host, benchmarks/loader_throughput.py); in a thread,
-    the reading overlaps the GPU's step instead of preceding it. The batches are the same either way."""
-    return iter(loader) if loader.num_workers else from_thread(loader, depth)
-
-
-def from_thread(loader: DataLoader, depth: int) -> Iterator:
-    batches: queue.Queue = queue.Queue(depth)
-
-    def fill() -> None:
-        try:
-            for batch in loader:
-                batches.put((batch, None))
-            batches.put((None, StopIteration()))
-        except BaseException as err:  # noqa: BLE001 (re-raised in the consumer, where the loop can see it)
-            batches.put((None, err))
-
-    threading.Thread(target=fill, name="read-ahead", daemon=True).start()
-    while True:
-        batch, error = batches.get()
-        if isinstance(error, StopIteration):
-            return
-        if error is not None:
-            raise error
-        yield batch
+    ``num_workers`` processes."""
+    return DataLoader(dataset, batch_sampler=StepSampler(plan, steps), collate_fn=collate_fn,
+                      num_workers=num_workers, pin_memory=pin_memory)

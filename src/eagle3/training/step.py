@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import eagle3.training.parallel as parallel
 from eagle3.training.config import Batching, TrainConfig
-from eagle3.training.data import InOrder, ValidationSampler, collate, read_ahead
+from eagle3.training.data import InOrder, ValidationSampler, collate
 from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
 from eagle3.training.parallel import World
 
@@ -138,9 +138,8 @@ def train_step(model, head: VerifierHead, micro: list[dict], optimisation: Optim
 
 def validation_batches(dataset: Dataset, cfg: TrainConfig, world: World) -> DataLoader:
     """The validation split's micro-batches (``ValidationSampler``), read by ``train.num_workers`` processes that
-    are kept between validations, or (0) by a thread of this one a few batches ahead (``validate``: ``read_ahead``).
-    Why: read in the training process between forwards, every row of the split was read, checked and collated while
-    the GPU waited (45 validations a 10k run); workers started afresh would pay their start each time."""
+    are kept between validations. Why: read in the training process, every row of the split was read, checked and
+    collated while the GPU waited (45 validations a 10k run); workers started afresh would pay their start each time."""
     sampler = ValidationSampler(InOrder(dataset.lengths, cfg.val_batching(), world.rank, world.size))
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=partial(collate_ttt, batching=sampler.plan.batching,
                       ttt_steps=cfg.ttt_steps), num_workers=cfg.num_workers, pin_memory=world.device.type == "cuda",
@@ -152,7 +151,7 @@ def validate(model, head: VerifierHead, batches: DataLoader, cfg: TrainConfig, w
     """Metrics over the whole validation split (``validation_batches``; every process runs the same number of batches)."""
     net = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     total = torch.zeros(6, cfg.ttt_steps, device=world.device)
-    for step, batch in enumerate(read_ahead(batches)):
+    for step, batch in enumerate(batches):
         batch = to_device(batch, world.device)
         with parallel.autocast(world.device):
             target = head(batch["final"], batch["selection"].positions)
