@@ -176,7 +176,10 @@ def test_document_block_mask_equals_masked_attention(monkeypatch):
     kernel's log-sum-exp comes back without a deprecation warning (a compiled step would guard on it)."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    import torch.nn.attention.flex_attention as flex
+
     monkeypatch.setattr(attention, "flex_attention_kernel", lambda: flex_attention)
+    monkeypatch.setattr(flex, "_WARNINGS_SHOWN", set())  # once-only warnings: as in a fresh process, whatever ran before
     torch.manual_seed(0)
     B, nh, nkv, T, hd = 2, 4, 2, 37, 16
     q, k, v = torch.randn(B, nh, T, hd), torch.randn(B, nkv, T, hd), torch.randn(B, nkv, T, hd)
@@ -184,7 +187,7 @@ def test_document_block_mask_equals_masked_attention(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out, lse = attention.fused_causal_attention(q, k, v, document_block_mask(starts))
-    assert not [w for w in caught if issubclass(w.category, FutureWarning)]  # uncompiled flex warns otherwise (scores materialised)
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)]  # return_lse's deprecation (the UserWarning: uncompiled flex)
     expected, expected_lse = masked_attention(q, k, v, torch.arange(T), starts)
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(lse, expected_lse)

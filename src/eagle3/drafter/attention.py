@@ -144,7 +144,7 @@ def fused_causal_attention(q: Tensor, k: Tensor, v: Tensor, block_mask) -> tuple
     from torch.nn.attention.flex_attention import AuxRequest
 
     # return_aux, not the deprecated return_lse: its once-only warning adds to a global set, which a compiled
-    # step guards on, so the step compiled twice (about 30 s of a 10k run on one H200)
+    # step guards on, so the step compiled twice (one H200: a recompile in the log; ~38 s of the recorded 10k run)
     out, aux = flex_attention_kernel()(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1],
                                        return_aux=AuxRequest(lse=True))
     return out, aux.lse.float()
