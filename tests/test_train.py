@@ -32,7 +32,8 @@ from eagle3.training.data import DataPlan, InOrder, ValidationSampler, collate, 
 from eagle3.training.loop import Run, Splits, fit
 from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead
 from eagle3.training.parallel import World
-from eagle3.training.step import Optimisation, collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step
+from eagle3.training.step import (Optimisation, collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step,
+                                  validate, validation_batches)
 
 from support.repo import ROOT, project_params
 from support.tiny_drafter import make_drafter, one_thread, random_batch, verifier_head_weight  # noqa: F401 (autouse fixture)
@@ -585,6 +586,33 @@ def test_the_cpu_step_is_the_eager_one_it_always_was(tmp_path):
         assert float(auto["model"][name].double().sum()) == pytest.approx(total, rel=1e-6), name
 
 
+def test_states_held_on_the_device_train_the_same_bytes(tmp_path):
+    """train.states_on_device true (rows gathered from one tensor of every sample's states, as on a GPU) trains the
+    weights and history that reading each row from the split does: the same rows, padding included."""
+    held, read = recorded_run(tmp_path / "held", states_on_device=True), recorded_run(tmp_path / "read", states_on_device=False)
+    for name in read["model"]:
+        assert torch.equal(held["model"][name], read["model"][name]), name
+    assert [(s, p, m["loss"]) for s, p, m in held["history"]] == [(s, p, m["loss"]) for s, p, m in read["history"]]
+
+
+def test_resident_rows_are_the_collated_rows():
+    """A packed micro-batch of ``Resident`` items, gathered, is the micro-batch collated from the samples themselves:
+    states, padding (zeros) and the host tensors."""
+    from eagle3.training.resident import Resident
+
+    items = Items(make_drafter().config, 5, seed=3)
+    batching = Batching(pack_tokens=32, batch_size=2, grad_accum=1)
+    resident = Resident(items, torch.device("cpu"), "test")
+    rows = [4, 0, 2, 1]
+    want = collate([items[i] for i in rows], batching)
+    got = collate([resident[i] for i in rows], batching)
+    got.update(resident.gather(got.pop("token")))
+    assert want.keys() == got.keys()
+    for key in ("input_ids", "loss_mask", "aux", "final", "position_ids"):
+        assert torch.equal(want[key], got[key]), key
+    assert got["tokens"] == want["tokens"]
+
+
 def test_metric_lines_queue_on_the_device_and_keep_their_steps():
     """Lines closed every 2 steps reach the host together, each with its own step, sums and mean grad norm; steps of an
     open line (a sync between two lines) stay in that line."""
@@ -612,7 +640,7 @@ def test_metric_lines_queue_on_the_device_and_keep_their_steps():
 def test_the_compiled_step_matches_the_eager_one(monkeypatch):
     """compile true on the CPU (inductor's C++ kernels): two steps whose batches select different numbers of rows give
     the eager step's metric sums, gradient norm and weights within float tolerance, compiled once (the selection's
-    sizes are dynamic from the first step)."""
+    sizes are dynamic from the first step; a validation reuses the training graph)."""
     from torch._dynamo.utils import counters
 
     dcfg = make_drafter().config
@@ -633,6 +661,7 @@ def test_the_compiled_step_matches_the_eager_one(monkeypatch):
         schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0) for o in optimizers]
         steps = [train_step(model, head, [to_device(b, torch.device("cpu"))], Optimisation(optimizers, schedulers), cfg, CPU)
                  for b in batches]
+        validate(model, head, validation_batches(Items(dcfg, 3, seed=7), cfg, CPU), cfg, CPU)  # no graph of its own
         runs.append((steps, {name: p.detach().clone() for name, p in model.named_parameters()}, counters["stats"]["unique_graphs"]))
     (eager_steps, eager_weights, _), (compiled_steps, compiled_weights, graphs) = runs
     for (sums, norm), (want_sums, want_norm) in zip(compiled_steps, eager_steps):

@@ -55,6 +55,7 @@ class TrainConfig:
     fsdp: bool = setting(BOOL)  # FSDP instead of DDP (multi-process only)
     num_workers: int = setting(NON_NEGATIVE)  # DataLoader worker processes per training process
     compile: bool | str = setting(one_of("auto", True, False))  # auto: the TTT forward and the verifier head compiled on CUDA (not with fsdp); true, false
+    states_on_device: bool | str = setting(one_of("auto", True, False))  # auto: every split's states held in the GPU's memory when they fit (training.resident); true, false
 
     @staticmethod
     def relations(get: Lookup) -> None:

@@ -48,8 +48,9 @@ def collate(items: list[dict[str, torch.Tensor]], batching: Batching) -> dict[st
     """Pack the items of one micro-batch (in order, ``pack``) into its ``batch_size`` rows of
     ``pack_tokens`` tokens: [batch_size, pack_tokens, ...].
 
-    Adds ``position_ids`` [batch_size, pack_tokens] int64: 0, 1, ... within each sample, restarting at the
-    next; the padding tail of a row (zero states, token 0, loss_mask False) continues as one more
+    Every key of the items is packed (``input_ids``, ``loss_mask``, and ``aux`` and ``final``, or the ``token``
+    index of ``training.resident``). Adds ``position_ids`` [batch_size, pack_tokens] int64: 0, 1, ... within each
+    sample, restarting at the next; the padding tail of a row (zero states, token 0, loss_mask False) continues as one more
     sequence 0, 1, ... Rows beyond what the items fill are all padding. ``tokens``: real tokens.
 
     Worked example (pack_tokens 4, batch_size 2, samples of 2 and 1 tokens): position_ids
@@ -61,7 +62,7 @@ def collate(items: list[dict[str, torch.Tensor]], batching: Batching) -> dict[st
     if len(layout) > rows:
         raise ValueError(f"{len(items)} samples need {len(layout)} rows of {capacity} tokens, not {rows}")
     first = items[0]
-    batch = {key: batch_tensor(first[key], (rows, capacity, *first[key].shape[1:])) for key in ("input_ids", "loss_mask", "aux", "final")}
+    batch = {key: batch_tensor(value, (rows, capacity, *value.shape[1:])) for key, value in first.items()}
     position_ids = batch_tensor(torch.arange(0), (rows, capacity))
     position_ids[:] = torch.arange(capacity)  # empty rows are one padding sequence
     for r, members in enumerate(layout):

@@ -24,9 +24,10 @@ from eagle3.training.config import TrainConfig
 from eagle3.training.data import DataPlan, check_lengths, step_batches
 from eagle3.training.loss import TrainingTimeTest, VerifierHead
 from eagle3.training.parallel import World
+from eagle3.training.resident import on_device
 from eagle3.training.reporting import Window, record, replay, train_metrics
 from eagle3.training.step import (Optimisation, collate_ttt, compile_step, compiles, lr_factor, make_optimizers, to_device,
-                                  train_step, validate, validation_batches, warmup_steps)
+                                  train_step, validate, validation_batches, warmup_steps, workers)
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +91,11 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
 
     ``ttt`` and ``head`` are on ``world.device``.
     """
-    (train_set, val_set), run_dir, live = splits, run.folder, run.live
+    run_dir, live = run.folder, run.live
     run_dir.mkdir(parents=True, exist_ok=True)
     batching = cfg.batching(world.size)
-    check_lengths({"train": train_set, "val": val_set}, batching)
-    plan = DataPlan(train_set.lengths, batching, run.seed, world.rank, world.size)
+    check_lengths(splits._asdict(), batching)
+    plan = DataPlan(splits.train.lengths, batching, run.seed, world.rank, world.size)
     total = cfg.max_steps or plan.steps(cfg.epochs)
     warmup = warmup_steps(cfg.warmup_fraction, total)
     if world.main:
@@ -109,16 +110,17 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
     factor = partial(lr_factor, warmup=warmup, total=total, floor=cfg.min_lr_ratio)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer, factor) for optimizer in optimizers]
     state = resume(run_dir, model, optimizers, schedulers, world)
+    train_set, val_set = on_device(splits._asdict(), cfg, world).values()
     if state.step:
         log.info("resumed %s at step %d", run_dir, state.step)
     replay(live, state)
     collate_fn = partial(collate_ttt, batching=batching, ttt_steps=cfg.ttt_steps)
-    batches = iter(step_batches(train_set, plan, range(state.step, total), collate_fn, cfg.num_workers, world.device.type == "cuda"))
+    batches = iter(step_batches(train_set, plan, range(state.step, total), collate_fn, workers(train_set, cfg), world.device.type == "cuda"))
     val_batches = validation_batches(val_set, cfg, world)
     window, clock, spent = torch.zeros(6, cfg.ttt_steps, device=world.device), Window(), Spent()
     while state.step < total:
         with spent.on("waiting for rows"):
-            micro = [to_device(next(batches), world.device) for _ in range(batching.grad_accum)]
+            micro = [to_device(next(batches), world.device, train_set) for _ in range(batching.grad_accum)]
         sums, norm = train_step(model, head, micro, Optimisation(optimizers, schedulers), cfg, world)
         state.step += 1
         window += sums

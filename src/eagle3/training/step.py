@@ -23,6 +23,7 @@ from eagle3.training.config import Batching, TrainConfig
 from eagle3.training.data import InOrder, ValidationSampler, collate
 from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
 from eagle3.training.parallel import World
+from eagle3.training.resident import Resident
 
 # ---------------------------------------------------------------------------------------------
 # Batches: the data order is training.data's DataPlan; here the TTT selection is added
@@ -32,15 +33,18 @@ def collate_ttt(items: list[dict[str, Tensor]], batching: Batching, ttt_steps: i
     """``eagle3.training.data.collate`` into the packed rows of a micro-batch, plus the rows each
     of the ``ttt_steps`` TTT steps scores and the count of real tokens (host side)."""
     batch = collate(items, batching)
-    return {"input_ids": batch["input_ids"], "aux": batch["aux"], "final": batch["final"], "position_ids": batch["position_ids"],
-            "selection": select_rows(batch["loss_mask"], batch["position_ids"], ttt_steps), "tokens": batch["tokens"]}
+    selection = select_rows(batch.pop("loss_mask"), batch["position_ids"], ttt_steps)
+    return {**batch, "selection": selection}
 
 
-def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """The micro-batch on ``device`` (asynchronous from pinned memory). The selection's sizes (targets, rows
-    each TTT step scores) differ from batch to batch: they are marked dynamic for torch.compile (nothing
-    else reads the mark), so a compiled step compiles once, not once static and then again dynamic."""
+def to_device(batch: dict[str, Any], device: torch.device, dataset: Dataset | None = None) -> dict[str, Any]:
+    """The micro-batch of ``dataset`` on ``device`` (asynchronous from pinned memory; the states gathered there
+    when ``dataset`` holds them: ``training.resident``). The selection's sizes (targets, rows each TTT step
+    scores) differ from batch to batch: they are marked dynamic for torch.compile (nothing else reads the
+    mark), so a compiled step compiles once, not once static and then again dynamic."""
     moved = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, Tensor)}
+    if "token" in moved:
+        moved.update(dataset.gather(moved.pop("token")))
     if device.type == "cpu":  # the CPU computes in float32: bf16-stored states widened, exactly (a GPU's autocast casts)
         moved.update({k: moved[k].float() for k in ("aux", "final")})
     selection = batch["selection"].to(device, non_blocking=True)
@@ -142,19 +146,28 @@ def validation_batches(dataset: Dataset, cfg: TrainConfig, world: World) -> Data
     collated while the GPU waited (45 validations a 10k run); workers started afresh would pay their start each time."""
     sampler = ValidationSampler(InOrder(dataset.lengths, cfg.val_batching(), world.rank, world.size))
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=partial(collate_ttt, batching=sampler.plan.batching,
-                      ttt_steps=cfg.ttt_steps), num_workers=cfg.num_workers, pin_memory=world.device.type == "cuda",
-                      persistent_workers=cfg.num_workers > 0)
+                      ttt_steps=cfg.ttt_steps), num_workers=workers(dataset, cfg), pin_memory=world.device.type == "cuda",
+                      persistent_workers=workers(dataset, cfg) > 0)
 
 
-@torch.no_grad()
+def workers(dataset: Dataset, cfg: TrainConfig) -> int:
+    """DataLoader workers for ``dataset``: ``train.num_workers``, none where the device holds the states (an item is
+    then a few host tensors: a worker's hand-over would cost more than making it)."""
+    return 0 if isinstance(dataset, Resident) else cfg.num_workers
+
+
 def validate(model, head: VerifierHead, batches: DataLoader, cfg: TrainConfig, world: World) -> dict[str, float]:
-    """Metrics over the whole validation split (``validation_batches``; every process runs the same number of batches)."""
+    """Metrics over the whole validation split (``validation_batches``; every process runs the same number of batches).
+
+    The forward runs with autograd recording, as in training, and its sums are detached (nothing is backpropagated):
+    a compiled step is specialised on the grad mode, so under ``torch.no_grad`` the first validation compiled a second
+    graph of the same forward (~30 s of a 10k run on one H200). Its values are the same either way."""
     net = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     total = torch.zeros(6, cfg.ttt_steps, device=world.device)
     for step, batch in enumerate(batches):
-        batch = to_device(batch, world.device)
+        batch = to_device(batch, world.device, batches.dataset)
         with parallel.autocast(world.device):
             target = head(batch["final"], batch["selection"].positions)
-            _, sums = net(batch["input_ids"], batch["aux"], batch["position_ids"], target, batch["selection"])
+            sums = net(batch["input_ids"], batch["aux"], batch["position_ids"], target, batch["selection"])[1].detach()
         total += sums if batches.batch_sampler.counted(step) else 0  # an idle process still joins FSDP's collectives
     return StepMetrics(parallel.all_reduce_sum(total, world)).summary(cfg.step_decay)
