@@ -5,6 +5,7 @@
     python benchmarks/train_throughput.py --device cuda --recipe 10k --modes compiled --iters 200 --out ...
     python benchmarks/train_throughput.py --device cuda --preset llama3-8b --recipe default --batch 4 --seq 2048 --out ...
     python benchmarks/train_throughput.py --device cuda --merged data/merged --hidden-states data/hidden_states --out ...
+    python benchmarks/train_throughput.py --device cuda --modes compiled --loader-workers 4 [--states-on-device] --out ...
     torchrun --nproc-per-node 2 benchmarks/train_throughput.py --device cuda --out ...   # DDP (--fsdp: FSDP2)
 
 Runs the stage's own pieces: the recipe's ``TrainConfig`` (conf/train/<recipe>.yaml), ``make_optimizers``
@@ -55,8 +56,9 @@ from eagle3.training.config import TrainConfig
 from eagle3.training.data import DataPlan, step_batches
 from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead
 from eagle3.training.parallel import World, close_world, init_world, wrap
+from eagle3.training.resident import Resident
 from eagle3.training.step import (Optimisation, collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step,
-                                  warmup_steps)
+                                  warmup_steps, workers)
 from offline.gpu_sampler import open_gpus, samples
 from shapes import DRAFTER_SHAPES
 
@@ -200,12 +202,13 @@ def measure(args, draft: DraftConfig, cfg: TrainConfig, host_batches: list[dict]
     schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer, factor) for optimizer in optimizers]
 
     loader = iter(args.loader(range(total))) if args.loader else None  # the stage's DataLoader, its workers started here
+    dataset = args.loader.args[0] if args.loader else None  # a Resident split gathers its rows on the device
     taken = []  # tokens of each step's batch
 
     def step(i: int) -> torch.Tensor:
         batch = next(loader) if loader else host_batches[i % len(host_batches)]
         taken.append(batch["tokens"])
-        micro = [to_device(batch, world.device)]
+        micro = [to_device(batch, world.device, dataset)]
         return train_step(model, head, micro, Optimisation(optimizers, schedulers), cfg, world)[0]
 
     start = time.perf_counter()
@@ -281,6 +284,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--loader-workers", type=int, help="read random hidden states written in the stage's format through "
                         "the stage's DataLoader with this many workers (pinned on GPUs), as train does, instead of "
                         "cycling collated batches")
+    parser.add_argument("--states-on-device", action="store_true", help="with --loader-workers: the states held in the "
+                        "device's memory and each row gathered there (train.states_on_device), no workers")
     parser.add_argument("--merged", help="real data: the merge output folder (with --hidden-states)")
     parser.add_argument("--hidden-states", help="real data: the extracted shards folder")
     parser.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
@@ -310,8 +315,10 @@ def main(argv: list[str] | None = None) -> None:
     args.loader = None
     if args.loader_workers is not None:  # items of the stage's own format on disk, read as the stage reads them
         dataset, plan = synthetic_split(args, draft, batching)
+        if args.states_on_device:
+            dataset = Resident(dataset, world.device, "states to the device")
         collate = partial(collate_ttt, batching=batching, ttt_steps=cfg.ttt_steps)
-        args.loader = partial(step_batches, dataset, plan, collate_fn=collate, num_workers=args.loader_workers, pin_memory=gpu)
+        args.loader = partial(step_batches, dataset, plan, collate_fn=collate, num_workers=workers(dataset, cfg), pin_memory=gpu)
         items = [[dataset[i] for i in plan.micro_batches(step)[0]] for step in range(args.batches)]
     elif args.merged:
         items = real_documents(args.merged, args.hidden_states, cfg, args.batches, world)
@@ -327,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
              "torch": torch.__version__, "processes": world.size, "parallel": ("fsdp" if args.fsdp else "ddp") if world.size > 1 else "none",
              "preset": "smoke" if args.smoke else args.preset, "H": draft.hidden_size, "V": draft.vocab_size, "Vd": draft.draft_vocab_size,
              "recipe": args.recipe, "rows": rows, "seq": seq, "ttt_steps": cfg.ttt_steps, "optimizer": cfg.optimizer,
-             "data": (f"random, the stage's format through {args.loader_workers} loader workers" if args.loader else args.merged
+             "data": (("random, the stage's format, held on the device" if args.states_on_device else
+                       f"random, the stage's format through {args.loader_workers} loader workers") if args.loader else args.merged
                       or f"random, doc_tokens {args.doc_tokens}, answer {args.answer}"),
              "documents_per_row": round(sum(map(len, lengths)) / len(lengths) / rows, 2),
              "targets_per_step": round(statistics.fmean(len(b["selection"].positions) for b in host_batches), 1),

@@ -22,3 +22,16 @@ def test_the_train_benchmark_smoke_mode_writes_its_figures(tmp_path):
     assert "error" not in eager, eager
     assert eager["median_step_s"] > 0 and eager["tokens_per_s"] > 0 and eager["gpu_util"] is None
     assert len(eager["losses"]) == 2 and all(math.isfinite(loss) for loss in eager["losses"])
+
+
+def test_rows_held_on_the_device_take_the_loaders_losses(tmp_path):
+    """--states-on-device gathers the rows the stage's loader reads from disk: the same first losses."""
+    losses = {}
+    for flags in ([], ["--states-on-device"]):
+        out = tmp_path / f"figures{len(flags)}.json"
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--smoke", "--loader-workers", "0",
+                        *flags, "--out", str(out)], check=True, capture_output=True, text=True, timeout=300)
+        figures = json.loads(out.read_text())["figures"]
+        losses[bool(flags)] = figures["modes"]["eager"]["losses"]
+    assert "held on the device" in figures["shape"]["data"]
+    assert losses[True] == losses[False]
