@@ -58,7 +58,7 @@ from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead
 from eagle3.training.parallel import World, close_world, init_world, wrap
 from eagle3.training.resident import Resident
 from eagle3.training.step import (Optimisation, collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step,
-                                  warmup_steps, workers)
+                                  warmup_steps)
 from offline.gpu_sampler import open_gpus, samples
 from shapes import DRAFTER_SHAPES
 
@@ -285,7 +285,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "the stage's DataLoader with this many workers (pinned on GPUs), as train does, instead of "
                         "cycling collated batches")
     parser.add_argument("--states-on-device", action="store_true", help="with --loader-workers: the states held in the "
-                        "device's memory and each row gathered there (train.states_on_device), no workers")
+                        "device's memory and each row gathered there (train.states_on_device); the workers pack the rows")
     parser.add_argument("--merged", help="real data: the merge output folder (with --hidden-states)")
     parser.add_argument("--hidden-states", help="real data: the extracted shards folder")
     parser.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.states_on_device:
             dataset = Resident(dataset, world.device, "states to the device")
         collate = partial(collate_ttt, batching=batching, ttt_steps=cfg.ttt_steps)
-        args.loader = partial(step_batches, dataset, plan, collate_fn=collate, num_workers=workers(dataset, cfg), pin_memory=gpu)
+        args.loader = partial(step_batches, dataset, plan, collate_fn=collate, num_workers=args.loader_workers, pin_memory=gpu)
         items = [[dataset[i] for i in plan.micro_batches(step)[0]] for step in range(args.batches)]
     elif args.merged:
         items = real_documents(args.merged, args.hidden_states, cfg, args.batches, world)
@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> None:
              "torch": torch.__version__, "processes": world.size, "parallel": ("fsdp" if args.fsdp else "ddp") if world.size > 1 else "none",
              "preset": "smoke" if args.smoke else args.preset, "H": draft.hidden_size, "V": draft.vocab_size, "Vd": draft.draft_vocab_size,
              "recipe": args.recipe, "rows": rows, "seq": seq, "ttt_steps": cfg.ttt_steps, "optimizer": cfg.optimizer,
-             "data": (("random, the stage's format, held on the device" if args.states_on_device else
-                       f"random, the stage's format through {args.loader_workers} loader workers") if args.loader else args.merged
+             "data": (f"random, the stage's format{', held on the device,' if args.states_on_device else ''} through "
+                      f"{args.loader_workers} loader workers" if args.loader else args.merged
                       or f"random, doc_tokens {args.doc_tokens}, answer {args.answer}"),
              "documents_per_row": round(sum(map(len, lengths)) / len(lengths) / rows, 2),
              "targets_per_step": round(statistics.fmean(len(b["selection"].positions) for b in host_batches), 1),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -586,10 +587,13 @@ def test_the_cpu_step_is_the_eager_one_it_always_was(tmp_path):
         assert float(auto["model"][name].double().sum()) == pytest.approx(total, rel=1e-6), name
 
 
-def test_states_held_on_the_device_train_the_same_bytes(tmp_path):
-    """train.states_on_device true (rows gathered from one tensor of every sample's states, as on a GPU) trains the
-    weights and history that reading each row from the split does: the same rows, padding included."""
-    held, read = recorded_run(tmp_path / "held", states_on_device=True), recorded_run(tmp_path / "read", states_on_device=False)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_states_held_on_the_device_train_the_same_bytes(tmp_path, workers):
+    """train.states_on_device true (rows gathered from one tensor of every sample's states, as on a GPU; packed in the
+    training process or by DataLoader workers) trains the weights and history that reading each row from the split
+    does: the same rows, padding included."""
+    held = recorded_run(tmp_path / "held", states_on_device=True, num_workers=workers)
+    read = recorded_run(tmp_path / "read", states_on_device=False)
     for name in read["model"]:
         assert torch.equal(held["model"][name], read["model"][name]), name
     assert [(s, p, m["loss"]) for s, p, m in held["history"]] == [(s, p, m["loss"]) for s, p, m in read["history"]]
@@ -607,6 +611,7 @@ def test_resident_rows_are_the_collated_rows():
     want = collate([items[i] for i in rows], batching)
     got = collate([resident[i] for i in rows], batching)
     got.update(resident.gather(got.pop("token")))
+    assert pickle.loads(pickle.dumps(resident)).aux is None  # a spawned worker gets the host side only
     assert want.keys() == got.keys()
     for key in ("input_ids", "loss_mask", "aux", "final", "position_ids"):
         assert torch.equal(want[key], got[key]), key

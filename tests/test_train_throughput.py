@@ -33,5 +33,5 @@ def test_rows_held_on_the_device_take_the_loaders_losses(tmp_path):
                         *flags, "--out", str(out)], check=True, capture_output=True, text=True, timeout=300)
         figures = json.loads(out.read_text())["figures"]
         losses[bool(flags)] = figures["modes"]["eager"]["losses"]
-    assert "held on the device" in figures["shape"]["data"]
+    assert figures["shape"]["data"] == "random, the stage's format, held on the device, through 0 loader workers"
     assert losses[True] == losses[False]

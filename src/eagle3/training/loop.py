@@ -27,7 +27,7 @@ from eagle3.training.parallel import World
 from eagle3.training.resident import on_device
 from eagle3.training.reporting import Window, record, replay, train_metrics
 from eagle3.training.step import (Optimisation, collate_ttt, compile_step, compiles, lr_factor, make_optimizers, to_device,
-                                  train_step, validate, validation_batches, warmup_steps, workers)
+                                  train_step, validate, validation_batches, warmup_steps)
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
         log.info("resumed %s at step %d", run_dir, state.step)
     replay(live, state)
     collate_fn = partial(collate_ttt, batching=batching, ttt_steps=cfg.ttt_steps)
-    batches = iter(step_batches(train_set, plan, range(state.step, total), collate_fn, workers(train_set, cfg), world.device.type == "cuda"))
+    batches = iter(step_batches(train_set, plan, range(state.step, total), collate_fn, cfg.num_workers, world.device.type == "cuda"))
     val_batches = validation_batches(val_set, cfg, world)
     window, clock, spent = torch.zeros(6, cfg.ttt_steps, device=world.device), Window(), Spent()
     while state.step < total:

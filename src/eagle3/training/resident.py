@@ -7,8 +7,12 @@
 
 Why: read from disk and handed over by DataLoader workers, an 8,192-token row of the 10k recipe
 (37 MB) reached the GPU at about 60 rows a second, while the compiled step took 9.4 ms; the step
-waited for its rows. Once on the device, a row is one gather of a few microseconds. The samples are
-read (and checked) once, at the start; token 0 of the device tensors is zeros, what padding points at.
+waited for its rows. Once on the device, a row is one gather. The samples are read (and checked)
+once, at the start; token 0 of the device tensors is zeros, what padding points at. The
+``train.num_workers`` workers still pack the rows (a few kilobytes of host tensors each): packed in
+the training process, between steps, the host fell behind the GPU on some steps (one H100: median
+12.6-16.3 ms, mean 22.6-30.0 ms; with 4 workers 13.1-13.4 / 13.2-13.6 ms, against 26.0-26.6 ms
+read from disk by the same workers; ``benchmarks/results/train_step_resident.json``).
 """
 
 from __future__ import annotations
@@ -59,6 +63,10 @@ class Resident(Dataset):
         input_ids, loss_mask, start = self.host[i]
         return {"input_ids": input_ids, "loss_mask": loss_mask, "token": torch.arange(start, start + len(input_ids))}
 
+    def __getstate__(self) -> dict:
+        """What a DataLoader worker started by pickling (spawn) gets: the host side; its items never read the states."""
+        return {**self.__dict__, "aux": None, "final": None}
+
     def gather(self, token: Tensor) -> dict[str, Tensor]:
         """The states of a collated ``token`` index [B, T] (on the device): ``aux`` [B, T, 3H], ``final`` [B, T, H]."""
         return {"aux": self.aux[token], "final": self.final[token]}
@@ -73,7 +81,7 @@ def state_bytes(dataset: Dataset) -> int:
 
 def on_device(splits: dict[str, Dataset], cfg: TrainConfig, world: World) -> dict[str, Dataset]:
     """The splits as training reads them: ``Resident`` when ``train.states_on_device`` says so (auto: on CUDA when
-    every split's states fit in ``AUTO_SHARE`` of the free memory), else as given (read through DataLoader workers)."""
+    every split's states fit in ``AUTO_SHARE`` of the free memory), else as given (the states read by the workers too)."""
     wanted = cfg.states_on_device
     if wanted == "auto":
         if world.device.type != "cuda":

@@ -23,7 +23,6 @@ from eagle3.training.config import Batching, TrainConfig
 from eagle3.training.data import InOrder, ValidationSampler, collate
 from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead, select_rows, step_counts, ttt_loss
 from eagle3.training.parallel import World
-from eagle3.training.resident import Resident
 
 # ---------------------------------------------------------------------------------------------
 # Batches: the data order is training.data's DataPlan; here the TTT selection is added
@@ -146,14 +145,8 @@ def validation_batches(dataset: Dataset, cfg: TrainConfig, world: World) -> Data
     collated while the GPU waited (45 validations a 10k run); workers started afresh would pay their start each time."""
     sampler = ValidationSampler(InOrder(dataset.lengths, cfg.val_batching(), world.rank, world.size))
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=partial(collate_ttt, batching=sampler.plan.batching,
-                      ttt_steps=cfg.ttt_steps), num_workers=workers(dataset, cfg), pin_memory=world.device.type == "cuda",
-                      persistent_workers=workers(dataset, cfg) > 0)
-
-
-def workers(dataset: Dataset, cfg: TrainConfig) -> int:
-    """DataLoader workers for ``dataset``: ``train.num_workers``, none where the device holds the states (an item is
-    then a few host tensors: a worker's hand-over would cost more than making it)."""
-    return 0 if isinstance(dataset, Resident) else cfg.num_workers
+                      ttt_steps=cfg.ttt_steps), num_workers=cfg.num_workers, pin_memory=world.device.type == "cuda",
+                      persistent_workers=cfg.num_workers > 0)
 
 
 def validate(model, head: VerifierHead, batches: DataLoader, cfg: TrainConfig, world: World) -> dict[str, float]:
