@@ -5,7 +5,7 @@
     python benchmarks/train_throughput.py --device cuda --recipe 10k --modes compiled --iters 200 --out ...
     python benchmarks/train_throughput.py --device cuda --preset llama3-8b --recipe default --batch 4 --seq 2048 --out ...
     python benchmarks/train_throughput.py --device cuda --merged data/merged --hidden-states data/hidden_states --out ...
-    python benchmarks/train_throughput.py --device cuda --modes compiled --loader-workers 4 [--states-on-device] --out ...
+    python benchmarks/train_throughput.py --device cuda --modes compiled --loader-workers 4 [--states-on-device] [--validate] --out ...
     torchrun --nproc-per-node 2 benchmarks/train_throughput.py --device cuda --out ...   # DDP (--fsdp: FSDP2)
 
 Runs the stage's own pieces: the recipe's ``TrainConfig`` (conf/train/<recipe>.yaml), ``make_optimizers``
@@ -24,7 +24,8 @@ batches; the losses of the first ``--check-steps`` steps are compared across mod
 
 Writes JSON to ``--out``: {"commit", "command", "figures": {"shape": ..., "modes": {mode: {"median_step_s",
 "tokens_per_s", "first_step_s" (compilation included), "gpu_util" (NVML, sampled over the timed steps),
-"model_tflops", "mfu", "peak_memory_gib", "losses"}}, "loss_agreement": {"max_rel_diff", "agree"}}}.
+"model_tflops", "mfu", "peak_memory_gib", "losses", "validation" (--validate: "seconds" of two validations,
+"graphs_before", "graphs_after")}}, "loss_agreement": {"max_rel_diff", "agree"}}}.
 Tokens are real (non-padding) tokens over all processes. FLOPs (``step_flops``), real tokens only:
 6 x params per token for fc and the decoder layer on every row of every step; the lm_head on the
 rows with a target (6 x H x Vd, or 4 x when frozen); causal attention within each document (plus
@@ -58,7 +59,7 @@ from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead
 from eagle3.training.parallel import World, close_world, init_world, wrap
 from eagle3.training.resident import Resident
 from eagle3.training.step import (Optimisation, collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step,
-                                  warmup_steps)
+                                  validate, validation_batches, warmup_steps)
 from offline.gpu_sampler import open_gpus, samples
 from shapes import DRAFTER_SHAPES
 
@@ -114,10 +115,11 @@ def real_documents(merged: str, hidden_states: str, cfg: TrainConfig, count: int
     return [[dataset[i] for i in indices] for indices in batches]
 
 
-def synthetic_split(args, draft: DraftConfig, batching) -> tuple[HiddenStates, DataPlan]:
+def synthetic_split(args, draft: DraftConfig, batching) -> tuple[HiddenStates, HiddenStates, DataPlan]:
     """``--loader-workers``: random hidden states of the drafter's verifier shape written in the stage's format
     (``loader_throughput.write_hidden_states``: 2,000 samples, prompts and answers of the 10k data's ~170 and ~128
-    tokens in an 8,192-token row, scaled to the row) into a temporary folder removed at exit, and the train split's plan."""
+    tokens in an 8,192-token row, scaled to the row) into a temporary folder removed at exit: the train and val splits, and
+    the train split's plan."""
     from loader_throughput import write_hidden_states
 
     root = Path(tempfile.mkdtemp(prefix="eagle3-train-bench-"))
@@ -126,7 +128,7 @@ def synthetic_split(args, draft: DraftConfig, batching) -> tuple[HiddenStates, D
     prompt, answer = (max(2, batching.pack_tokens * n // 8192) for n in (170, 128))
     write_hidden_states(root, shape, samples=2000, prompt=prompt, answer=answer, part_bytes=256 << 20)
     dataset = HiddenStates(root / "merged", root / "hidden", "train")
-    return dataset, DataPlan(dataset.lengths, batching, seed=0)
+    return dataset, HiddenStates(root / "merged", root / "hidden", "val"), DataPlan(dataset.lengths, batching, seed=0)
 
 
 def step_flops(cfg: DraftConfig, batch: dict, lengths: list[int], frozen_head: bool) -> float:
@@ -234,6 +236,8 @@ def measure(args, draft: DraftConfig, cfg: TrainConfig, host_batches: list[dict]
             torch.cuda.synchronize()
         else:
             marks.append(time.perf_counter())
+    if args.validate:
+        result_validation = validation_times(args.val_split, model, head, cfg, world)
     spans = [(a.elapsed_time(b) / 1000 if gpu else b - a) for a, b in zip(marks, marks[1:])]
     median = statistics.median(spans)
     tokens = statistics.fmean(taken[args.warmup :])
@@ -244,7 +248,23 @@ def measure(args, draft: DraftConfig, cfg: TrainConfig, host_batches: list[dict]
     if gpu:
         result["mfu"] = round(step_flop / median / 1e12 / args.peak_tflops, 4)
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if args.validate:
+        result["validation"] = result_validation
     return result
+
+
+def validation_times(split, model, head: VerifierHead, cfg: TrainConfig, world: World) -> dict:
+    """Two validations of ``split`` as ``train`` runs them (``validate``): each one's seconds, and the graphs compiled
+    before and after (a compiled step should serve them without compiling anything)."""
+    from torch._dynamo.utils import counters
+
+    batches, graphs, seconds = validation_batches(split, cfg, world), [counters["stats"]["unique_graphs"]], []
+    for _ in range(2):
+        start = time.perf_counter()
+        validate(model, head, batches, cfg, world)  # its metrics reach the host: synchronised
+        seconds.append(round(time.perf_counter() - start, 2))
+    graphs.append(counters["stats"]["unique_graphs"])
+    return {"seconds": seconds, "graphs_before": graphs[0], "graphs_after": graphs[1]}
 
 
 def loss_agreement(modes: dict[str, dict]) -> dict:
@@ -286,6 +306,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "cycling collated batches")
     parser.add_argument("--states-on-device", action="store_true", help="with --loader-workers: the states held in the "
                         "device's memory and each row gathered there (train.states_on_device); the workers pack the rows")
+    parser.add_argument("--validate", action="store_true", help="with --loader-workers: after the timed steps, two "
+                        "validations of the val split as train runs them (the first one's time, the graphs compiled)")
     parser.add_argument("--merged", help="real data: the merge output folder (with --hidden-states)")
     parser.add_argument("--hidden-states", help="real data: the extracted shards folder")
     parser.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
@@ -314,9 +336,9 @@ def main(argv: list[str] | None = None) -> None:
     batching = cfg.batching(world.size)
     args.loader = None
     if args.loader_workers is not None:  # items of the stage's own format on disk, read as the stage reads them
-        dataset, plan = synthetic_split(args, draft, batching)
+        dataset, args.val_split, plan = synthetic_split(args, draft, batching)
         if args.states_on_device:
-            dataset = Resident(dataset, world.device, "states to the device")
+            dataset, args.val_split = (Resident(d, world.device, "states to the device") for d in (dataset, args.val_split))
         collate = partial(collate_ttt, batching=batching, ttt_steps=cfg.ttt_steps)
         args.loader = partial(step_batches, dataset, plan, collate_fn=collate, num_workers=args.loader_workers, pin_memory=gpu)
         items = [[dataset[i] for i in plan.micro_batches(step)[0]] for step in range(args.batches)]

@@ -25,13 +25,16 @@ def test_the_train_benchmark_smoke_mode_writes_its_figures(tmp_path):
 
 
 def test_rows_held_on_the_device_take_the_loaders_losses(tmp_path):
-    """--states-on-device gathers the rows the stage's loader reads from disk: the same first losses."""
+    """--states-on-device gathers the rows the stage's loader reads from disk: the same first losses; --validate times
+    two validations of the val split."""
     losses = {}
     for flags in ([], ["--states-on-device"]):
         out = tmp_path / f"figures{len(flags)}.json"
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--smoke", "--loader-workers", "0",
-                        *flags, "--out", str(out)], check=True, capture_output=True, text=True, timeout=300)
+                        "--validate", *flags, "--out", str(out)], check=True, capture_output=True, text=True, timeout=300)
         figures = json.loads(out.read_text())["figures"]
         losses[bool(flags)] = figures["modes"]["eager"]["losses"]
+        validation = figures["modes"]["eager"]["validation"]
+        assert len(validation["seconds"]) == 2 and validation["graphs_before"] == validation["graphs_after"] == 0
     assert figures["shape"]["data"] == "random, the stage's format, held on the device, through 0 loader workers"
     assert losses[True] == losses[False]
