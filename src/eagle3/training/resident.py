@@ -1,9 +1,9 @@
 """A split's hidden states held in the training device's memory, its packed rows gathered there
 (``train.states_on_device``).
 
-    split = on_device(HiddenStates(merged, hidden_states, "train"), cfg, world)  # Resident, or the split as given
-    batch = collate([split[i] for i in rows], batching)          # ``token``: where each row's tokens sit
-    states = split.gather(batch["token"].to(device))             # {"aux", "final"}: the rows, on the device
+    splits = on_device({"train": HiddenStates(merged, hidden_states, "train"), ...}, cfg, world)  # Resident, or as given
+    batch = collate([splits["train"][i] for i in rows], batching)   # ``token``: where each row's tokens sit
+    states = splits["train"].gather(batch["token"].to(device))      # {"aux", "final"}: the rows, on the device
 
 Why: read from disk and handed over by DataLoader workers, an 8,192-token row of the 10k recipe
 (37 MB) reached the GPU at about 60 rows a second, while the compiled step took 9.4 ms; the step

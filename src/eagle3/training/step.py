@@ -152,14 +152,15 @@ def validation_batches(dataset: Dataset, cfg: TrainConfig, world: World) -> Data
 def validate(model, head: VerifierHead, batches: DataLoader, cfg: TrainConfig, world: World) -> dict[str, float]:
     """Metrics over the whole validation split (``validation_batches``; every process runs the same number of batches).
 
-    The forward runs with autograd recording, as in training, and its sums are detached (nothing is backpropagated):
-    a compiled step is specialised on the grad mode, so under ``torch.no_grad`` the first validation compiled a second
-    graph of the same forward (~30 s of a 10k run on one H200). Its values are the same either way."""
+    Where the step is compiled the forward runs with autograd recording, as in training, and its sums are detached
+    (nothing is backpropagated): a compiled step is specialised on the grad mode, so under ``torch.no_grad`` the first
+    validation compiled a second graph of the same forward (~30 s of a 10k run on one H200). Its values are the same
+    either way; an eager step (CPUs, FSDP) validates under ``no_grad``, which holds no activations."""
     net = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     total = torch.zeros(6, cfg.ttt_steps, device=world.device)
     for step, batch in enumerate(batches):
         batch = to_device(batch, world.device, batches.dataset)
-        with parallel.autocast(world.device):
+        with parallel.autocast(world.device), torch.set_grad_enabled(compiles(cfg, world)):
             target = head(batch["final"], batch["selection"].positions)
             sums = net(batch["input_ids"], batch["aux"], batch["position_ids"], target, batch["selection"])[1].detach()
         total += sums if batches.batch_sampler.counted(step) else 0  # an idle process still joins FSDP's collectives
