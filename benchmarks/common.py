@@ -11,6 +11,7 @@ this module puts this checkout's ``src`` before an installed eagle3 (a benchmark
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -24,8 +25,12 @@ if str(ROOT / "src") not in sys.path:
 
 
 def commit() -> str | None:
-    """This checkout's commit (with ``-dirty`` when a tracked file has changed); None outside a git checkout
-    (a copy of the tree on a GPU host: the benchmarks that run there take ``--commit``)."""
+    """``EAGLE3_COMMIT`` where set, else this checkout's commit (with ``-dirty`` when a tracked file has changed); None
+    outside a git checkout (a copy of the tree on a GPU host: the benchmarks that run there take ``--commit``). Why the
+    variable: a lease's copy of the tree can carry the git metadata of an older commit (on 2026-12-05 it read the
+    session's first commit, "-dirty"), so a call names the commit it sends: ``EAGLE3_COMMIT=<sha> python ...``."""
+    if os.environ.get("EAGLE3_COMMIT"):
+        return os.environ["EAGLE3_COMMIT"]
     try:
         head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True,

@@ -130,3 +130,14 @@ def test_benchmark_smoke_mode_runs(script, tmp_path, tiny_verifier_dir):
     if "{out}" in SMOKE[script]:
         record = json.loads((tmp_path / "out.json").read_text())
         assert record and not failures(record)
+
+
+def test_a_named_commit_wins_over_the_checkouts(monkeypatch):
+    """EAGLE3_COMMIT names the code a lease ran (its copy of the tree may carry an older commit's git metadata)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from common import commit
+
+    monkeypatch.setenv("EAGLE3_COMMIT", "abc1234")
+    assert commit() == "abc1234"
+    monkeypatch.delenv("EAGLE3_COMMIT")
+    assert commit() != "abc1234"
