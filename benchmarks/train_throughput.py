@@ -204,7 +204,7 @@ def measure(args, draft: DraftConfig, cfg: TrainConfig, host_batches: list[dict]
     schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer, factor) for optimizer in optimizers]
 
     loader = iter(args.loader(range(total))) if args.loader else None  # the stage's DataLoader, its workers started here
-    dataset = args.loader.args[0] if args.loader else None  # a Resident split gathers its rows on the device
+    dataset = args.dataset  # the loader's split (None without one): a Resident one gathers its rows on the device
     taken = []  # tokens of each step's batch
 
     def step(i: int) -> torch.Tensor:
@@ -313,6 +313,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
     parser.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
     args = parser.parse_args(argv)
+    if (args.states_on_device or args.validate) and args.loader_workers is None:
+        parser.error("--states-on-device and --validate read the stage's format on disk: give --loader-workers N")
     if args.smoke:
         args.device, args.recipe, args.seq, args.doc_tokens = "cpu", "debug", 128, 40
         args.batches, args.iters, args.warmup, args.check_steps = 2, 2, 2, 2
@@ -334,12 +336,12 @@ def main(argv: list[str] | None = None) -> None:
     seq, ttt_steps = args.seq or base.pack_tokens, args.ttt_steps or base.ttt_steps
     cfg = recipe(args.recipe, rows, pack_tokens=seq, batch_tokens=rows * seq * world.size, ttt_steps=ttt_steps, fsdp=args.fsdp)
     batching = cfg.batching(world.size)
-    args.loader = None
+    args.loader = args.dataset = None
     if args.loader_workers is not None:  # items of the stage's own format on disk, read as the stage reads them
         dataset, args.val_split, plan = synthetic_split(args, draft, batching)
         if args.states_on_device:
             dataset, args.val_split = (Resident(d, world.device, "states to the device") for d in (dataset, args.val_split))
-        collate = partial(collate_ttt, batching=batching, ttt_steps=cfg.ttt_steps)
+        collate, args.dataset = partial(collate_ttt, batching=batching, ttt_steps=cfg.ttt_steps), dataset
         args.loader = partial(step_batches, dataset, plan, collate_fn=collate, num_workers=args.loader_workers, pin_memory=gpu)
         items = [[dataset[i] for i in plan.micro_batches(step)[0]] for step in range(args.batches)]
     elif args.merged:
