@@ -414,7 +414,7 @@ def test_the_readme_timing_table_is_the_pipeline_json():
 def test_the_readme_headline_is_the_pipeline_json():
     """The README's headline τ is pipeline_report.py --readme-results of the committed pipeline JSON, and nothing
     beside it in that section is a hand-written figure (a decimal: a τ, a speedup)."""
-    section = readme_section("Where a real drafter stands, on one H200")
+    section = readme_section("Where a real drafter stands, on one GPU")
     (generated,) = GENERATED.findall(section)
     assert generated == pipeline_report("--readme-results", str(PIPELINE_JSON.relative_to(ROOT)))
     assert not re.findall(r"\d\.\d", GENERATED.sub("", section))
