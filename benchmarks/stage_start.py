@@ -81,9 +81,11 @@ def child(method: str, folder: Path, device: str, dtype: str, work: str) -> dict
     digest = hashlib.sha256()
     for run in (1, 2):
         with torch.inference_mode():
-            for _, _, final in hidden_states(model, [SimpleNamespace(input_ids=r.prompt_ids) for r in batch], (1, 2, 3), 0):
-                if run == 1:
-                    digest.update(final.float().cpu().numpy().tobytes())
+            samples = [SimpleNamespace(input_ids=r.prompt_ids) for r in batch]
+            _, _, final = hidden_states(model, samples, (1, 2, 3), 0)
+            if run == 1:  # each row's real tokens
+                for row, sample in enumerate(samples):
+                    digest.update(final[row, : len(sample.input_ids)].float().cpu().numpy().tobytes())
         lap(f"forward_{run}")
     for run in (1, 2):
         with torch.inference_mode():

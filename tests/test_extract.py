@@ -3,6 +3,7 @@ post-norm final states, FP8 error bound, validation, disk preflight, data-parall
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -12,9 +13,9 @@ from omegaconf import OmegaConf
 
 from eagle3.common import UserError, read_jsonl, write_json
 from eagle3.extract import extract, stage_arguments
-from eagle3.hidden_states.capture import Settings, check_sample, extract_samples
+from eagle3.hidden_states.capture import Settings, check_sample, extract_samples, stored_samples
 from eagle3.hidden_states.samples import Sample, prepare
-from eagle3.hidden_states.storage import PartWriter, dequantize_fp8, magnitudes, quantize_fp8
+from eagle3.hidden_states.storage import PartWriter, decode_states, dequantize_fp8, encode_states, quantize_fp8
 from eagle3.lm.chat import ChatFormat, render
 from eagle3.lm.loading import load_tokenizer, load_verifier, verifier_fingerprint
 from eagle3.lm.spec import VerifierSpec
@@ -206,6 +207,36 @@ def test_validation_rejects_planted_nan(tmp_path, tiny_verifier_dir, tiny_model_
     index, rejected, _ = extract_samples(model, samples, settings, tmp_path, pad_id=2)
     assert rejected == [{"id": records[0]["id"], "record": 0, "reason": "non-finite values (NaN/Inf) in aux"}]
     assert [e["record"] for e in index] == [1, 2, 3]
+
+
+def magnitudes(stored: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The index's max_abs of one sample, by definition: the largest |value| of its decoded aux and final."""
+    return {name: float(decode_states(stored, name).abs().amax()) for name in ("aux", "final")}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_a_batch_is_stored_as_its_samples_one_by_one(dtype):
+    """stored_samples encodes and measures a padded batch at once: each sample gets the tensors and magnitudes of its
+    own tokens encoded alone, bit for bit; what the padding holds (here inf and a large value) counts nowhere."""
+    generator = torch.Generator().manual_seed(0)
+    lengths, width, hidden = [3, 5, 1], 5, 4
+    batch = [Sample(f"s{i}", i, list(range(2, 2 + n)), [0] + [1] * (n - 1), False) for i, n in enumerate(lengths)]
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    for row, sample in enumerate(batch):
+        ids[row, : len(sample.input_ids)] = torch.tensor(sample.input_ids)
+    aux = torch.randn(len(batch), width, 3 * hidden, generator=generator) * 3
+    final = torch.randn(len(batch), width, hidden, generator=generator)
+    aux[0, 4, 1], final[2, 3, 0] = float("inf"), 1e4  # padding
+    got = list(stored_samples(batch, ids, aux, final, dtype))
+    assert [sample for sample, _, _ in got] == batch
+    for row, (sample, stored, largest) in enumerate(got):
+        n = lengths[row]
+        want = {"input_ids": torch.tensor(sample.input_ids, dtype=torch.int32), "loss_mask": torch.tensor(sample.loss_mask, dtype=torch.uint8),
+                **encode_states("aux", aux[row, :n], dtype, 3), **encode_states("final", final[row, :n], dtype, 1)}
+        assert stored.keys() == want.keys()
+        for name in want:
+            assert stored[name].dtype == want[name].dtype and torch.equal(stored[name].view(torch.uint8), want[name].view(torch.uint8)), name
+        assert largest == magnitudes(want) and all(math.isfinite(v) for v in largest.values())
 
 
 def test_validation_rejects_id_mismatch():

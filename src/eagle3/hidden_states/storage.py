@@ -83,11 +83,6 @@ def training_states(stored: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return stored[name] if f"{name}_scale" not in stored else decode_states(stored, name)
 
 
-def magnitudes(stored: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Largest |value| of the decoded ``aux`` and ``final`` of one sample (NaN or inf when not finite)."""
-    return {name: float(decode_states(stored, name).abs().amax()) for name in ("aux", "final")}
-
-
 def load_problem(entry: dict, sample: dict[str, torch.Tensor], widths: dict[str, int], vocab_size: int) -> str | None:
     """Why a sample read for index ``entry`` is not what extract stored, or None.
 
@@ -127,17 +122,6 @@ def read_rows(part, names: list[str], start: int, stop: int) -> dict[str, torch.
 
 
 # --- writing a shard (extract) ---------------------------------------------------------------------
-
-
-def encode_sample(ids: torch.Tensor, mask: list[int], aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
-    """The tensors stored for one sample (``eagle3.hidden_states.storage`` format), hidden states still on their device."""
-    groups = aux.shape[1] // final.shape[1]
-    return {
-        "input_ids": ids.to(torch.int32),
-        "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-        **encode_states("aux", aux, dtype, groups),
-        **encode_states("final", final, dtype, 1),
-    }
 
 
 class PartWriter:
