@@ -52,7 +52,8 @@ def warn_if_undertrained(total: int, cfg: TrainConfig) -> None:
 class Spent:
     """Wall seconds of the training loop, and how much of it went to named parts (what a slow run looks at first:
     a loop that mostly waits for rows is input-bound, not GPU-bound). Host clocks: GPU work queued meanwhile
-    runs on."""
+    runs on, so on a GPU "queueing steps" near the loop's wall with the GPU far from busy says the host sets the
+    pace; "logging" holds the host syncs that wait for the queued steps."""
 
     def __init__(self):
         self.start, self.parts = time.perf_counter(), {}
@@ -118,10 +119,12 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
     batches = iter(step_batches(train_set, plan, range(state.step, total), collate_fn, cfg.num_workers, world.device.type == "cuda"))
     val_batches = validation_batches(val_set, cfg, world)
     window, clock, spent = torch.zeros(6, cfg.ttt_steps, device=world.device), Window(), Spent()
+    first = state.step
     while state.step < total:
         with spent.on("waiting for rows"):
             micro = [to_device(next(batches), world.device, train_set) for _ in range(batching.grad_accum)]
-        sums, norm = train_step(model, head, micro, Optimisation(optimizers, schedulers), cfg, world)
+        with spent.on("the first step (compiling)" if state.step == first else "queueing steps"):
+            sums, norm = train_step(model, head, micro, Optimisation(optimizers, schedulers), cfg, world)
         state.step += 1
         window += sums
         clock.add(sum(b["tokens"] for b in micro), norm)
@@ -131,8 +134,9 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
             window.zero_()
         validating, saving = state.step % cfg.val_every == 0 or done, state.step % cfg.checkpoint_every == 0 or done
         if validating or saving or clock.full():  # the history is read in this order: train lines first
-            for step, metrics in train_metrics(clock, cfg.step_decay, world):  # one host sync for the queued lines
-                record(live, state, "train", metrics, step)
+            with spent.on("logging"):
+                for step, metrics in train_metrics(clock, cfg.step_decay, world):  # one host sync for the queued lines
+                    record(live, state, "train", metrics, step)
         if validating:
             with spent.on("validating"):
                 metrics = validate(model, head, val_batches, cfg, world)
