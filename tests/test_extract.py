@@ -3,6 +3,7 @@ post-norm final states, FP8 error bound, validation, disk preflight, data-parall
 
 from __future__ import annotations
 
+import errno
 import math
 import re
 from pathlib import Path
@@ -239,6 +240,28 @@ def test_a_batch_is_stored_as_its_samples_one_by_one(dtype):
         assert largest == magnitudes(want) and all(math.isfinite(v) for v in largest.values())
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_a_part_holds_the_bytes_safetensors_writes(tmp_path, dtype):
+    """write_part streams each key's concatenation; the file is byte for byte safetensors.torch.save_file's of the
+    concatenated tensors, and the returned sha256 is the file's."""
+    from safetensors.torch import save_file
+
+    from eagle3.common import sha256_file
+    from eagle3.hidden_states.storage import write_part
+
+    generator = torch.Generator().manual_seed(1)
+    samples = []
+    for tokens in (3, 17, 1, 40):
+        states = {"aux": torch.randn(tokens, 12, generator=generator), "final": torch.randn(tokens, 4, generator=generator)}
+        samples.append({"input_ids": torch.randint(0, 99, (tokens,), dtype=torch.int32, generator=generator),
+                        "loss_mask": torch.randint(0, 2, (tokens,), dtype=torch.uint8, generator=generator),
+                        **encode_states("aux", states["aux"], dtype, 3), **encode_states("final", states["final"], dtype, 1)})
+    digest = write_part(tmp_path / "part.safetensors", samples)
+    save_file({key: torch.cat([sample[key] for sample in samples]) for key in samples[0]}, tmp_path / "reference.safetensors")
+    assert (tmp_path / "part.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    assert digest == sha256_file(tmp_path / "part.safetensors")
+
+
 def test_validation_rejects_id_mismatch():
     sample = Sample("a", 0, [5, 6, 7], [0, 1, 1], False)
     stored = {"input_ids": torch.tensor([5, 6, 8], dtype=torch.int32), "aux": torch.zeros(3, 6), "final": torch.zeros(3, 2)}
@@ -303,14 +326,30 @@ def test_background_part_write_failure_reaches_the_extractor(tmp_path):
 
 
 def test_a_full_disk_is_one_line_and_keeps_nothing(tmp_path, tiny_verifier_dir, tiny_model_params, monkeypatch):
-    """A disk that fills mid-run (another process's writes): the part write fails as safetensors reports it."""
-    from safetensors import SafetensorError
+    """A disk that fills mid-run (another process's writes): a part's write fails with ENOSPC."""
+    real_open = open
 
-    def full_disk(tensors, path, metadata=None):  # fault injection: what safetensors raises on ENOSPC
-        Path(path).write_bytes(b"\0" * 1000)  # the bytes that fitted
-        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
+    class FullDisk:  # fault injection: the file takes 1,000 bytes, then the disk is full
+        def __init__(self, file):
+            self.file, self.written = file, 0
 
-    monkeypatch.setattr("safetensors.torch.save_file", full_disk)
+        def write(self, data):
+            if self.written + len(data) > 1000:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.written += len(data)
+            return self.file.write(data)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_):
+            self.file.close()
+
+    def full_disk_open(path, mode="r", *args, **kwargs):
+        file = real_open(path, mode, *args, **kwargs)
+        return FullDisk(file) if str(path).endswith(".safetensors") and "w" in mode else file
+
+    monkeypatch.setattr("eagle3.hidden_states.storage.open", full_disk_open, raising=False)
     generated = write_generated(tmp_path / "generated", [conversation(i) for i in range(3)])
     with pytest.raises(UserError) as caught:
         extract(tiny_verifier_dir, generated, tmp_path / "out", *stage_arguments(tiny_params(tiny_model_params)))

@@ -18,15 +18,18 @@ train compares before training: damage within the recorded magnitudes is refused
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import math
 import shutil
+import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagle3.common import UserError, sha256_file
+from eagle3.common import UserError
 from eagle3.hidden_states.config import STORAGE_DTYPES
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
@@ -186,31 +189,54 @@ class PartWriter:
             self.background.shutdown()
 
 
+# safetensors' names of the stored dtypes, in the order its writer lays a file's tensors out (its dtype order,
+# descending; then the name): ``write_part`` writes the same bytes as ``safetensors.torch.save_file``.
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.int32: "I32", torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3",
+                      torch.uint8: "U8"}
+
+
 def write_part(path: Path, samples: list[dict[str, torch.Tensor]]) -> str:
-    """One safetensors part: each key's tensors of all ``samples`` concatenated along tokens; returns
-    the file's sha256 (read back while it is in the page cache, in this background thread).
+    """One safetensors part: each key's tensors of all ``samples`` concatenated along tokens; returns the file's sha256.
+
+    The bytes are those of ``safetensors.torch.save_file`` of the concatenated tensors (tested), written key by key:
+    save_file copies each concatenated tensor again into a Python bytes object, holding the interpreter lock that the
+    extracting thread needs, and the file was then read back for its sha256; here each key's concatenation is written
+    and hashed from where it lies, in a few calls that release the lock (``benchmarks/part_writer.py``).
 
     A full disk is bad environment, not a bug: one line with the file, the bytes and what to do
     (the caller's ``atomic_dir`` removes the partial output).
     """
-    from safetensors.torch import save_file
-
-    tensors = {key: torch.cat([stored[key] for stored in samples]) for key in samples[0]}
+    order = list(SAFETENSORS_DTYPES.values())
+    keys = sorted(samples[0], key=lambda key: (order.index(SAFETENSORS_DTYPES[samples[0][key].dtype]), key))
+    header, offset = {}, 0
+    for key in keys:
+        nbytes = sum(stored[key].nbytes for stored in samples)
+        rows = sum(stored[key].shape[0] for stored in samples)
+        header[key] = {"dtype": SAFETENSORS_DTYPES[samples[0][key].dtype], "shape": [rows, *samples[0][key].shape[1:]],
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    digest = hashlib.sha256()
     try:
-        save_file(tensors, path)
-    except Exception as err:  # safetensors wraps the OS error in its own SafetensorError
-        if not disk_full(err):
+        with open(path, "wb") as f:
+            for chunk in (struct.pack("<Q", len(text)), text):
+                f.write(chunk)
+                digest.update(chunk)
+            for key in keys:  # torch.cat, the write and the hash each release the interpreter lock
+                data = memoryview(torch.cat([stored[key] for stored in samples]).view(torch.uint8).numpy()).cast("B")
+                f.write(data)
+                digest.update(data)
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
             raise
-        need, free = sum(t.nbytes for t in tensors.values()), shutil.disk_usage(path.parent).free
-        raise UserError(f"{path}: no space left on the device writing this part of {size(need)} ({size(free)} free now); "
+        free = shutil.disk_usage(path.parent).free
+        raise UserError(f"{path}: no space left on the device writing this part of {size(offset)} ({size(free)} free now); "
                         "free space (or store less: extract.dtype=float8_e4m3fn halves it), then re-run extract; "
                         "nothing of this shard was kept") from None
-    return sha256_file(path)
+    return digest.hexdigest()
 
 
-def disk_full(err: BaseException) -> bool:
-    """Whether a write failed for want of space: an OSError ENOSPC, or safetensors' IoError of code 28."""
-    return (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in str(err)
 
 
 def size(n: int) -> str:
