@@ -294,6 +294,28 @@ def test_ngram_matches_the_longest_latest_suffix():
     assert ngram([1, 2, 3], 4) == [] and ngram([7], 4) == []
 
 
+def scanned_ngram(history: list[int], k: int, max_n: int = 3) -> list[int]:
+    """Prompt lookup by definition: every earlier position, latest first, for the longest suffix that matches."""
+    for n in range(min(max_n, len(history) - 1), 0, -1):
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start : start + n] == history[-n:]:
+                return history[start + n : start + n + k]
+    return []
+
+
+def test_ngram_finds_what_a_scan_of_every_position_finds():
+    """The byte search of ``ngram`` against the scan on random histories over few tokens (many matches), among them
+    ids whose 4-byte encodings overlap one another at other offsets (0, 1, 256, 65536, 16777216: a hit inside a token
+    must not count)."""
+    generator = torch.Generator().manual_seed(3)
+    tokens = [0, 1, 2, 256, 257, 65536, 16777216, 49151]
+    for _ in range(3000):
+        length = int(torch.randint(1, 40, (1,), generator=generator))
+        history = [tokens[i] for i in torch.randint(0, len(tokens), (length,), generator=generator).tolist()]
+        k, max_n = int(torch.randint(1, 8, (1,), generator=generator)), int(torch.randint(1, 5, (1,), generator=generator))
+        assert ngram(history, k, max_n) == scanned_ngram(history, k, max_n), (history, k, max_n)
+
+
 @pytest.mark.parametrize("name", ["ngram", "most_frequent"])
 def test_history_baselines_are_lossless_and_replay_exactly(tiny, name):
     """Decoding for real equals replaying the proposer on the plain output (what evaluate reports)."""
@@ -301,7 +323,7 @@ def test_history_baselines_are_lossless_and_replay_exactly(tiny, name):
     propose = ngram if name == "ngram" else most_frequent(plain[0][3])
     out = decode(verifier, HistoryProposer(propose, K), prompts)
     assert [d.tokens for d in out] == plain
-    assert [d.accepted for d in out] == [replay(propose, p.tolist(), o, K) for p, o in zip(prompts, plain)]
+    assert [d.accepted for d in out] == [[j for j, _ in replay(propose, p.tolist(), o, K)] for p, o in zip(prompts, plain)]
     assert sum(j for d in out for j in d.accepted) > 0
 
 
