@@ -2,6 +2,7 @@
 prompt lookup it ships against a Python scan of every earlier position (the one before it), the same reports.
 
     python benchmarks/baselines_replay.py benchmarks/results/baselines_replay_cpu.json
+    python benchmarks/baselines_replay.py OUT.json --smoke      # 10 answers, once: seconds (tests/)
 
 200 prompts of 40-400 random tokens (SmolLM2's vocabulary), each with a 256-token answer that half the time copies a
 stretch of its own last 30 tokens (the loops that make prompt lookup pay), K = 7 as `evaluate` drafts. ``scan`` is
@@ -34,10 +35,10 @@ def scanned_ngram(history: list[int], k: int, max_n: int = 3) -> list[int]:
     return []
 
 
-def answers(seed: int) -> tuple[list[torch.Tensor], list[list[int]]]:
+def answers(seed: int, count: int) -> tuple[list[torch.Tensor], list[list[int]]]:
     rng = random.Random(seed)
     prompts, outputs = [], []
-    for _ in range(200):
+    for _ in range(count):
         prompts.append(torch.tensor([rng.randrange(49152) for _ in range(rng.randint(40, 400))]))
         out: list[int] = []
         while len(out) < 256:
@@ -54,8 +55,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="10 answers, one repeat")
     args = parser.parse_args(argv)
-    prompts, outputs = answers(0)
+    if args.smoke:
+        args.repeats = 1
+    prompts, outputs = answers(0, 10 if args.smoke else 200)
     seconds, reports = {"scan": [], "after": []}, {}
     for _ in range(args.repeats):
         for name in seconds:

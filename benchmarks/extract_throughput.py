@@ -109,8 +109,7 @@ def time_forward(model, samples, settings: Settings, pad_id: int) -> float:
     """Seconds of the verifier forwards alone (taps gathered, nothing encoded, checked or written)."""
     start = time.perf_counter()
     for batch in batches(samples, settings.batch_tokens):
-        for _ in hidden_states(model, batch, settings.aux_layers, pad_id):
-            pass
+        hidden_states(model, batch, settings.aux_layers, pad_id)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return time.perf_counter() - start

@@ -40,7 +40,8 @@ from common import commit
 from eagle3.common import write_json, write_jsonl
 from eagle3.hidden_states.loader import HiddenStates
 from eagle3.hidden_states.samples import Sample
-from eagle3.hidden_states.storage import PartWriter, encode_sample, magnitudes
+from eagle3.hidden_states.capture import stored_samples
+from eagle3.hidden_states.storage import PartWriter
 from eagle3.training.config import Batching
 from eagle3.training.data import DataPlan, step_batches
 from eagle3.training.step import collate_ttt, to_device
@@ -65,9 +66,8 @@ def write_hidden_states(root: Path, shape: dict, samples: int, prompt: int, answ
         for i, (p, a) in enumerate(zip(random_lengths(samples, prompt, generator), random_lengths(samples, answer, generator))):
             ids = torch.randint(0, shape["vocab_size"], (p + a,), generator=generator)
             mask = [0] * p + [1] * a
-            stored = encode_sample(ids, mask, torch.randn(p + a, width, generator=generator),
-                                   torch.randn(p + a, hidden, generator=generator), "bfloat16")
-            writer.add(Sample(f"s{i}", i, ids.tolist(), mask, False), stored, magnitudes(stored))
+            aux, final = torch.randn(1, p + a, width, generator=generator), torch.randn(1, p + a, hidden, generator=generator)
+            writer.add(*next(stored_samples([Sample(f"s{i}", i, ids.tolist(), mask, False)], ids[None], aux, final, "bfloat16")))
     write_jsonl(folder / "index.jsonl", writer.index)
     write_json(folder / "meta.json", {"verifier": {"fingerprint": FINGERPRINT}})
     order = torch.randperm(samples, generator=generator).tolist()

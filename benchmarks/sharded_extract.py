@@ -79,16 +79,17 @@ def extraction_seconds(model, samples, settings: Settings, pad_id: int, write: b
 
 
 def forward_seconds(model, samples, settings: Settings, pad_id: int) -> float:
-    return timed(lambda: [None for batch in batches(samples, settings.batch_tokens)
-                          for _ in hidden_states(model, batch, settings.aux_layers, pad_id)])
+    return timed(lambda: [hidden_states(model, batch, settings.aux_layers, pad_id) for batch in batches(samples, settings.batch_tokens)])
 
 
 def states(model, samples, settings: Settings, pad_id: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """id -> (aux, final) on the CPU, for the equality check."""
     out = {}
     for batch in batches(samples, settings.batch_tokens):
-        for sample, (_, aux, final) in zip(batch, hidden_states(model, batch, settings.aux_layers, pad_id)):
-            out[sample.id] = (aux.float().cpu(), final.float().cpu())
+        _, aux, final = hidden_states(model, batch, settings.aux_layers, pad_id)
+        for row, sample in enumerate(batch):
+            n = len(sample.input_ids)
+            out[sample.id] = (aux[row, :n].float().cpu(), final[row, :n].float().cpu())
     return out
 
 

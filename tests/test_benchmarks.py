@@ -40,6 +40,8 @@ SMOKE = {
                         "merge.min_tokens=1"],  # the tiny random verifier's answers are a token or two
     "sharded_extract.py": ["{verifier}", "--smoke"],  # under torchrun: two CPU processes (gloo)
     "storage_throughput.py": ["--smoke"],
+    "part_writer.py": ["{out}", "--smoke", "--parts", "1", "--repeats", "1"],
+    "baselines_replay.py": ["{out}", "--smoke"],
 }
 TORCHRUN = {"sharded_extract.py"}
 # Smoke runs that have a test of their own, which checks their output too.
