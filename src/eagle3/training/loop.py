@@ -104,7 +104,8 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
                  "tokens (micro-batches x rows), %d processes", total, cfg.batch_tokens, warmup, batching.grad_accum,
                  batching.batch_size, cfg.pack_tokens, world.size)
         warn_if_undertrained(total, cfg)
-    if compiles(cfg, world):
+    compiled = compiles(cfg, world)
+    if compiled:
         compile_step(ttt, head)
     model = parallel.wrap(ttt, world, cfg.fsdp)
     optimizers = make_optimizers(model, cfg, fused=world.device.type == "cuda")
@@ -119,11 +120,11 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
     batches = iter(step_batches(train_set, plan, range(state.step, total), collate_fn, cfg.num_workers, world.device.type == "cuda"))
     val_batches = validation_batches(val_set, cfg, world)
     window, clock, spent = torch.zeros(6, cfg.ttt_steps, device=world.device), Window(), Spent()
-    first = state.step
+    compiling = state.step if compiled else None  # the step whose call compiles the step's graphs
     while state.step < total:
         with spent.on("waiting for rows"):
             micro = [to_device(next(batches), world.device, train_set) for _ in range(batching.grad_accum)]
-        with spent.on("the first step (compiling)" if state.step == first else "queueing steps"):
+        with spent.on("the first step (compiling)" if state.step == compiling else "queueing steps"):
             sums, norm = train_step(model, head, micro, Optimisation(optimizers, schedulers), cfg, world)
         state.step += 1
         window += sums
