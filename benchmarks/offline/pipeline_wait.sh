@@ -5,7 +5,9 @@
 # variant's report, log and metrics in OUT/variants.tar.gz (variants/<n>/: pipeline_10k.json, dvc.log.gz, metrics.tar.gz).
 #
 #   bash benchmarks/offline/pipeline_wait.sh /root/run 540 "$OUT"   # PEER=FILE: pipeline_report.py --peer
-# The commit is the kit's (kit.sh wrote it; COMMIT=<sha> overrides it).
+# The commit is the kit's (kit.sh wrote it; COMMIT=<sha> overrides it). STAGE_START=1: once the job has succeeded, also
+# benchmarks/stage_start.py on the run's verifier (what a shard's process pays before its work, each phase; ~1 min)
+# into OUT/stage_start.json, once.
 set -uo pipefail
 run=$1 seconds=$2 out=$3
 here=$(cd "$(dirname "$0")" && pwd)
@@ -33,6 +35,11 @@ collect() {
 }
 for dir in "$run" "$run"/variants/*; do [ -f "$dir/logs/dvc.log" ] && python3 "$report" "$dir" --poll; done
 collect "$run" "$out"
+if [ -n "${STAGE_START:-}" ] && [ "$(cat "$run/logs/job.rc" 2>/dev/null)" = 0 ] && [ ! -f "$run/logs/stage_start.json" ]; then
+  python3 "$here/../stage_start.py" "$run/logs/stage_start.json" --verifier "$run/models/verifier" --repeats 1 \
+    > "$run/logs/stage_start.log" 2>&1 || echo "stage_start.py failed: $run/logs/stage_start.log"
+fi
+for file in stage_start.json stage_start.log; do [ -f "$run/logs/$file" ] && cp "$run/logs/$file" "$out/"; done
 [ -f "$run/logs/gpu.tsv" ] && gzip -c "$run/logs/gpu.tsv" > "$out/gpu.tsv.gz"
 variants=$(mktemp -d)
 for dir in "$run"/variants/*; do [ -f "$dir/logs/dvc.log" ] && collect "$dir" "$variants/variants/$(basename "$dir")"; done
