@@ -26,6 +26,7 @@ from eagle3.lm.loading import load_tokenizer, load_verifier
 from eagle3.decoding.acceptance import acceptance_stats
 from eagle3.decoding.baselines import HistoryProposer, most_frequent, ngram, replay
 
+from support.repo import ROOT
 from support.speculative import K, QUESTIONS, TINY_TAPS, TableDrafter, encode, greedy_tables, random_drafter
 
 MAX_NEW = 24
@@ -294,19 +295,13 @@ def test_ngram_matches_the_longest_latest_suffix():
     assert ngram([1, 2, 3], 4) == [] and ngram([7], 4) == []
 
 
-def scanned_ngram(history: list[int], k: int, max_n: int = 3) -> list[int]:
-    """Prompt lookup by definition: every earlier position, latest first, for the longest suffix that matches."""
-    for n in range(min(max_n, len(history) - 1), 0, -1):
-        for start in range(len(history) - n - 1, -1, -1):
-            if history[start : start + n] == history[-n:]:
-                return history[start + n : start + n + k]
-    return []
-
-
-def test_ngram_finds_what_a_scan_of_every_position_finds():
+def test_ngram_finds_what_a_scan_of_every_position_finds(monkeypatch):
     """The byte search of ``ngram`` against the scan on random histories over few tokens (many matches), among them
     ids whose 4-byte encodings overlap one another at other offsets (0, 1, 256, 65536, 16777216: a hit inside a token
     must not count)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from baselines_replay import scanned_ngram  # the definition: every earlier position, latest first
+
     generator = torch.Generator().manual_seed(3)
     tokens = [0, 1, 2, 256, 257, 65536, 16777216, 49151]
     for _ in range(3000):
