@@ -1,4 +1,5 @@
-"""Benchmark of the ``train`` stage's step: eager against compiled (``train.compile``), at a recipe's shape.
+"""Benchmark of the ``train`` stage's step: eager against compiled (``train.compile``) and against compiled and
+replayed as CUDA graphs (graphed: ``train.cuda_graphs``, the selection padded to static sizes), at a recipe's shape.
 
     python benchmarks/train_throughput.py --smoke --out /tmp/smoke.json          # CPU, a tiny drafter, eager: seconds
     python benchmarks/train_throughput.py --device cuda --recipe 10k --out benchmarks/results/train_step_10k.json
@@ -6,10 +7,11 @@
     python benchmarks/train_throughput.py --device cuda --preset llama3-8b --recipe default --batch 4 --seq 2048 --out ...
     python benchmarks/train_throughput.py --device cuda --merged data/merged --hidden-states data/hidden_states --out ...
     python benchmarks/train_throughput.py --device cuda --modes compiled --loader-workers 4 [--states-on-device] [--validate] --out ...
+    python benchmarks/train_throughput.py --device cuda --modes compiled graphed --loader-workers 4 --states-on-device --out ...
     torchrun --nproc-per-node 2 benchmarks/train_throughput.py --device cuda --out ...   # DDP (--fsdp: FSDP2)
 
 Runs the stage's own pieces: the recipe's ``TrainConfig`` (conf/train/<recipe>.yaml), ``make_optimizers``
-and its schedules, ``compile_step`` for the compiled mode, and ``train_step`` (verifier targets, the
+and its schedules, ``compile_step`` for the compiled and graphed modes, and ``train_step`` (verifier targets, the
 K-step TTT forward, backward, clipping, optimizer step) on packed rows collated by the stage's
 ``collate_ttt`` on the host and moved by its ``to_device`` every step (pinned memory on GPUs), as
 the stage's DataLoader hands them over; reading the shards is not measured. No host sync inside
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import json
 import shutil
 import statistics
@@ -58,8 +61,8 @@ from eagle3.training.data import DataPlan, step_batches
 from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead
 from eagle3.training.parallel import World, close_world, init_world, wrap
 from eagle3.training.resident import Resident
-from eagle3.training.step import (Optimisation, collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step,
-                                  validate, validation_batches, warmup_steps)
+from eagle3.training.step import (Optimisation, collate_ttt, compile_step, graphs, lr_factor, make_optimizers, to_device,
+                                  train_step, validate, validation_batches, warmup_steps)
 from offline.gpu_sampler import open_gpus, samples
 from shapes import DRAFTER_SHAPES
 
@@ -131,6 +134,11 @@ def synthetic_split(args, draft: DraftConfig, batching) -> tuple[HiddenStates, H
     return dataset, HiddenStates(root / "merged", root / "hidden", "val"), DataPlan(dataset.lengths, batching, seed=0)
 
 
+def pinned(batch: dict) -> dict:
+    """A collated batch in page-locked memory, as the stage's loader hands it over on GPUs."""
+    return {k: v.pin_memory() if hasattr(v, "pin_memory") else v for k, v in batch.items()}
+
+
 def step_flops(cfg: DraftConfig, batch: dict, lengths: list[int], frozen_head: bool) -> float:
     """Model FLOPs of one step on one micro-batch of documents of ``lengths`` tokens (the module docstring)."""
     H, I = cfg.hidden_size, cfg.intermediate_size
@@ -174,8 +182,8 @@ class UtilisationSampler:
         return round(statistics.fmean(self.samples) / 100, 3) if self.samples else None
 
 
-def make_model(draft: DraftConfig, cfg: TrainConfig, world: World, dtype: torch.dtype, compiled: bool):
-    """A fresh drafter (the same weights in every mode and process), its TTT module (compiled or not,
+def make_model(draft: DraftConfig, cfg: TrainConfig, world: World, dtype: torch.dtype):
+    """A fresh drafter (the same weights in every mode and process), its TTT module (compiled as ``cfg`` says,
     wrapped for the world) and verifier head."""
     generator = torch.Generator().manual_seed(0)
     embed = (torch.randn(draft.vocab_size, draft.hidden_size, generator=generator) * 0.02).to(world.device, dtype)
@@ -188,22 +196,31 @@ def make_model(draft: DraftConfig, cfg: TrainConfig, world: World, dtype: torch.
     drafter.lm_head.requires_grad_(not cfg.freeze_lm_head)
     head = VerifierHead(verifier_head, d2t).to(world.device)
     ttt = TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation)
-    if compiled:
-        compile_step(ttt, head)
+    if cfg.compile:
+        compile_step(ttt, head, graphs(cfg, world))
     return wrap(ttt, world, cfg.fsdp), head
 
 
+def mode_config(cfg: TrainConfig, mode: str) -> TrainConfig:
+    """The recipe with ``train.compile`` and ``train.cuda_graphs`` as ``mode`` (eager, compiled, graphed) says."""
+    return dataclasses.replace(cfg, compile=mode != "eager", cuda_graphs=mode == "graphed")
+
+
 def measure(args, draft: DraftConfig, cfg: TrainConfig, host_batches: list[dict], flops: list[float], world: World,
-            dtype: torch.dtype, compiled: bool) -> dict:
+            dtype: torch.dtype) -> dict:
     """``args.warmup`` untimed steps (the first ones' losses kept), then ``args.iters`` timed steps cycling over the batches."""
     gpu = world.device.type == "cuda"
-    model, head = make_model(draft, cfg, world, dtype, compiled)
+    static = graphs(cfg, world)
+    if static:  # the selection as the stage's loader pads it for CUDA graphs
+        host_batches = [{**b, "selection": b["selection"].pad(b["position_ids"].numel())} for b in host_batches]
+        host_batches = [pinned(b) for b in host_batches] if gpu else host_batches
+    model, head = make_model(draft, cfg, world, dtype)
     optimizers = make_optimizers(model, cfg, fused=gpu)
     total = args.warmup + args.iters
     factor = partial(lr_factor, warmup=warmup_steps(cfg.warmup_fraction, total), total=total, floor=cfg.min_lr_ratio)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer, factor) for optimizer in optimizers]
 
-    loader = iter(args.loader(range(total))) if args.loader else None  # the stage's DataLoader, its workers started here
+    loader = iter(args.loader(range(total), static)) if args.loader else None  # the stage's DataLoader, its workers started here
     dataset = args.dataset  # the loader's split (None without one): a Resident one gathers its rows on the device
     taken = []  # tokens of each step's batch
 
@@ -298,7 +315,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON figures")
     parser.add_argument("--smoke", action="store_true", help="a tiny drafter on the CPU, a few steps: seconds (tests run it)")
     parser.add_argument("--recipe", default="10k", help="conf/train/<recipe>.yaml: K, decay, optimizer, row length (default 10k)")
-    parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], help="default: both (--smoke: eager)")
+    parser.add_argument("--modes", nargs="+", choices=["eager", "compiled", "graphed"],
+                        help="default: eager and compiled (--smoke: eager)")
     parser.add_argument("--batches", type=int, default=8, help="distinct batches cycled through")
     parser.add_argument("--check-steps", type=int, default=5, help="first steps whose losses are compared across modes")
     parser.add_argument("--loader-workers", type=int, help="read random hidden states written in the stage's format through "
@@ -341,8 +359,10 @@ def main(argv: list[str] | None = None) -> None:
         dataset, args.val_split, plan = synthetic_split(args, draft, batching)
         if args.states_on_device:
             dataset, args.val_split = (Resident(d, world.device, "states to the device") for d in (dataset, args.val_split))
-        collate, args.dataset = partial(collate_ttt, batching=batching, ttt_steps=cfg.ttt_steps), dataset
-        args.loader = partial(step_batches, dataset, plan, collate_fn=collate, num_workers=args.loader_workers, pin_memory=gpu)
+        args.dataset = dataset
+        args.loader = lambda steps, static: step_batches(
+            dataset, plan, steps, partial(collate_ttt, batching=batching, ttt_steps=cfg.ttt_steps, static=static),
+            num_workers=args.loader_workers, pin_memory=gpu)
         items = [[dataset[i] for i in plan.micro_batches(step)[0]] for step in range(args.batches)]
     elif args.merged:
         items = real_documents(args.merged, args.hidden_states, cfg, args.batches, world)
@@ -351,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
         items = [random_documents(draft, rows, seq, args.doc_tokens, args.answer, generator) for _ in range(args.batches)]
     host_batches = [collate_ttt(docs, batching, cfg.ttt_steps) for docs in items]
     if gpu:
-        host_batches = [{k: v.pin_memory() if hasattr(v, "pin_memory") else v for k, v in b.items()} for b in host_batches]
+        host_batches = [pinned(b) for b in host_batches]
     lengths = [[len(d["input_ids"]) for d in docs] for docs in items]
     flops = [step_flops(draft, b, n, cfg.freeze_lm_head) for b, n in zip(host_batches, lengths)]
     shape = {"device": torch.cuda.get_device_name(world.device) if gpu else f"cpu x{torch.get_num_threads()} threads",
@@ -368,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     modes = {}
     for mode in args.modes:
         try:
-            modes[mode] = measure(args, draft, cfg, host_batches, flops, world, dtype, compiled=mode == "compiled")
+            modes[mode] = measure(args, draft, mode_config(cfg, mode), host_batches, flops, world, dtype)
         except Exception as err:  # noqa: BLE001 (a mode that fails is a figure too; the others still run)
             modes[mode] = {"error": f"{type(err).__name__}: {err}"[:2000]}
         if world.main:

@@ -9,7 +9,7 @@ from eagle3.drafter.attention import KVCache
 from eagle3.training.config import Batching
 from eagle3.training.data import collate
 from eagle3.training.loss import (StepMetrics, Targets, TrainingTimeTest, VerifierHead, metric_sums, select_rows, shift_left,
-                                  step_counts, ttt_loss)
+                                  static_size, step_counts, ttt_loss)
 from support.reference import reference_ttt_loss
 from support.tiny_drafter import make_drafter, one_thread, random_batch, verifier_head_weight  # noqa: F401 (autouse fixture)
 
@@ -88,11 +88,14 @@ def samples(cfg, lengths: list[int], seed: int) -> list[dict[str, torch.Tensor]]
     return items
 
 
-def ttt_loss_and_grads(drafter, head, batch, steps: int, decay: float,
-                       normalisation: str = "token") -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def ttt_loss_and_grads(drafter, head, batch, steps: int, decay: float, normalisation: str = "token",
+                       static: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """``static``: the selection padded as CUDA graphs take it (``Selection.pad``)."""
     drafter.zero_grad(set_to_none=True)
     selection = select_rows(batch["loss_mask"], batch["position_ids"], steps)
-    targets = head(batch["final"], selection.positions)
+    if static:
+        selection = selection.pad(batch["position_ids"].numel())
+    targets = head(batch["final"], selection.positions, selection.padded)
     ttt = TrainingTimeTest(drafter, steps, normalisation)
     ce, sums = ttt(batch["input_ids"], batch["aux"], batch["position_ids"], targets, selection)
     loss = ttt_loss(ce, step_counts(targets, selection, normalisation), decay)
@@ -118,6 +121,36 @@ def test_packed_rows_equal_padded_samples():
     torch.testing.assert_close(sums_packed, sums_padded, rtol=1e-5, atol=1e-5)
     for name in grads_packed:
         torch.testing.assert_close(grads_packed[name], grads_padded[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("normalisation", ["token", "sequence"])
+def test_a_padded_selection_adds_nothing(normalisation):
+    """Two packed rows whose selection is padded to a static size (what CUDA graphs replay) give the loss, every
+    metric sum and every gradient of the selection as selected: the appended targets are never valid, the
+    appended rows land in a dropped slot. Row 0's first token is a scored row, where an appended row would
+    overwrite its flags if it pointed there."""
+    drafter = make_drafter(seed=5).float()
+    cfg, K = drafter.config, 3
+    head = VerifierHead(verifier_head_weight(cfg, drafter.d2t, seed=2), drafter.d2t)
+    batch = collate(samples(cfg, [9, 3, 12, 6], seed=40), Batching(pack_tokens=18, batch_size=2, grad_accum=1))
+    selection = select_rows(batch["loss_mask"], batch["position_ids"], K)
+    padded = selection.pad(36)
+    assert len(padded.positions) > len(selection.positions) and 0 in selection.rows[0]
+    assert {len(t) for t in padded.tensors()} == {len(padded.positions)} and padded.padded.sum() >= 1
+    want = ttt_loss_and_grads(drafter, head, batch, K, 0.8, normalisation)
+    got = ttt_loss_and_grads(drafter, head, batch, K, 0.8, normalisation, static=True)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+    assert got[2].keys() == want[2].keys()
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_static_sizes_are_few_and_leave_room():
+    """At most 8 sizes an octave, each above its count by at least one target and at most an eighth."""
+    sizes = {static_size(n) for n in range(2048, 4096)}
+    assert len(sizes) == 8 and [static_size(n) for n in (1, 3, 3198, 4096)] == [2, 4, 3328, 4608]
+    assert all(n < static_size(n) <= n + max(1, n // 8) for n in range(1, 5000))
 
 
 def test_sequence_normalisation_of_one_document_is_token_normalisation():

@@ -31,10 +31,10 @@ from eagle3.training.checkpoints import lock_run
 from eagle3.training.config import Batching, TrainConfig
 from eagle3.training.data import DataPlan, InOrder, ValidationSampler, collate, pack
 from eagle3.training.loop import Run, Splits, fit
-from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead
+from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead, static_size
 from eagle3.training.parallel import World
-from eagle3.training.step import (Optimisation, collate_ttt, compile_step, lr_factor, make_optimizers, to_device, train_step,
-                                  validate, validation_batches)
+from eagle3.training.step import (Optimisation, collate_ttt, compile_step, graphs, lr_factor, make_optimizers, to_device,
+                                  train_step, validate, validation_batches)
 
 from support.repo import ROOT, project_params
 from support.tiny_drafter import make_drafter, one_thread, random_batch, verifier_head_weight  # noqa: F401 (autouse fixture)
@@ -117,6 +117,20 @@ def test_muon_with_fsdp_is_refused():
     with pytest.raises(UserError, match="train.optimizer = 'muon': must be adamw with train.fsdp"):
         validate(OmegaConf.create({"train": {**OmegaConf.to_container(DEBUG), "optimizer": "muon", "fsdp": True}}))
     validate(OmegaConf.create({"train": {**OmegaConf.to_container(DEBUG), "optimizer": "muon", "fsdp": False}}))
+
+
+def test_cuda_graphs_need_the_compiled_step_and_stay_off_on_cpus():
+    from eagle3.config import validate
+
+    with pytest.raises(UserError, match="train.cuda_graphs = True: must be auto or false with train.compile false"):
+        validate(OmegaConf.create({"train": {**OmegaConf.to_container(DEBUG), "compile": False, "cuda_graphs": True}}))
+    cuda = World(0, 1, torch.device("cuda"))
+    assert graphs(train_config(), cuda) and not graphs(train_config(), CPU) and not graphs(train_config(compile=True), CPU)
+    assert not graphs(train_config(), World(0, 2, torch.device("cuda"))) and not graphs(train_config(cuda_graphs=False), cuda)
+    items = [Items.item(n) for n in (9, 3, 12)]
+    static = collate_ttt(items, Batching(24, 1, 1), 3, static=True)["selection"]
+    selected = collate_ttt(items, Batching(24, 1, 1), 3)["selection"]
+    assert selected.padded is None and len(static.positions) == static_size(len(selected.positions))
 
 
 def test_validation_takes_every_sample_once_in_index_order():

@@ -55,6 +55,7 @@ class TrainConfig:
     fsdp: bool = setting(BOOL)  # FSDP instead of DDP (multi-process only)
     num_workers: int = setting(NON_NEGATIVE)  # DataLoader worker processes per training process
     compile: bool | str = setting(one_of("auto", True, False))  # auto: the TTT forward and the verifier head compiled on CUDA (not with fsdp); true, false
+    cuda_graphs: bool | str = setting(one_of("auto", True, False))  # auto: the compiled step replayed as CUDA graphs on one CUDA process; true, false
     states_on_device: bool | str = setting(one_of("auto", True, False))  # auto: every split's states held in the GPU's memory when they fit (training.resident); true, false
 
     @staticmethod
@@ -71,6 +72,8 @@ class TrainConfig:
                 raise refuse("train.batch_tokens", batch, problem)
         if get("train.optimizer") == "muon" and get("train.fsdp") is True:
             raise refuse("train.optimizer", "muon", "adamw with train.fsdp (Muon orthogonalises whole matrices, FSDP shards them)")
+        if get("train.cuda_graphs") is True and get("train.compile") is False:
+            raise refuse("train.cuda_graphs", True, "auto or false with train.compile false (the graphs replay the compiled step)")
         if get("train.freeze_lm_head") is True and get("train.lm_head_init") != "verifier":
             raise refuse("train.freeze_lm_head", True, "false unless train.lm_head_init is verifier (it keeps the lm_head at its start)")
 

@@ -26,8 +26,8 @@ from eagle3.training.loss import TrainingTimeTest, VerifierHead
 from eagle3.training.parallel import World
 from eagle3.training.resident import on_device
 from eagle3.training.reporting import Window, record, replay, train_metrics
-from eagle3.training.step import (Optimisation, collate_ttt, compile_step, compiles, lr_factor, make_optimizers, to_device,
-                                  train_step, validate, validation_batches, warmup_steps)
+from eagle3.training.step import (Optimisation, collate_ttt, compile_step, compiles, graphs, lr_factor, make_optimizers,
+                                  to_device, train_step, validate, validation_batches, warmup_steps)
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
         warn_if_undertrained(total, cfg)
     compiled = compiles(cfg, world)
     if compiled:
-        compile_step(ttt, head)
+        compile_step(ttt, head, graphs(cfg, world))
     model = parallel.wrap(ttt, world, cfg.fsdp)
     optimizers = make_optimizers(model, cfg, fused=world.device.type == "cuda")
     factor = partial(lr_factor, warmup=warmup, total=total, floor=cfg.min_lr_ratio)
@@ -116,7 +116,7 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
     if state.step:
         log.info("resumed %s at step %d", run_dir, state.step)
     replay(live, state)
-    collate_fn = partial(collate_ttt, batching=batching, ttt_steps=cfg.ttt_steps)
+    collate_fn = partial(collate_ttt, batching=batching, ttt_steps=cfg.ttt_steps, static=graphs(cfg, world))
     batches = iter(step_batches(train_set, plan, range(state.step, total), collate_fn, cfg.num_workers, world.device.type == "cuda"))
     val_batches = validation_batches(val_set, cfg, world)
     window, clock, spent = torch.zeros(6, cfg.ttt_steps, device=world.device), Window(), Spent()

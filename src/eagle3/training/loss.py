@@ -62,6 +62,7 @@ class Selection:
     rows: list[Tensor]  # step k: [N_k] flat rows b*T + t with t = s-k-1 >= 0
     picks: list[Tensor]  # step k: [N_k] index into the N targets of each of those rows
     documents: Tensor  # [N] the document of each target: 0, 1, ... over the micro-batch's documents with targets
+    padded: Tensor | None = None  # [N] True on the targets ``pad`` appended (never valid); None: nothing appended
 
     def to(self, device, non_blocking: bool = False) -> Selection:
         return self.map(lambda x: x.to(device, non_blocking=non_blocking))
@@ -71,10 +72,38 @@ class Selection:
         return self.map(Tensor.pin_memory)
 
     def map(self, fn) -> Selection:
-        return Selection(fn(self.positions), [fn(r) for r in self.rows], [fn(p) for p in self.picks], fn(self.documents))
+        return Selection(fn(self.positions), [fn(r) for r in self.rows], [fn(p) for p in self.picks], fn(self.documents),
+                         None if self.padded is None else fn(self.padded))
 
     def tensors(self) -> list[Tensor]:
-        return [self.positions, *self.rows, *self.picks, self.documents]
+        return [self.positions, *self.rows, *self.picks, self.documents, *([] if self.padded is None else [self.padded])]
+
+    def pad(self, flat_rows: int) -> Selection:
+        """This selection with every tensor of one size, ``static_size`` of the target count: what a CUDA graph
+        replays (``train.cuda_graphs``), one graph per size instead of one per batch. Appended targets sit at flat
+        position 0 and are marked ``padded`` (the verifier head makes them invalid); each step's appended rows pick
+        the first appended target and point at ``flat_rows`` (= B*T, one past the last row: gathered clamped, their
+        flags scattered into a slot that is dropped), so they add nothing to a loss, count or metric.
+
+        Worked example (3 targets, 2 scored at step 0, flat_rows 12): static_size(3) = 4; positions [p0, p1, p2, 0],
+        step 0's rows [r0, r1, 12, 12] and picks [i0, i1, 3, 3], padded [F, F, F, T].
+        """
+        n = len(self.positions)
+        size = static_size(n)
+
+        def extend(x: Tensor, fill: int) -> Tensor:
+            return torch.cat([x, x.new_full((size - len(x),), fill)])
+
+        return Selection(extend(self.positions, 0), [extend(r, flat_rows) for r in self.rows],
+                         [extend(p, n) for p in self.picks], extend(self.documents, 0), torch.arange(size) >= n)
+
+
+def static_size(n: int) -> int:
+    """The size ``Selection.pad`` gives n targets: the next multiple of 2^(bits(n) - 4) above n, so at most 8
+    sizes an octave (8 CUDA graphs for every count from 2,048 to 4,095 targets), at most n/8 appended, and at
+    least one appended target for the padded rows to pick: 3 -> 4, 3,198 -> 3,328, 4,096 -> 4,608."""
+    quantum = 2 ** max(0, n.bit_length() - 4)
+    return (n // quantum + 1) * quantum
 
 
 def select_rows(loss_mask: Tensor, position_ids: Tensor, steps: int) -> Selection:
@@ -153,8 +182,8 @@ class VerifierHead(nn.Module):
         self.register_buffer("rest_ids", rest_ids, persistent=False)
 
     @torch.no_grad()
-    def forward(self, final: Tensor, positions: Tensor) -> Targets:
-        """final [B, T, H] at flat positions [N] -> Targets [N]."""
+    def forward(self, final: Tensor, positions: Tensor, padded: Tensor | None = None) -> Targets:
+        """final [B, T, H] at flat positions [N] -> Targets [N]; ``padded`` [N] (``Selection.pad``): never valid."""
         hidden = final.flatten(0, 1)[positions].to(self.draft_weight.dtype)  # [N, H]
         draft = hidden @ self.draft_weight.T  # [N, Vd]
         best, index = draft.max(-1)  # [N]: first maximum = lowest token id (draft ids ascend)
@@ -162,6 +191,8 @@ class VerifierHead(nn.Module):
         if len(self.rest_ids):
             other, at = (hidden @ self.rest_weight.T).max(-1)  # [N] best non-draft logit
             valid = (best > other) | ((best == other) & (self.draft_ids[index] < self.rest_ids[at]))
+        if padded is not None:
+            valid = valid & ~padded
         return Targets(draft.float().softmax(-1), index, valid)
 
 
@@ -193,7 +224,8 @@ class TrainingTimeTest(nn.Module):
             tokens = shift_left(input_ids, k + 1)  # row t: x_{t+k+1}
             hidden = self.drafter.step(tokens, hidden, position_ids + k, cache, None if k == 0 else every_row)
             rows, pick = selection.rows[k], selection.picks[k]
-            logits = self.drafter.logits(hidden.flatten(0, 1)[rows])  # [N_k, Vd]
+            taken = rows if selection.padded is None else rows.clamp(max=B * T - 1)  # appended rows point past the end
+            logits = self.drafter.logits(hidden.flatten(0, 1)[taken])  # [N_k, Vd]
             ok = targets.valid[pick]  # [N_k]
             ce.append(soft_cross_entropy_sum(logits, targets.probs, pick, ok, scales[k]))
             right.append(on_rows(logits.detach().argmax(-1) == targets.index[pick], rows, B * T))
@@ -204,8 +236,9 @@ class TrainingTimeTest(nn.Module):
 
 
 def on_rows(values: Tensor, rows: Tensor, size: int) -> Tensor:
-    """Scatter per-row flags [N_k] onto all ``size`` flat rows (False elsewhere): [size]."""
-    return torch.zeros(size, dtype=torch.bool, device=values.device).index_put_((rows,), values)
+    """Scatter per-row flags [N_k] onto all ``size`` flat rows (False elsewhere): [size]. Rows at ``size`` (those
+    ``Selection.pad`` appended) land in one more slot, which is dropped."""
+    return torch.zeros(size + 1, dtype=torch.bool, device=values.device).index_put_((rows,), values)[:size]
 
 
 @fused_when_training_on_gpu

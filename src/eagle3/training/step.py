@@ -28,11 +28,14 @@ from eagle3.training.parallel import World
 # Batches: the data order is training.data's DataPlan; here the TTT selection is added
 
 
-def collate_ttt(items: list[dict[str, Tensor]], batching: Batching, ttt_steps: int) -> dict[str, Any]:
+def collate_ttt(items: list[dict[str, Tensor]], batching: Batching, ttt_steps: int, static: bool = False) -> dict[str, Any]:
     """``eagle3.training.data.collate`` into the packed rows of a micro-batch, plus the rows each
-    of the ``ttt_steps`` TTT steps scores and the count of real tokens (host side)."""
+    of the ``ttt_steps`` TTT steps scores and the count of real tokens (host side); ``static``: the selection
+    padded to one of a few sizes (``Selection.pad``: what CUDA graphs replay, ``train.cuda_graphs``)."""
     batch = collate(items, batching)
     selection = select_rows(batch.pop("loss_mask"), batch["position_ids"], ttt_steps)
+    if static:
+        selection = selection.pad(batch["position_ids"].numel())
     return {**batch, "selection": selection}
 
 
@@ -59,15 +62,36 @@ def compiles(cfg: TrainConfig, world: World) -> bool:
     return bool(cfg.compile)
 
 
-def compile_step(ttt: TrainingTimeTest, head: VerifierHead) -> None:
+def graphs(cfg: TrainConfig, world: World) -> bool:
+    """Whether ``train.cuda_graphs`` replays the compiled step as CUDA graphs on this process (auto: where the step
+    is compiled on one CUDA process: DDP's and FSDP's collectives run inside the backward)."""
+    if cfg.cuda_graphs == "auto":
+        return compiles(cfg, world) and world.device.type == "cuda" and world.size == 1
+    return bool(cfg.cuda_graphs)
+
+
+def compile_step(ttt: TrainingTimeTest, head: VerifierHead, cuda_graphs: bool = False) -> None:
     """``train.compile``: the TTT unroll (forward and, through autograd, backward: loss, metrics, attention,
     the soft cross-entropy over the draft vocabulary) and the verifier head compiled into generated
     kernels, in place (state dicts keep their names). Why: eager, each op of the unroll is a kernel
     launched from Python, and at the 10k recipe's shape the host, not the GPU, set the pace (one H200
     read 2-13 % busy). The optimizer (fused AdamW) and the clipping stay eager: a few multi-tensor
-    kernels each."""
-    ttt.compile()
-    head.compile()
+    kernels each.
+
+    ``cuda_graphs`` (``train.cuda_graphs``): the compiled graphs are also captured as CUDA graphs and replayed
+    (``reduce-overhead``), one capture per selection size (``Selection.pad`` keeps them few). Why: compiled, the
+    10k step still launched its kernels one by one from Python, 14.6 ms of host work a step against ~10 ms of GPU
+    work (one H100: the host set the pace, NVML 40-50 % busy over the steps)."""
+    mode = "reduce-overhead" if cuda_graphs else None
+    ttt.compile(mode=mode)
+    head.compile(mode=mode)
+
+
+def begin_graph_step(cuda_graphs: bool) -> None:
+    """Tell the CUDA graphs that a new step begins (their outputs of the last one may be overwritten now): the
+    graphs cannot see where a step that runs its forward without a backward (validation) ends."""
+    if cuda_graphs:
+        torch.compiler.cudagraph_mark_step_begin()
 
 # ---------------------------------------------------------------------------------------------
 # Optimisation
@@ -121,7 +145,8 @@ def train_step(model, head: VerifierHead, micro: list[dict], optimisation: Optim
     because DDP/FSDP average gradients: the gradient equals that of one process holding the whole
     global batch.
     """
-    targets = [head(b["final"], b["selection"].positions) for b in micro]  # no grad, once per batch
+    begin_graph_step(graphs(cfg, world))
+    targets = [head(b["final"], b["selection"].positions, b["selection"].padded) for b in micro]  # no grad, once per batch
     counts = sum(step_counts(t, b["selection"], cfg.loss_normalisation) for t, b in zip(targets, micro))
     counts = parallel.all_reduce_sum(counts, world)
     sums = 0
@@ -145,7 +170,8 @@ def validation_batches(dataset: Dataset, cfg: TrainConfig, world: World) -> Data
     collated while the GPU waited (45 validations a 10k run); workers started afresh would pay their start each time."""
     sampler = ValidationSampler(InOrder(dataset.lengths, cfg.val_batching(), world.rank, world.size))
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=partial(collate_ttt, batching=sampler.plan.batching,
-                      ttt_steps=cfg.ttt_steps), num_workers=cfg.num_workers, pin_memory=world.device.type == "cuda",
+                      ttt_steps=cfg.ttt_steps, static=graphs(cfg, world)), num_workers=cfg.num_workers,
+                      pin_memory=world.device.type == "cuda",
                       persistent_workers=cfg.num_workers > 0)
 
 
@@ -160,8 +186,9 @@ def validate(model, head: VerifierHead, batches: DataLoader, cfg: TrainConfig, w
     total = torch.zeros(6, cfg.ttt_steps, device=world.device)
     for step, batch in enumerate(batches):
         batch = to_device(batch, world.device, batches.dataset)
+        begin_graph_step(graphs(cfg, world))
         with parallel.autocast(world.device), torch.set_grad_enabled(compiles(cfg, world)):
-            target = head(batch["final"], batch["selection"].positions)
+            target = head(batch["final"], batch["selection"].positions, batch["selection"].padded)
             sums = net(batch["input_ids"], batch["aux"], batch["position_ids"], target, batch["selection"])[1].detach()
         total += sums if batches.batch_sampler.counted(step) else 0  # an idle process still joins FSDP's collectives
     return StepMetrics(parallel.all_reduce_sum(total, world)).summary(cfg.step_decay)
