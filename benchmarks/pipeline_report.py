@@ -10,7 +10,9 @@ It reads RUN/logs/dvc.log (every line of ``dvc repro`` after its time: a stage's
 "Running stage" line to the next stage's line or the end of the dvc command), RUN/logs/gpu.tsv (NVML samples: a window's
 ``gpu_busy`` is their mean utilisation, 0 to 1, null without samples), dvclive/train/metrics.json (training
 tokens: ``train.tokens_per_s`` is those tokens over train's wall, start-up and validation included;
-``logged_tokens_per_s`` the median of the rates train logged, its steps alone) and dvclive/evaluate/metrics.json
+``logged_tokens_per_s`` the median of the rates train logged, its steps alone; ``train.after_first_sync``: the
+steps after the first metric lines reached the host, which follow the compilation and the first steps: their
+``wall_s``, ``steps`` and ``gpu_busy``, what a GPU kept busy by the training loop shows) and dvclive/evaluate/metrics.json
 with params.yaml (each set's prompts, τ of the chain, the tree and prompt lookup, and max_new_tokens).
 ``--peer FILE``: benchmarks/peer_train.py's record (tokens over seconds) or benchmarks/peer_tau.py's JSON (its
 longest peer run); without it ``peer.tokens_per_s`` is null. A per-shard stage (generate@*, extract@*) is
@@ -144,6 +146,24 @@ def train_rates(run: Path, train_wall: float | None) -> dict:
             "steps": metrics.get("step"), "logged_tokens_per_s": round(statistics.median(rates)) if rates else None}
 
 
+# the train loop's metric lines (training.reporting): a batch of them is stamped when their numbers reach the host
+TRAIN_LINE = re.compile(r"eagle3\.training\.reporting: step (\d+) ")
+
+
+def steps_after_first_sync(log: RunLog, samples: list[tuple[float, float, float]]) -> dict | None:
+    """The train loop's steps from its first metric sync to its last line: wall, steps and GPU busy share; None
+    without two syncs. Why: train's wall includes the start-up and compilation, when the GPU idles by design."""
+    train = next((w for w in reversed(log.windows) if w.stage == "train"), None)
+    lines = [(t, int(m[1])) for t, text in log.lines if train and train.start <= t <= (train.end or t)
+             and (m := TRAIN_LINE.search(text))]
+    if not lines or lines[0][0] == lines[-1][0]:
+        return None
+    first_sync = lines[0][0]
+    synced = max(step for t, step in lines if t == first_sync)
+    (end, last) = lines[-1]
+    return {"wall_s": round(end - first_sync, 1), "steps": last - synced, "gpu_busy": busy(samples, [(first_sync, end)])}
+
+
 def peer_rate(path: Path | None) -> dict:
     """The peer trainer's tokens/s: peer_train.py's record, or the longest peer run of a peer_tau.py JSON."""
     if path is None:
@@ -198,7 +218,7 @@ def report(run: Path, commit: str, command: str, peer: Path | None, now: float |
         "gpu_busy": busy(samples, sessions),
         "finished": log.exit_code == 0,
         "stages": stages,
-        "train": train_rates(run, stages.get("train", {}).get("wall_s")),
+        "train": {**train_rates(run, stages.get("train", {}).get("wall_s")), "after_first_sync": steps_after_first_sync(log, samples)},
         "peer": peer_rate(peer),
         "sets": eval_sets(run, log),
     }
@@ -232,6 +252,9 @@ def readme_results(result: dict, source: Path) -> str:
         lines += ["", f"`train`: {train['steps']:,} steps, {train['tokens'] / 1e6:.1f}M training tokens, "
                       f"{train['tokens_per_s'] / 1000:.1f}k tokens/s over its {train_stage['wall_s']:.0f} s, "
                       f"GPU {percent(train_stage['gpu_busy'])} busy."]
+        if steady := train.get("after_first_sync"):
+            lines[-1] += (f" After the first metric sync (compilation and first steps behind it): {steady['steps']:,} steps "
+                          f"in {steady['wall_s']:.0f} s, GPU {percent(steady['gpu_busy'])} busy.")
     if not result["finished"]:
         logged = [f"`{name}`" for name, s in result["sets"].items() if s.get("from") == "log"]
         lines += [f"**Unfinished** (`\"finished\": false`): the run stopped inside `{list(result['stages'])[-1]}`; "

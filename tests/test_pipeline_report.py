@@ -31,7 +31,9 @@ LOG = [
     (40, "Running stage 'generate@000032-001000':"), (50, "12:00:00 INFO slots: 1000 requests"), (52, "Updating lock file 'dvc.lock'"),
     (52, "Running stage 'extract@000000-000032':"), (60, "Updating lock file 'dvc.lock'"),
     (60, "Running stage 'extract@000032-001000':"), (70, "Updating lock file 'dvc.lock'"),
-    (70, "Running stage 'train':"), (170, "Updating lock file 'dvc.lock'"),
+    (70, "Running stage 'train':"), (120, "12:00:50 INFO eagle3.training.reporting: step 10 loss 9.1 acc_0 0.1"),
+    (120, "12:00:50 INFO eagle3.training.reporting: step 20 loss 8.1 acc_0 0.2"),
+    (165, "12:01:35 INFO eagle3.training.reporting: step 60 loss 4.1 acc_0 0.6"), (170, "Updating lock file 'dvc.lock'"),
     (170, "Running stage 'evaluate':"), (200, "Updating lock file 'dvc.lock'"),
     (200, "Running stage 'summary':"), (201, "Updating lock file 'dvc.lock'"), (202, "=== exit 0"),
 ]
@@ -73,7 +75,8 @@ def test_the_report_times_each_stage_and_reads_the_stages_metrics(tmp_path):
     generate = result["stages"]["generate"]  # a group: its items summed, and each
     assert generate["wall_s"] == 20.0 and generate["gpu_busy"] == 0.1
     assert generate["items"] == {"000000-000032": {"wall_s": 8.0, "gpu_busy": 0.1}, "000032-001000": {"wall_s": 12.0, "gpu_busy": 0.1}}
-    assert result["train"] == {"tokens_per_s": 5000, "tokens": 500_000, "steps": 60, "logged_tokens_per_s": 6000}
+    assert result["train"] == {"tokens_per_s": 5000, "tokens": 500_000, "steps": 60, "logged_tokens_per_s": 6000,
+                               "after_first_sync": {"wall_s": 45.0, "steps": 40, "gpu_busy": 0.8}}
     assert result["peer"] == {"tokens_per_s": 5000, "tokens": 300_000, "seconds": 60.0, "source": "peer.json"}
     assert result["sets"] == {
         "heldout": {"prompts": 200, "max_new_tokens": 256, "tau": 3.2, "tree_tau": 3.7, "ngram_tau": 1.5},
