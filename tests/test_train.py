@@ -689,3 +689,34 @@ def test_the_compiled_step_matches_the_eager_one(monkeypatch):
     for name in eager_weights:
         torch.testing.assert_close(compiled_weights[name], eager_weights[name], rtol=1e-4, atol=1e-5, msg=name)
     assert graphs == 2  # the TTT unroll and the verifier head, each once for both batches
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs are a GPU's")
+def test_the_graphed_step_matches_the_compiled_one():
+    """train.cuda_graphs on one GPU: steps whose selections pad to two sizes (one size twice: a replay), then a
+    validation, give the compiled step's metric sums, gradient norms and weights within bf16 tolerance."""
+    cuda = World(0, 1, torch.device("cuda"))
+    dcfg = make_drafter().config
+    items = [[Items.item(n, dcfg, seed) for n in lengths] for seed, lengths in enumerate([[12, 20], [30, 9], [14, 18]])]
+    runs = []
+    for cuda_graphs in (False, True):
+        torch._dynamo.reset()
+        cfg = train_config(ttt_steps=2, pack_tokens=40, batch_tokens=40, compile=True, cuda_graphs=cuda_graphs)
+        batches = [collate_ttt(docs, Batching(40, 1, 1), 2, static=cuda_graphs) for docs in items]
+        drafter = make_drafter(seed=11).to("cuda")
+        head = VerifierHead(verifier_head_weight(drafter.config, drafter.d2t).cuda(), drafter.d2t.cuda())
+        model = TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation)
+        compile_step(model, head, graphs(cfg, cuda))
+        optimizers = make_optimizers(model, cfg, fused=True)
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0) for o in optimizers]
+        steps = [[t.clone() for t in train_step(model, head, [to_device(b, cuda.device)], Optimisation(optimizers, schedulers),
+                                                cfg, cuda)] for b in batches]
+        metrics = validate(model, head, validation_batches(Items(dcfg, 3, seed=7), cfg, cuda), cfg, cuda)
+        runs.append((steps, metrics, {name: p.detach().float().cpu() for name, p in model.named_parameters()}))
+    (compiled_steps, compiled_metrics, compiled_weights), (graphed_steps, graphed_metrics, graphed_weights) = runs
+    for (sums, norm), (want_sums, want_norm) in zip(graphed_steps, compiled_steps):
+        torch.testing.assert_close(sums, want_sums, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(norm, want_norm, rtol=2e-2, atol=1e-3)
+    assert graphed_metrics == pytest.approx(compiled_metrics, rel=2e-2, abs=2e-2)
+    for name in compiled_weights:
+        torch.testing.assert_close(graphed_weights[name], compiled_weights[name], rtol=2e-2, atol=1e-3, msg=name)
