@@ -18,6 +18,10 @@ run used), ``models/verifier``, ``data/merged``, ``data/hidden_states``, ``data/
    wall time) at the step time run 3 measured, the epochs those steps need (its own sampler counts them);
 5. our ``evaluate`` (dvc.yaml's command, the run's params) of every drafter over the run's eval sets.
 
+``--rate-only`` stops after 3: the peer's training rate on the run's own data, what
+``benchmarks/pipeline_report.py --peer`` compares ``train``'s with (``pipeline_wait.sh``'s ``PEER_RATE=1``; with
+``--ours`` the run's drafter, nothing of ours is trained again).
+
 The JSON (rewritten after every stage) holds the commit, the command, the checks and per run the
 trainer, steps, tokens, wall times, the peer's resolved settings and per eval set τ of the chain and
 the tree.
@@ -217,6 +221,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--seconds", type=float, help="training time of the equal-time peer run (default: ours, as timed here)")
     parser.add_argument("--peer-flags", default="", help="more of its trainer's flags, last (they win), e.g. \"--max-steps 2 --epochs 1\"")
     parser.add_argument("--commit", default="", help="the commit measured (where the tree has no .git)")
+    parser.add_argument("--rate-only", action="store_true", help="stop after the equal-tokens peer run (its tokens/s): no "
+                        "equal-time run, no evaluate")
     args = parser.parse_args(argv)
     require_peer()
     run_dir, work, started = args.run.resolve(), args.work.resolve(), time.time()
@@ -245,6 +251,8 @@ def main(argv: list[str]) -> None:
     equal_tokens = once(work / "peer-tokens.json", lambda: train_peer("peer-tokens", tokens_flags, work, run_dir, draft_head))
     report["runs"].append(equal_tokens)
     save()
+    if args.rate_only:
+        return
     seconds = args.seconds or ours["train_seconds"]
     if seconds:
         steps = equal_time_steps(seconds, equal_tokens)
