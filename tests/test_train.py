@@ -703,8 +703,9 @@ def test_the_graphed_step_matches_the_compiled_one():
         torch._dynamo.reset()
         cfg = train_config(ttt_steps=2, pack_tokens=40, batch_tokens=40, compile=True, cuda_graphs=cuda_graphs)
         batches = [collate_ttt(docs, Batching(40, 1, 1), 2, static=cuda_graphs) for docs in items]
-        drafter = make_drafter(seed=11).to("cuda")
-        head = VerifierHead(verifier_head_weight(drafter.config, drafter.d2t).cuda(), drafter.d2t.cuda())
+        drafter = make_drafter(seed=11)
+        head = VerifierHead(verifier_head_weight(drafter.config, drafter.d2t), drafter.d2t).cuda()
+        drafter = drafter.cuda()
         model = TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation)
         compile_step(model, head, graphs(cfg, cuda))
         optimizers = make_optimizers(model, cfg, fused=True)
