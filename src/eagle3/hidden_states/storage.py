@@ -200,8 +200,8 @@ def write_part(path: Path, samples: list[dict[str, torch.Tensor]]) -> str:
 
     The bytes are those of ``safetensors.torch.save_file`` of the concatenated tensors (tested), written key by key:
     save_file copies each concatenated tensor again into a Python bytes object, and the file was then read back for
-    its sha256; here each key's concatenation is written and hashed from where it lies. On the 2-core CPU 339 MB/s
-    against 209 (``benchmarks/part_writer.py``), where one H100 run stored a 10k shard at about 155 MB/s.
+    its sha256; here each key's concatenation is written and hashed from where it lies (``benchmarks/part_writer.py``
+    times the two: docs/benchmarks.md, "extract's part writer").
 
     A full disk is bad environment, not a bug: one line with the file, the bytes and what to do
     (the caller's ``atomic_dir`` removes the partial output).
@@ -235,8 +235,6 @@ def write_part(path: Path, samples: list[dict[str, torch.Tensor]]) -> str:
                         "free space (or store less: extract.dtype=float8_e4m3fn halves it), then re-run extract; "
                         "nothing of this shard was kept") from None
     return digest.hexdigest()
-
-
 
 
 def size(n: int) -> str:

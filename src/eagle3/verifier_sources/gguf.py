@@ -202,7 +202,7 @@ def each_gguf_parsed_once() -> Iterator[None]:
 def load_gguf(gguf: Path, source: DictConfig, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("dequantising %s (GGUF parsing takes ~10 s)", gguf)
+    log.info("dequantising %s (parsing the GGUF and converting its tokenizer take most of this)", gguf)
     with each_gguf_parsed_once():
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype(source.dtype))
