@@ -19,8 +19,9 @@ run used), ``models/verifier``, ``data/merged``, ``data/hidden_states``, ``data/
 5. our ``evaluate`` (dvc.yaml's command, the run's params) of every drafter over the run's eval sets.
 
 ``--rate-only`` stops after 3: the peer's training rate on the run's own data, what
-``benchmarks/pipeline_report.py --peer`` compares ``train``'s with (``pipeline_wait.sh``'s ``PEER_RATE=1``; with
-``--ours`` the run's drafter, nothing of ours is trained again).
+``benchmarks/pipeline_report.py --peer`` compares ``train``'s with (``pipeline_run.sh``'s ``PEER_RATE=1``; with
+``--ours`` the run's drafter, nothing of ours is trained again). ``--rate-steps N`` caps that run at N steps
+(named ``peer-rate``): its steady step time needs a few hundred steps, not our 21 epochs (~7,000 steps at 10k).
 
 The JSON (rewritten after every stage) holds the commit, the command, the checks and per run the
 trainer, steps, tokens, wall times, the peer's resolved settings and per eval set τ of the chain and
@@ -223,7 +224,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--commit", default="", help="the commit measured (where the tree has no .git)")
     parser.add_argument("--rate-only", action="store_true", help="stop after the equal-tokens peer run (its tokens/s): no "
                         "equal-time run, no evaluate")
+    parser.add_argument("--rate-steps", type=int, help="with --rate-only: at most this many peer steps (its steady rate)")
     args = parser.parse_args(argv)
+    if args.rate_steps is not None and not (args.rate_only and args.rate_steps > 1):
+        parser.error("--rate-steps needs --rate-only and at least 2 steps (a step time is between two steps)")
     require_peer()
     run_dir, work, started = args.run.resolve(), args.work.resolve(), time.time()
     work.mkdir(parents=True, exist_ok=True)
@@ -248,7 +252,10 @@ def main(argv: list[str]) -> None:
     save()
     flags = peer_flags(run_dir, data, facts, args.device)
     tokens_flags = flags + ["--epochs", str(int(params.train.epochs)), *extra]
-    equal_tokens = once(work / "peer-tokens.json", lambda: train_peer("peer-tokens", tokens_flags, work, run_dir, draft_head))
+    name = "peer-tokens"
+    if args.rate_steps:
+        tokens_flags, name = tokens_flags + ["--max-steps", str(args.rate_steps)], "peer-rate"
+    equal_tokens = once(work / f"{name}.json", lambda: train_peer(name, tokens_flags, work, run_dir, draft_head))
     report["runs"].append(equal_tokens)
     save()
     if args.rate_only:

@@ -12,10 +12,12 @@ It reads RUN/logs/dvc.log (every line of ``dvc repro`` after its time: a stage's
 tokens: ``train.tokens_per_s`` is those tokens over train's wall, start-up and validation included;
 ``logged_tokens_per_s`` the median of the rates train logged, its steps alone; ``train.after_first_sync``: the
 steps after the first metric lines reached the host, which follow the compilation and the first steps: their
-``wall_s``, ``steps`` and ``gpu_busy``, what a GPU kept busy by the training loop shows) and dvclive/evaluate/metrics.json
+``wall_s``, ``steps``, ``gpu_busy`` and ``tokens_per_s`` (at the run's mean tokens a step), what a GPU kept busy by
+the training loop shows) and dvclive/evaluate/metrics.json
 with params.yaml (each set's prompts, τ of the chain, the tree and prompt lookup, and max_new_tokens).
-``--peer FILE``: benchmarks/peer_train.py's record (tokens over seconds) or benchmarks/peer_tau.py's JSON (its
-longest peer run); without it ``peer.tokens_per_s`` is null. A per-shard stage (generate@*, extract@*) is
+``--peer FILE``: benchmarks/peer_train.py's record or benchmarks/peer_tau.py's JSON (its longest peer run):
+``peer.tokens_per_s`` is its rate at its median step, ``train_over_peer`` ours over it (``over``); without it
+both are null. A per-shard stage (generate@*, extract@*) is
 reported summed, with its items under ``items``.
 """
 
@@ -150,9 +152,10 @@ def train_rates(run: Path, train_wall: float | None) -> dict:
 TRAIN_LINE = re.compile(r"eagle3\.training\.reporting: step (\d+) ")
 
 
-def steps_after_first_sync(log: RunLog, samples: list[tuple[float, float, float]]) -> dict | None:
-    """The train loop's steps from its first metric sync to its last line: wall, steps and GPU busy share; None
-    without two syncs. Why: train's wall includes the start-up and compilation, when the GPU idles by design."""
+def steps_after_first_sync(log: RunLog, samples: list[tuple[float, float, float]], tokens_per_step: float | None) -> dict | None:
+    """The train loop's steps from its first metric sync to its last line: wall, steps, GPU busy share and tokens/s
+    (at the run's mean tokens a step); None without two syncs. Why: train's wall includes the start-up and
+    compilation, when the GPU idles by design."""
     train = next((w for w in reversed(log.windows) if w.stage == "train"), None)
     lines = [(t, int(m[1])) for t, text in log.lines if train and train.start <= t <= (train.end or t)
              and (m := TRAIN_LINE.search(text))]
@@ -161,11 +164,15 @@ def steps_after_first_sync(log: RunLog, samples: list[tuple[float, float, float]
     first_sync = lines[0][0]
     synced = max(step for t, step in lines if t == first_sync)
     (end, last) = lines[-1]
-    return {"wall_s": round(end - first_sync, 1), "steps": last - synced, "gpu_busy": busy(samples, [(first_sync, end)])}
+    wall, steps = end - first_sync, last - synced
+    return {"wall_s": round(wall, 1), "steps": steps, "gpu_busy": busy(samples, [(first_sync, end)]),
+            "tokens_per_s": round(steps * tokens_per_step / wall) if tokens_per_step else None}
 
 
 def peer_rate(path: Path | None) -> dict:
-    """The peer trainer's tokens/s: peer_train.py's record, or the longest peer run of a peer_tau.py JSON."""
+    """The peer trainer's tokens/s, from peer_train.py's record or the longest peer run of a peer_tau.py JSON:
+    ``tokens_per_s`` over its steps after the first at its median step (its start-up, compilation and
+    recompiles behind it: the rate most in its favour), ``whole_run_tokens_per_s`` over its wall."""
     if path is None:
         return {"tokens_per_s": None}
     record = json.loads(path.read_text())
@@ -173,15 +180,19 @@ def peer_rate(path: Path | None) -> dict:
         peers = [run for run in record["runs"] if run.get("trainer", "").startswith("speculators")]
         if not peers:
             raise SystemExit(f"{path}: no run with a speculators trainer in its runs")
-        best = max(peers, key=lambda run: run["train_seconds"])
-        tokens, seconds = best["tokens"], best["train_seconds"]
+        record = max(peers, key=lambda run: run["train_seconds"])
+        seconds = record["train_seconds"]
     else:
-        tokens, seconds = record["tokens"], record["seconds"]
-    return {"tokens_per_s": round(tokens / seconds), "tokens": tokens, "seconds": seconds, "source": path.name}
+        seconds = record["seconds"]
+    tokens, steps, median = record["tokens"], record.get("steps"), record.get("step_median_seconds")
+    whole = round(tokens / seconds)
+    steady = round(tokens / steps / median) if steps and median else None
+    return {"tokens_per_s": steady or whole, "whole_run_tokens_per_s": whole, "tokens": tokens, "steps": steps,
+            "seconds": seconds, "step_median_s": median, "source": path.name}
 
 
 # evaluate's line for each set it finished (evaluate.py's log.info): what an unfinished run has measured
-SET_LINE = re.compile(r"INFO __main__: (?P<name>[\w-]+): chain tau (?P<tau>[\d.]+), .*?; tree tau (?P<tree>[\d.]+); "
+SET_LINE = re.compile(r"INFO [\w.]+: (?P<name>[\w-]+): chain tau (?P<tau>[\d.]+), .*?; tree tau (?P<tree>[\d.]+); "
                       r"baselines tau [\d.]+ \(most frequent\), (?P<ngram>[\d.]+) \(ngram\); (?P<prompts>\d+) prompts")
 
 
@@ -211,6 +222,10 @@ def report(run: Path, commit: str, command: str, peer: Path | None, now: float |
     if now is None:  # an open window ends at the newest record of the run (so a report rebuilt later reads the same)
         now = max([t for t, _ in log.lines] + [t for t, _, _ in samples], default=time.time())
     stages = stage_times(log, samples, now)
+    train = train_rates(run, stages.get("train", {}).get("wall_s"))
+    tokens_per_step = train["tokens"] / train["steps"] if train.get("steps") else None
+    train["after_first_sync"] = steps_after_first_sync(log, samples, tokens_per_step)
+    peer = peer_rate(peer)
     sessions = [(a, b if b is not None else now) for a, b in log.sessions]
     return {
         "commit": commit, "command": command, "gpu": gpu,
@@ -218,10 +233,21 @@ def report(run: Path, commit: str, command: str, peer: Path | None, now: float |
         "gpu_busy": busy(samples, sessions),
         "finished": log.exit_code == 0,
         "stages": stages,
-        "train": {**train_rates(run, stages.get("train", {}).get("wall_s")), "after_first_sync": steps_after_first_sync(log, samples)},
-        "peer": peer_rate(peer),
+        "train": train, "peer": peer,
+        "train_over_peer": over(train, peer),
         "sets": eval_sets(run, log),
     }
+
+
+def over(train: dict, peer: dict) -> dict | None:
+    """Our trainer's tokens/s over the peer's (same GPU, same sitting where the run measured it): ``steady`` ours
+    after the first metric sync against its median step, ``whole_run`` train's wall against the peer's steady rate
+    (our start-up and compilation counted, its not: the comparison least in our favour); None without a peer."""
+    if not peer["tokens_per_s"] or not train.get("tokens_per_s"):
+        return None
+    steady = (train.get("after_first_sync") or {}).get("tokens_per_s")
+    return {"steady": round(steady / peer["tokens_per_s"], 2) if steady else None,
+            "whole_run": round(train["tokens_per_s"] / peer["tokens_per_s"], 2)}
 
 
 def percent(share: float | None) -> str:
@@ -255,6 +281,11 @@ def readme_results(result: dict, source: Path) -> str:
         if steady := train.get("after_first_sync"):
             lines[-1] += (f" After the first metric sync (compilation and first steps behind it): {steady['steps']:,} steps "
                           f"in {steady['wall_s']:.0f} s, GPU {percent(steady['gpu_busy'])} busy.")
+        if ratio := result.get("train_over_peer"):
+            peer = result["peer"]
+            lines += ["", f"The peer trainer on the same data, GPU and sitting (`{peer['source']}`): {peer['tokens_per_s'] / 1000:.1f}k "
+                          f"tokens/s at its median step over {peer['steps']:,} steps; ours {ratio['whole_run']:.2f}× that over "
+                          f"train's whole wall" + (f", {ratio['steady']:.2f}× after the first sync." if ratio["steady"] else ".")]
     if not result["finished"]:
         logged = [f"`{name}`" for name, s in result["sets"].items() if s.get("from") == "log"]
         lines += [f"**Unfinished** (`\"finished\": false`): the run stopped inside `{list(result['stages'])[-1]}`; "

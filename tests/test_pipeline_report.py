@@ -63,7 +63,7 @@ def report(*args: str) -> str:
 def test_the_report_times_each_stage_and_reads_the_stages_metrics(tmp_path):
     busy_in_train = lambda t: 80.0 if 70 <= t < 170 else 10.0  # noqa: E731
     run = synthetic_run(tmp_path / "run", utilisation=busy_in_train)
-    (tmp_path / "peer.json").write_text(json.dumps({"tokens": 300_000, "seconds": 60.0, "steps": 40}))
+    (tmp_path / "peer.json").write_text(json.dumps({"tokens": 300_000, "seconds": 60.0, "steps": 40, "step_median_seconds": 1.25}))
     out = tmp_path / "pipeline.json"
     report(run, "--out", out, "--commit", "abc1234", "--command", "dvc repro", "--peer", tmp_path / "peer.json")
     result = json.loads(out.read_text())
@@ -75,9 +75,15 @@ def test_the_report_times_each_stage_and_reads_the_stages_metrics(tmp_path):
     generate = result["stages"]["generate"]  # a group: its items summed, and each
     assert generate["wall_s"] == 20.0 and generate["gpu_busy"] == 0.1
     assert generate["items"] == {"000000-000032": {"wall_s": 8.0, "gpu_busy": 0.1}, "000032-001000": {"wall_s": 12.0, "gpu_busy": 0.1}}
+    # 40 steps at the run's 500,000 / 60 tokens a step in 45 s
     assert result["train"] == {"tokens_per_s": 5000, "tokens": 500_000, "steps": 60, "logged_tokens_per_s": 6000,
-                               "after_first_sync": {"wall_s": 45.0, "steps": 40, "gpu_busy": 0.8}}
-    assert result["peer"] == {"tokens_per_s": 5000, "tokens": 300_000, "seconds": 60.0, "source": "peer.json"}
+                               "after_first_sync": {"wall_s": 45.0, "steps": 40, "gpu_busy": 0.8, "tokens_per_s": 7407}}
+    # the peer at its median step: 7,500 tokens a step in 1.25 s; over its wall 5,000
+    assert result["peer"] == {"tokens_per_s": 6000, "whole_run_tokens_per_s": 5000, "tokens": 300_000, "steps": 40,
+                              "seconds": 60.0, "step_median_s": 1.25, "source": "peer.json"}
+    assert result["train_over_peer"] == {"steady": 1.23, "whole_run": 0.83}
+    headline = report("--readme-results", out)
+    assert "(`peer.json`): 6.0k tokens/s at its median step over 40 steps; ours 0.83× that over train's whole wall, 1.23× after" in headline
     assert result["sets"] == {
         "heldout": {"prompts": 200, "max_new_tokens": 256, "tau": 3.2, "tree_tau": 3.7, "ngram_tau": 1.5},
         "humaneval": {"prompts": 164, "max_new_tokens": 256, "tau": 1.87, "tree_tau": 2.37, "ngram_tau": 1.5}}
@@ -89,7 +95,7 @@ def test_without_nvml_or_peer_the_shares_and_the_peer_are_null(tmp_path):
     result = json.loads(report(run))
     assert result["gpu"] is None and result["gpu_busy"] is None
     assert all(stage["gpu_busy"] is None for stage in result["stages"].values())
-    assert result["peer"] == {"tokens_per_s": None}
+    assert result["peer"] == {"tokens_per_s": None} and result["train_over_peer"] is None
 
 
 def test_a_resumed_job_sums_its_sessions_and_a_peer_tau_json_gives_its_longest_peer_run(tmp_path):
@@ -99,12 +105,13 @@ def test_a_resumed_job_sums_its_sessions_and_a_peer_tau_json_gives_its_longest_p
     run = synthetic_run(tmp_path / "run", lines=killed + resumed)
     peer = {"runs": [{"trainer": "eagle3", "tokens": 1, "train_seconds": 1.0},
                      {"trainer": "speculators 0.9.0", "tokens": 200_000, "train_seconds": 20.0},
-                     {"trainer": "speculators 0.9.0", "tokens": 900_000, "train_seconds": 100.0}]}
+                     {"trainer": "speculators 0.9.0", "tokens": 900_000, "train_seconds": 100.0, "steps": 90,
+                      "step_median_seconds": None}]}
     (tmp_path / "peer_tau.json").write_text(json.dumps(peer))
     result = json.loads(report(run, "--peer", tmp_path / "peer_tau.json"))
     assert result["total_wall_s"] == 41.0 + 62.0
     assert result["stages"]["train"]["wall_s"] == 40.0 + 61.0
-    assert result["peer"]["tokens_per_s"] == 9000
+    assert result["peer"]["tokens_per_s"] == 9000  # no step time: over its wall
 
 
 def test_poll_shows_the_running_stage_and_the_last_lines(tmp_path):
@@ -139,12 +146,14 @@ sys.meta_path.insert(0, Refuse())
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("EAGLE3_PIPELINE_SMOKE"), reason="minutes of CPU: EAGLE3_PIPELINE_SMOKE=1 runs it")
 def test_smoke_the_whole_demo_run_detached_then_reported(tmp_path):
-    """pipeline_run.sh on the demo with carried prompts, without the packages the kit leaves out, and one variant on
-    its cache (only what the variant changes runs); then the reports, as pipeline_wait.sh brings them back."""
+    """pipeline_run.sh on the demo with carried prompts, without the packages the kit leaves out, the peer's rate asked
+    for (its wheels absent here: that step fails in its log and the job goes on), and one variant on its cache (only
+    what the variant changes runs); then the reports, as pipeline_wait.sh brings them back."""
     (tmp_path / "blocked").mkdir()
     (tmp_path / "blocked/sitecustomize.py").write_text(BLOCKED)
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "blocked"), "OVERRIDES": "-S dataset=demo -S layout=cpu",
-           "PYTHON": sys.executable, "SAMPLE_EVERY": "0.5", "VARIANTS": "-S train.max_steps=4", "COMMIT": "smoke"}
+           "PYTHON": sys.executable, "SAMPLE_EVERY": "0.5", "VARIANTS": "-S train.max_steps=4", "COMMIT": "smoke",
+           "PEER_RATE": "1", "PEER_STEPS": "20"}
     prompts, run = tmp_path / "prompts.tar.gz", tmp_path / "run"
     subprocess.run(["bash", ROOT / "benchmarks/offline/prompts_tar.sh", prompts, "-S", "dataset=demo", "-S", "layout=cpu"],
                    env=env, check=True, capture_output=True)
@@ -160,6 +169,8 @@ def test_smoke_the_whole_demo_run_detached_then_reported(tmp_path):
     log = (run / "logs/dvc.log").read_text()
     assert (run / "logs/job.rc").read_text().strip() == "0", log[-3000:]
     assert "Running stage 'prompts'" not in log and "Stage 'prompts' didn't change, skipping" in log
+    assert "=== peer rate: failed (logs/peer_tau.log)" in log and (run / "logs/peer_rate.wanted").read_text().strip() == "20"
+    assert "the peer's packages" in (run / "logs/peer_tau.log").read_text()
     result = json.loads(report(run, "--commit", "smoke"))
     assert result["finished"] and result["gpu"] is None
     assert {"verifier", "generate", "extract", "merge", "train", "evaluate", "summary"} <= result["stages"].keys()
@@ -184,7 +195,7 @@ def test_smoke_the_whole_demo_run_detached_then_reported(tmp_path):
 def test_an_unfinished_evaluate_reports_the_sets_it_logged_and_ends_at_its_last_record(tmp_path):
     """evaluate writes its metrics at its end: a run stopped inside it has only its lines for the sets done;
     its open window ends at the newest record, so the report rebuilt later from the logs reads the same."""
-    done = ("12:00:00 INFO __main__: heldout: chain tau 3.386, speedup 0.86x at batch 1; tree tau 3.85; "
+    done = ("12:00:00 INFO eagle3.decoding.evaluation: heldout: chain tau 3.386, speedup 0.86x at batch 1; tree tau 3.85; "
             "baselines tau 1.05 (most frequent), 3.25 (ngram); 200 prompts in 204.6 s")
     lines = [line for line in LOG if line[0] <= 170] + [(190, done)]
     run = synthetic_run(tmp_path / "run", lines=lines)

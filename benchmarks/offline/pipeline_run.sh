@@ -19,6 +19,11 @@
 # runs it only says so; after a failure (or a killed job) it starts the job again and `dvc repro` continues
 # (done stages are skipped, train resumes from its checkpoints); once the job has succeeded it does nothing.
 #
+# PEER_RATE=1: once the first run has succeeded, before any variant, the peer trainer on its data, the GPU to itself:
+# benchmarks/peer_tau.py --rate-only --rate-steps ${PEER_STEPS:-1000} (its wheels in /root/peer-site: kit.sh with
+# PEER=1; ours is not trained again) into RUN/logs/peer_tau.json, which pipeline_wait.sh's report then compares
+# train's rate with. A failure there is logged (RUN/logs/peer_tau.log) and the variants go on.
+#
 # VARIANTS: more runs after the first in the same job, '|'-separated override sets added to OVERRIDES, e.g.
 #   VARIANTS="-S train.epochs=7|-S generate.max_new_tokens=256"
 # each a run folder of its own, RUN/variants/<n> (its logs, report and metrics as RUN's), started once the first
@@ -67,6 +72,19 @@ link_outputs() {
   cp -a "$from/metrics" "$from/dvclive" "$from/dvc.lock" "$to/"
 }
 
+# The peer's rate on the first run's data, once (RUN/logs/peer_tau.done), if the fresh run folder asked for it.
+peer_rate() {
+  [ -f logs/peer_rate.wanted ] && [ ! -f logs/peer_tau.done ] || return 0
+  echo "=== peer rate: benchmarks/peer_tau.py --rate-only (logs/peer_tau.log)" | stamp
+  if PYTHONPATH="$PWD/src:$PWD/tools/benchmarks:${PYTHONPATH:-}:/root/peer-site" python3 tools/benchmarks/peer_tau.py --run "$PWD" \
+      --work "$PWD/peer" --json logs/peer_tau.json --ours models/drafter --rate-only --rate-steps "$(cat logs/peer_rate.wanted)" \
+      --commit "$(cat logs/commit.txt 2>/dev/null)" --peer-flags "--loss-implementation eager" > logs/peer_tau.log 2>&1; then
+    touch logs/peer_tau.done && echo "=== peer rate: done" | stamp
+  else
+    echo "=== peer rate: failed (logs/peer_tau.log)" | stamp
+  fi
+}
+
 if [ "${1:-}" = --job ]; then  # the detached job itself (below: `setsid ... "$0" --job RUN PROMPTS`)
   run=$2 prompts=$3
   cd "$run"
@@ -76,6 +94,7 @@ if [ "${1:-}" = --job ]; then  # the detached job itself (below: `setsid ... "$0
   set +e
   pipeline "$prompts"
   code=$?
+  [ "$code" = 0 ] && peer_rate
   for variant in variants/*/; do
     [ "$code" = 0 ] && [ -d "$variant" ] || break
     if [ -f "$variant/logs/linked" ]; then
@@ -130,7 +149,9 @@ if [ ! -d "$run/.dvc" ]; then  # a fresh run folder
   COMMIT=${COMMIT:-$(cat "$(dirname "${prompts:-.}")/commit.txt" 2>/dev/null || true)}  # the kit's (kit.sh)
   prepare "$run" "$overrides"
   # the job runs from its own copy: a device call re-copies the repository while the job runs
-  mkdir -p "$run/tools" && cp "$here/pipeline_run.sh" "$here/stamp.py" "$here/gpu_sampler.py" "$run/tools/"
+  mkdir -p "$run/tools/benchmarks" && cp "$here/pipeline_run.sh" "$here/stamp.py" "$here/gpu_sampler.py" "$run/tools/"
+  cp "$here"/../*.py "$run/tools/benchmarks/" && cp -r "$here" "$run/tools/benchmarks/offline"  # peer_tau.py and its imports
+  [ -z "${PEER_RATE:-}" ] || echo "${PEER_STEPS:-1000}" > "$run/logs/peer_rate.wanted"
   if [ -n "$prompts" ]; then
     tar -xzf "$prompts" -O params.yaml | cmp -s - "$run/params.yaml" \
       || { echo "error: $prompts holds another params.yaml than $run/params.yaml: compose both with the same OVERRIDES"; exit 2; }

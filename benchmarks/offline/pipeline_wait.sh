@@ -7,9 +7,8 @@
 #   bash benchmarks/offline/pipeline_wait.sh /root/run 540 "$OUT"   # PEER=FILE: pipeline_report.py --peer
 # The commit is the kit's (kit.sh wrote it; COMMIT=<sha> overrides it). STAGE_START=1: once the job has succeeded, also
 # benchmarks/stage_start.py on the run's verifier (what a shard's process pays before its work, each phase; ~1 min)
-# into OUT/stage_start.json, once. PEER_RATE=1: once the job has succeeded, also the peer trainer on the run's own
-# data for its epochs (benchmarks/peer_tau.py --rate-only, its wheels in /root/peer-site: kit.sh with PEER=1; ours not
-# trained again), once, into RUN/logs/peer_tau.json and OUT; the report's peer.tokens_per_s is then its rate.
+# into OUT/stage_start.json, once. Where the job measured the peer's rate (pipeline_run.sh's PEER_RATE=1), its
+# RUN/logs/peer_tau.json goes to OUT and the report's peer.tokens_per_s is its rate.
 set -uo pipefail
 run=$1 seconds=$2 out=$3
 here=$(cd "$(dirname "$0")" && pwd)
@@ -36,12 +35,6 @@ collect() {
   tar -C "$dir" -czf "$to/metrics.tar.gz" --ignore-failed-read params.yaml dvc.lock logs/job.out metrics dvclive 2>/dev/null
 }
 for dir in "$run" "$run"/variants/*; do [ -f "$dir/logs/dvc.log" ] && python3 "$report" "$dir" --poll; done
-if [ -n "${PEER_RATE:-}" ] && [ "$(cat "$run/logs/job.rc" 2>/dev/null)" = 0 ] && [ ! -f "$run/logs/peer_tau.done" ]; then
-  PYTHONPATH="$run/src:${PYTHONPATH:-}:/root/peer-site" python3 "$here/../peer_tau.py" --run "$run" --work "$run/peer" \
-    --json "$run/logs/peer_tau.json" --ours "$run/models/drafter" --rate-only --commit "$(cat "$run/logs/commit.txt" 2>/dev/null)" \
-    --peer-flags "--loss-implementation eager" > "$run/logs/peer_tau.log" 2>&1 \
-    && touch "$run/logs/peer_tau.done" || echo "peer_tau.py failed: $run/logs/peer_tau.log"
-fi
 [ -f "$run/logs/peer_tau.done" ] && PEER=${PEER:-$run/logs/peer_tau.json}
 collect "$run" "$out"
 if [ -n "${STAGE_START:-}" ] && [ "$(cat "$run/logs/job.rc" 2>/dev/null)" = 0 ] && [ ! -f "$run/logs/stage_start.json" ]; then
