@@ -18,7 +18,7 @@ from eagle3.decoding.speculative import StopStrings, Target, greedy_decode, spec
 from eagle3.decoding.tree import EagleProposer
 from eagle3.decoding.config import TreeShape
 from eagle3.config import compose_params
-from eagle3.decoding.evaluation import Conversations, evaluate
+from eagle3.decoding.evaluation import Conversations, decode_tau, evaluate, in_prompt_order
 from eagle3.decoding.session import Session
 from eagle3.evaluate import check_pair, load_eval_sets, main
 from eagle3.lm.chat import prompt_ids
@@ -70,7 +70,7 @@ def test_impossible_tree_is_one_clear_error_when_params_compose(tree, message):
 
 @pytest.mark.parametrize("key, value, message", [
     ("batch_sizes", [], "evaluate.batch_sizes = \\[\\]: must be a non-empty list of integers >= 1"),
-    ("repeats", 0, "evaluate.repeats = 0: must be an integer >= 1"),
+    ("repeats", -1, "evaluate.repeats = -1: must be an integer >= 0"),
     ("chain_sweep", [0, 3], "evaluate.chain_sweep = \\[0, 3\\]: must be a list of integers >= 1"),
     ("timed_prompts", 0, "evaluate.timed_prompts = 0: must be an integer >= 1, or null"),
 ])
@@ -78,6 +78,13 @@ def test_impossible_timing_settings_are_one_clear_error(key, value, message):
     params = project_params()
     params.evaluate[key] = value
     with pytest.raises(UserError, match=message):
+        validate(params)
+
+
+def test_a_chain_sweep_with_nothing_timed_is_refused():
+    params = project_params()
+    params.evaluate.repeats, params.evaluate.chain_sweep = 0, [2, 3]
+    with pytest.raises(UserError, match=r"evaluate.chain_sweep = \[2, 3\]: must be \[\] with evaluate.repeats 0"):
         validate(params)
 
 
@@ -111,10 +118,11 @@ def test_evaluate_reports_every_method_per_set_lossless(tiny_verifier_dir):
         assert set(sweep["tau"]) == {"k2", "k3"} and sweep["best"] in (2, 3) and sweep["tau"]["k3"] >= 1
 
 
-@pytest.mark.parametrize("repeats", [2, 1])
+@pytest.mark.parametrize("repeats", [2, 1, 0])
 def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, monkeypatch, repeats):
     """Timings are metrics only with their spread: two repeats give speedups per batch size and the
-    unstable flag, one (the CPU demo's) none; τ and the plots either way."""
+    unstable flag, one (the CPU demo's) none; zero (evaluate=tau) times nothing: no speedup plot, no
+    lossless; τ and its plots in every case."""
     verifier = load_verifier(tiny_verifier_dir)
     drafter_dir, prompts_dir = tmp_path / "drafter", tmp_path / "prompts"
     drafter_dir.mkdir()
@@ -133,13 +141,16 @@ def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, mon
     monkeypatch.chdir(tmp_path)
     main([str(tiny_verifier_dir), str(drafter_dir), str(prompts_dir), str(out), "--params", str(tmp_path / "params.yaml")])
     metrics = json.loads((out / "metrics.json").read_text())["heldout"]
-    assert metrics["prompts"] == 2 and metrics["lossless"] == 1 and metrics["tree"]["lossless"] == 1
+    assert metrics["prompts"] == 2 and metrics.get("lossless", 1) == 1 and metrics["tree"].get("lossless", 1) == 1
+    assert ("lossless" in metrics) == (repeats > 0)
     assert 1 <= metrics["tau"] <= 4 and metrics["baseline"]["tau"] >= 1 and metrics["ngram"]["tau"] >= 1
     assert 1 <= metrics["tree"]["tau"] <= 4 and metrics["ngram"]["tau_matched_rounds"] >= metrics["ngram"]["tau"]
     assert json.loads((out / "metrics.json").read_text())["wall_seconds"] > 0
-    speedups = json.loads((out / "plots" / "custom" / "speedup" / "heldout.json").read_text())
-    assert [row["batch_size"] for row in speedups] == [2, 1] and all(row["drafter"] > 0 and row["tree"] > 0 for row in speedups)
-    if repeats == 1:
+    speedup_plot = out / "plots" / "custom" / "speedup" / "heldout.json"
+    speedups = json.loads(speedup_plot.read_text()) if repeats else []
+    assert [row["batch_size"] for row in speedups] == ([2, 1] if repeats else []) and all(row["drafter"] > 0 and row["tree"] > 0 for row in speedups)
+    if repeats <= 1:
+        assert speedup_plot.is_file() == (repeats == 1)
         assert not any("speedup" in key or "tokens_per_s" in key for key in json.dumps(metrics).split('"')[1::2])
     else:
         assert metrics["speedup"] == pytest.approx(speedups[0]["drafter"], abs=1e-4) and metrics["speedup_spread"] >= 0 and metrics["tree"]["speedup"] > 0
@@ -327,6 +338,32 @@ def test_tau_covers_every_prompt_whatever_the_timings_cover(tiny_verifier_dir):
     assert report["chain"]["lossless"] == report["tree"]["lossless"] == 1  # over the 3 timed at batch 3, 4 tokens each
     assert set(report["batch"]) == {1, 3} and report["batch"][1]["chain"]["speedup_spread"] is not None
     assert set(whole["chain"]["tau_by_position"]) == {"0-4", "4+"}
+    tau_only = evaluate(Session.create(verifier, drafter, Settings.from_params(eval_params(batch_sizes=[1, 3], repeats=0)), {2}), sets)["a"]
+    for method in ("chain", "tree", "baseline", "ngram"):  # evaluate=tau: the same τ, nothing timed
+        assert tau_only[method]["tau"] == whole[method]["tau"] and "lossless" not in tau_only.get(method, {})
+    assert tau_only["batch"] == {} and tau_only["plain"]["timed_prompts"] == 0 and "draft_cost" not in tau_only["chain"]
+
+
+def test_the_trees_tau_decode_batches_by_the_chains_forwards_and_answers_in_prompt_order(smollm2_dir, monkeypatch):
+    """decode_tau: the tree's batches are the prompts in order of the chain's forwards, most first; every run's
+    answers come back in prompt order (each the prompt's greedy answer)."""
+    import eagle3.decoding.evaluation as evaluation
+
+    decoded, decode_all = [], evaluation.decode_all
+    monkeypatch.setattr(evaluation, "decode_all", lambda session, prompts, *args: decoded.append(prompts) or decode_all(session, prompts, *args))
+    torch.set_num_threads(1)
+    verifier, tokenizer = load_verifier(smollm2_dir), load_tokenizer(smollm2_dir)
+    prompts = [encode(tokenizer, q) for q in QUESTIONS]
+    eos = {greedy_decode(verifier, prompts[:1], 12, set())[0][3]}  # the first answer ends at its 4th token, others later
+    drafter = random_drafter(verifier, 32000, tuple(project_params().model.aux_layers))
+    settings = Settings.from_params(eval_params(max_new_tokens=12))
+    runs = decode_tau(Session.create(verifier, drafter, settings, eos), prompts, batch_size=2)
+    assert runs["chain"].outputs == runs["tree"].outputs == greedy_decode(verifier, prompts, 12, eos)
+    forwards = [len(a) for a in runs["chain"].accepted]
+    order = sorted(range(len(prompts)), key=lambda i: -forwards[i])
+    assert len(set(forwards)) > 1 and order != [0, 1, 2]
+    assert [p.tolist() for p in decoded[1]] == [prompts[i].tolist() for i in order]
+    assert in_prompt_order(Run(outputs=["c", "a", "b"], accepted=[[2], [0], [1]]), [2, 0, 1]).outputs == ["a", "b", "c"]
 
 
 def write_eval_set(prompts_dir, tiny_verifier_dir, name, records):
@@ -390,9 +427,11 @@ def test_followups_that_are_not_user_turns_are_refused(tmp_path, tiny_verifier_d
     ([], [32], 64, []),
     (["dataset=10k", "layout=gpu1"], [1, 64], 256, []),
     (["dataset=10k", "layout=gpu1", "evaluate=sweep"], [1, 4, 16, 64], 256, [2, 3, 4, 5, 6, 7]),
+    (["dataset=10k", "layout=gpu1", "evaluate=tau"], [1, 64], 256, []),
 ])
 def test_layouts_size_the_measurement_and_the_sweep_is_a_named_config(tmp_path, overrides, sizes, tokens, sweep):
     """GPU layouts: tau over 256-token answers, timings at batch 1 and 64; -S evaluate=sweep times every size and K."""
     compose_params(overrides, conf_dir=ROOT / "conf", output=tmp_path / "params.yaml")
     evaluate_params = OmegaConf.load(tmp_path / "params.yaml").evaluate
     assert (list(evaluate_params.batch_sizes), evaluate_params.max_new_tokens, list(evaluate_params.chain_sweep)) == (sizes, tokens, sweep)
+    assert evaluate_params.repeats == (0 if "evaluate=tau" in overrides else 1 if not overrides else 3)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from eagle3.common import UserError
-from eagle3.schema import ABSENT, BOOL, POSITIVE, Check, Lookup, integer, refuse, setting
+from eagle3.schema import ABSENT, BOOL, NON_NEGATIVE, POSITIVE, Check, Lookup, integer, refuse, setting
 
 TREE_KEYS = ("num_steps", "topk", "num_draft_tokens")
 
@@ -75,7 +75,8 @@ class EvaluateConfig:
     draft_tokens: int = setting(POSITIVE)  # K: chain drafts per verifier forward
     tree: TreeShape | None = setting(TREE)  # SGLang's draft tree (num_steps, topk, num_draft_tokens); None: chain only
     batch_sizes: tuple[int, ...] = setting(SIZES)  # prompts decoded together, one timing per size; τ and outputs at the largest
-    repeats: int = setting(POSITIVE)  # timings per batch size (median and spread); one: no spread, so no speedup metric
+    repeats: int = setting(NON_NEGATIVE)  # timings per batch size (median and spread); one: no spread, so no speedup metric;
+    #                                        zero: nothing timed, τ alone (evaluate=tau)
     timed_prompts: int | None = setting(SOME_OR_ALL)  # timings at batch size B on a set's first max(this, B) prompts; None: all
     timed_new_tokens: int | None = setting(TOKENS_OR_ALL)  # tokens per prompt in the timings (at most max_new_tokens); None: max_new_tokens
     cuda_graphs: bool = setting(BOOL)  # on a GPU, static caches and captured steps (``eagle3.decoding.graphed``); False: eager
@@ -89,7 +90,7 @@ class EvaluateConfig:
     @staticmethod
     def relations(get: Lookup) -> None:
         """The tree a shape SGLang's expansion can fill (refused here, not after training); the sets some
-        of those dataset.eval_sets builds."""
+        of those dataset.eval_sets builds; a chain sweep only where there are timings."""
         tree = get("evaluate.tree")
         if tree not in (ABSENT, None):
             problem = tree_shape_problem(*(tree[key] for key in TREE_KEYS))
@@ -98,6 +99,9 @@ class EvaluateConfig:
         built, chosen = get("dataset.eval_sets"), get("evaluate.sets")
         if ABSENT not in (built, chosen) and set(chosen) - set(built):
             raise refuse("evaluate.sets", chosen, f"sets that dataset.eval_sets builds ({sorted(built)})")
+        if get("evaluate.repeats") == 0 and get("evaluate.chain_sweep") not in (ABSENT, []):
+            raise refuse("evaluate.chain_sweep", get("evaluate.chain_sweep"), "[] with evaluate.repeats 0 (nothing timed), "
+                         "or set evaluate.repeats >= 1 to time the chains")
 
     @classmethod
     def from_params(cls, section) -> EvaluateConfig:

@@ -95,10 +95,37 @@ def lossless(run: Run, plain: Run) -> float:
     return share
 
 
+def decode_tau(session: Session, prompts: Sequence[torch.Tensor], batch_size: int) -> dict[str, Run]:
+    """τ's decode of every prompt at ``batch_size``, once per drafting method: the chain first, then the others on
+    the prompts ordered by the chain's verifier forwards, most first, their runs put back in prompt order.
+
+    Why the order: a batch decodes until its longest answer ends, with graphs its finished rows riding along
+    (``speculative_decode``); the chain's forwards per prompt (its answer's length over its acceptance) tell
+    which rows take long, so batched by them the tree's rows end together and its batches run for about the
+    forwards their rows need. Each prompt is decoded as before, only beside other prompts.
+    """
+    methods = session.settings.drafting_methods()
+    first, *others = methods
+    runs = decode_all(session, prompts, batch_size, {first: methods[first]})
+    if others:
+        order = sorted(range(len(prompts)), key=lambda i: len(runs[first].accepted[i]), reverse=True)
+        later = decode_all(session, [prompts[i] for i in order], batch_size, {name: methods[name] for name in others})
+        runs.update({name: in_prompt_order(run, order) for name, run in later.items()})
+    return runs
+
+
+def in_prompt_order(run: Run, order: Sequence[int]) -> Run:
+    """A run of the prompts taken in ``order`` (their indices) with its prompts put back in index order.
+    Example: order [2, 0, 1], outputs [c, a, b] -> [a, b, c]."""
+    place = sorted(range(len(order)), key=order.__getitem__)  # where each prompt's output is in the run
+    return Run(outputs=[run.outputs[j] for j in place], accepted=[run.accepted[j] for j in place], seconds=run.seconds)
+
+
 def timed_with_tau(prompts: Sequence[torch.Tensor], settings: Settings) -> bool:
     """Whether the largest batch size's timing is the τ decode itself: it times every prompt, every token."""
     largest = max(settings.batch_sizes)
-    return len(timed_prompts(prompts, settings, largest)) == len(prompts) and settings.timed_tokens == settings.max_new_tokens
+    return (largest in settings.timed_sizes and len(timed_prompts(prompts, settings, largest)) == len(prompts)
+            and settings.timed_tokens == settings.max_new_tokens)
 
 
 def evaluate_set(session: Session, prompts: Sequence[torch.Tensor], conversations: Conversations | None = None) -> dict:
@@ -106,7 +133,7 @@ def evaluate_set(session: Session, prompts: Sequence[torch.Tensor], conversation
     plain vs chain vs tree decoding: {"plain": the set's counts, "chain", "tree"?, "baseline"?, "ngram"?,
     "turns"?: {n: τ per method}, "batch": {batch size: ``timings``}, "unstable": [...], "chain_k"?: ``chain_sweep``}.
 
-    τ is decoded once, at the largest batch size, over every prompt (``max_new_tokens`` each); a
+    τ is decoded once, at the largest batch size, over every prompt (``max_new_tokens`` each; ``decode_tau``); a
     multi-turn set's later turns (``conversations``) follow, each after the chain's answers to the
     one before, and its τ pools every turn's forwards. Every batch size is timed ``repeats`` times
     on its ``timed_prompts`` (``timed_tokens`` each), plain decoding beside the drafting methods;
@@ -123,29 +150,31 @@ def evaluate_set(session: Session, prompts: Sequence[torch.Tensor], conversation
     if timed_with_tau(prompts, settings):
         tau_runs = timed[largest] = decode(prompts, largest, settings.methods(), settings.repeats)
     else:
-        tau_runs = decode(prompts, largest, settings.drafting_methods())
+        tau_runs = decode_tau(session, prompts, largest)
     turns = [(prompts, tau_runs)]
     while conversations is not None and (later := conversations.next_turn(turns[-1][1]["chain"].outputs)):
-        turns.append((later, decode(later, largest, settings.drafting_methods())))
-    for size in settings.batch_sizes:
+        turns.append((later, decode_tau(session, later, largest)))
+    for size in settings.timed_sizes:
         if size not in timed:
             timed[size] = decode(timed_prompts(prompts, settings, size), size, settings.methods(), settings.repeats,
                                  settings.timed_tokens)
     every_prompt = [p for batch, _ in turns for p in batch]
     answers = [a for _, runs in turns for a in runs["chain"].outputs]  # the verifier's greedy answers
     headline_timed = timed_prompts(prompts, settings, settings.batch_sizes[0])
-    report = {"plain": {"tokens": sum(map(len, answers)), "prompts": len(prompts), "timed_prompts": len(headline_timed)}}
+    report = {"plain": {"tokens": sum(map(len, answers)), "prompts": len(prompts), "timed_prompts": len(headline_timed) if timed else 0}}
     for name, shape in settings.drafting_methods().items():
         accepted = [a for _, runs in turns for a in runs[name].accepted]
         report[name] = {**acceptance_stats([j for a in accepted for j in a], shape.num_steps),
-                        "tau_by_position": tau_by_position(accepted, edges), "lossless": lossless(timed[largest][name], timed[largest]["plain"])}
-        report[name].update(step_costs(session, headline_timed, settings.batch_sizes[0], shape))
+                        "tau_by_position": tau_by_position(accepted, edges)}
+        if timed:  # plain decoding beside it, and the graphs of the timed batches
+            report[name].update(lossless=lossless(timed[largest][name], timed[largest]["plain"]),
+                                **step_costs(session, headline_timed, settings.batch_sizes[0], shape))
     if settings.baseline:
         report.update(baselines(every_prompt, answers, settings.draft_tokens, edges))
     if len(turns) > 1:  # published multi-turn τ pools the turns (as above); each turn's own beside it
         token = report.get("baseline", {}).get("token")
         report["turns"] = {n: turn_report(batch, runs, settings, token) for n, (batch, runs) in enumerate(turns, 1)}
-    report["batch"] = {size: timings(timed[size]) for size in settings.batch_sizes}
+    report["batch"] = {size: timings(timed[size]) for size in settings.timed_sizes}
     if settings.chain_sweep:  # per set: the K that pays differs with what is decoded (code, math, chat)
         report["chain_k"] = chain_sweep(session, headline_timed)
     report["unstable"] = [f"batch {size}: {what}" for size, timing in report["batch"].items() for what in disagreeing(timing)]
@@ -184,7 +213,7 @@ def evaluate(session: Session, eval_sets: Mapping[str, Sequence[torch.Tensor]],
                   [c.longest_prompt(settings.max_new_tokens) for c in conversations.values()])
     session = session.with_graphs(decode_graphs(settings, longest))
     counts = {graph_rows(len(timed_prompts(prompts, settings, size)), size) for prompts in eval_sets.values()
-              for size in settings.batch_sizes} | {graph_rows(len(prompts), largest) for prompts in eval_sets.values()}
+              for size in settings.timed_sizes} | {graph_rows(len(prompts), largest) for prompts in eval_sets.values()}
     counts |= {graph_rows(c.rows(turn), largest) for c in conversations.values() for turn in range(2, c.turns + 1)}
     first = next(iter(eval_sets.values()))
     warm_up(session, first, sorted(counts))
@@ -195,8 +224,9 @@ def evaluate(session: Session, eval_sets: Mapping[str, Sequence[torch.Tensor]],
     reports = {}
     for name, prompts in eval_sets.items():
         reports[name] = report = evaluate_set(session, prompts, conversations.get(name))
-        log.info("%s: chain tau %.3f, speedup %.2fx at batch %d; tree tau %s; baselines tau %s (most frequent), %s (ngram); "
-                 "%d prompts%s in %.1f s", name, report["chain"]["tau"], report["batch"][settings.batch_sizes[0]]["chain"]["speedup"],
+        speedup = report["batch"].get(settings.batch_sizes[0], {}).get("chain", {}).get("speedup")
+        log.info("%s: chain tau %.3f, speedup %s at batch %d; tree tau %s; baselines tau %s (most frequent), %s (ngram); "
+                 "%d prompts%s in %.1f s", name, report["chain"]["tau"], "-" if speedup is None else f"{speedup:.2f}x",
                  settings.batch_sizes[0],
                  report.get("tree", {}).get("tau", "-"), report.get("baseline", {}).get("tau", "-"),
                  report.get("ngram", {}).get("tau", "-"), len(prompts),

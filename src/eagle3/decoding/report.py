@@ -50,8 +50,8 @@ def log_report(live, name: str, report: dict) -> None:
             live.log_metric(f"{name}/ngram/{key}", round(report["ngram"][key], 4), plot=False)
     if "baseline" in report:
         live.log_metric(f"{name}/baseline/token", report["baseline"]["token"], plot=False)
-    headline = next(iter(report["batch"].values()))  # the first batch size's
-    if headline["plain"]["tokens_per_s_spread"] is not None:
+    headline = next(iter(report["batch"].values()), None)  # the first batch size's; None: nothing timed (repeats 0)
+    if headline and headline["plain"]["tokens_per_s_spread"] is not None:
         log_timing(live, f"{name}/", headline, methods)
         for size, timing in report["batch"].items():
             log_timing(live, f"{name}/batch/{size}/", timing, {"chain": "chain/", "tree": "tree/"})
@@ -101,7 +101,8 @@ def log_plots(live, name: str, report: dict) -> None:
     live.log_plot(f"tau/{name}", rows, x="tau", y="drafter")
     rows = [{"batch_size": size, **{column: timing[method]["speedup"] for column, method in (("drafter", "chain"), ("tree", "tree"))
                                     if method in timing}} for size, timing in report["batch"].items()]
-    live.log_plot(f"speedup/{name}", rows, x="batch_size", y="drafter")
+    if rows:
+        live.log_plot(f"speedup/{name}", rows, x="batch_size", y="drafter")
 
 
 def has_tau(value: Any) -> bool:

@@ -43,6 +43,11 @@ class Settings(EvaluateConfig):
         """Tokens per prompt in the timings: ``timed_new_tokens``, at most ``max_new_tokens``."""
         return min(self.timed_new_tokens or self.max_new_tokens, self.max_new_tokens)
 
+    @property
+    def timed_sizes(self) -> tuple[int, ...]:
+        """The batch sizes timed: all of ``batch_sizes``, none with ``repeats`` 0 (τ alone)."""
+        return self.batch_sizes if self.repeats else ()
+
     def methods(self) -> dict[str, TreeShape | None]:
         """Decoding methods: plain greedy (None), the chain, and the tree when configured."""
         return {"plain": None, "chain": TreeShape.chain(self.draft_tokens), **({"tree": self.tree} if self.tree else {})}
