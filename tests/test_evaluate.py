@@ -18,7 +18,8 @@ from eagle3.decoding.speculative import StopStrings, Target, greedy_decode, spec
 from eagle3.decoding.tree import EagleProposer
 from eagle3.decoding.config import TreeShape
 from eagle3.config import compose_params
-from eagle3.decoding.evaluation import Conversations, decode_tau, evaluate, in_prompt_order
+from eagle3.decoding.evaluation import Conversations, decode_phased, decode_tau, evaluate, phase_ends
+from eagle3.decoding.graphed import DecodeGraphs
 from eagle3.decoding.session import Session
 from eagle3.evaluate import check_pair, load_eval_sets, main
 from eagle3.lm.chat import prompt_ids
@@ -344,26 +345,67 @@ def test_tau_covers_every_prompt_whatever_the_timings_cover(tiny_verifier_dir):
     assert tau_only["batch"] == {} and tau_only["plain"]["timed_prompts"] == 0 and "draft_cost" not in tau_only["chain"]
 
 
-def test_the_trees_tau_decode_batches_by_the_chains_forwards_and_answers_in_prompt_order(smollm2_dir, monkeypatch):
-    """decode_tau: the tree's batches are the prompts in order of the chain's forwards, most first; every run's
-    answers come back in prompt order (each the prompt's greedy answer)."""
+def test_taus_decode_goes_on_in_phases_regrouped_by_forwards_with_every_forward_counted(smollm2_dir, monkeypatch):
+    """decode_tau: each method decodes in phases (here 4, 8, 12 tokens), each phase's answers ordered by forwards so
+    far (the tree's first by the chain's), a paused answer going on from its last token. The answers are greedy's,
+    in prompt order, and no token comes without its forward: 1 + sum(accepted + 1) tokens, as in one decode."""
     import eagle3.decoding.evaluation as evaluation
 
-    decoded, decode_all = [], evaluation.decode_all
-    monkeypatch.setattr(evaluation, "decode_all", lambda session, prompts, *args: decoded.append(prompts) or decode_all(session, prompts, *args))
+    calls, decode = [], evaluation.speculative_decode
+    monkeypatch.setattr(evaluation, "speculative_decode", lambda target, proposer, prompts, max_new, pause: calls.append((prompts, pause))
+                        or decode(target, proposer, prompts, max_new, pause=pause))
+    monkeypatch.setattr(evaluation, "FIRST_PHASE", 4)
+    assert phase_ends(12) == [4, 8, 12]
     torch.set_num_threads(1)
     verifier, tokenizer = load_verifier(smollm2_dir), load_tokenizer(smollm2_dir)
     prompts = [encode(tokenizer, q) for q in QUESTIONS]
-    eos = {greedy_decode(verifier, prompts[:1], 12, set())[0][3]}  # the first answer ends at its 4th token, others later
+    eos = {greedy_decode(verifier, prompts[:1], 12, set())[0][6]}  # the first answer ends at its 7th token, others later
     drafter = random_drafter(verifier, 32000, tuple(project_params().model.aux_layers))
-    settings = Settings.from_params(eval_params(max_new_tokens=12))
-    runs = decode_tau(Session.create(verifier, drafter, settings, eos), prompts, batch_size=2)
-    assert runs["chain"].outputs == runs["tree"].outputs == greedy_decode(verifier, prompts, 12, eos)
+    session = Session.create(verifier, drafter, Settings.from_params(eval_params(max_new_tokens=12)), eos)
+    runs = decode_tau(session, prompts, batch_size=2)
+    greedy = greedy_decode(verifier, prompts, 12, eos)
+    assert runs["chain"].outputs == runs["tree"].outputs == greedy and len({len(a) for a in greedy}) > 1
+    for run in runs.values():
+        assert all(len(tokens) == 1 + sum(a + 1 for a in accepted) for tokens, accepted in zip(run.outputs, run.accepted))
+    whole = speculative_decode(session.target, EagleProposer(drafter, TreeShape.chain(3)), prompts, 12)
+    assert runs["chain"].accepted == [d.accepted for d in whole]  # as one decode, forward for forward
+    # batches of 2: the chain's phases (4, 8, 12), then the tree's
+    phases = [(pause.at, len(batch)) for batch, pause in calls]
+    assert [at for at, _ in phases] == sorted([at for at, _ in phases][: len(phases) // 2]) * 2 and phases[0] == (4, 2)
+    for batch, pause in calls:  # a later phase: answers not ended, each prompt going on from its answer's last token
+        if pause.at > 4:
+            for prompt, answer in zip(batch, pause.answered):
+                j = next(j for j in range(3) if prompt.tolist() == prompts[j].tolist() + answer[:-1])
+                assert answer == greedy[j][: len(answer)] and 4 <= len(answer) < len(greedy[j])
     forwards = [len(a) for a in runs["chain"].accepted]
-    order = sorted(range(len(prompts)), key=lambda i: -forwards[i])
-    assert len(set(forwards)) > 1 and order != [0, 1, 2]
-    assert [p.tolist() for p in decoded[1]] == [prompts[i].tolist() for i in order]
-    assert in_prompt_order(Run(outputs=["c", "a", "b"], accepted=[[2], [0], [1]]), [2, 0, 1]).outputs == ["a", "b", "c"]
+    tree_first = [p.tolist() for batch, pause in calls[len(calls) // 2 :] if pause.at == 4 for p in batch]
+    assert tree_first == [prompts[i].tolist() for i in sorted(range(3), key=lambda i: -forwards[i])]
+
+
+def test_a_paused_answer_goes_on_accepting_as_one_decode_would(smollm2_dir, monkeypatch):
+    """A partly right drafter (identical prompts, so its table fits any batch row) decoded in phases of 4, 8 and 16
+    tokens accepts forward for forward what one decode accepts: a pause never cuts a round short."""
+    import eagle3.decoding.evaluation as evaluation
+
+    monkeypatch.setattr(evaluation, "FIRST_PHASE", 4)
+    torch.set_num_threads(1)
+    verifier, tokenizer = load_verifier(smollm2_dir), load_tokenizer(smollm2_dir)
+    prompts = [encode(tokenizer, QUESTIONS[0])] * 3
+    eos = {tokenizer.eos_token_id}
+    table = greedy_tables(verifier, prompts, 16 + K + 2)
+    table[:, ::3] = (table[:, ::3] + 1) % verifier.config.vocab_size
+    drafter = TableDrafter(table, verifier.config.vocab_size)
+    session = Session(target=Target(verifier=verifier, layer_ids=(0,), eos_ids=eos), drafter=drafter,
+                      settings=Settings.from_params(eval_params(max_new_tokens=16)))
+    phased = decode_phased(session, prompts, 2, "chain", TreeShape.chain(K))
+    whole = speculative_decode(session.target, EagleProposer(drafter, TreeShape.chain(K)), prompts, 16)
+    assert phased.outputs == [d.tokens for d in whole] == greedy_decode(verifier, prompts, 16, eos)
+    assert phased.accepted == [d.accepted for d in whole] and max(phased.accepted[0]) > 0
+    static = session.with_graphs(DecodeGraphs(len(prompts[0]), 16, capture=False))  # the GPU's static caches, eagerly
+    for shape in (TreeShape.chain(K), TreeShape(3, 2, 6)):  # each phase's prefill and rounds fit the caches' columns
+        in_static = decode_phased(static, prompts, 2, "m", shape)
+        assert in_static.outputs == phased.outputs
+        assert in_static.accepted == decode_phased(session, prompts, 2, "m", shape).accepted
 
 
 def write_eval_set(prompts_dir, tiny_verifier_dir, name, records):

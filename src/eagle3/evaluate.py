@@ -10,9 +10,9 @@ broken export shows up here as τ ≈ the baselines'.
 
 For each eval set (``data/prompts/eval/<set>.jsonl``, rendered with the chat template and the
 generation prompt), τ is decoded once over every prompt at the largest batch size of
-``evaluate.batch_sizes`` (``eagle3.decoding.speculative``), chain and tree drafting (the tree's batches
-grouped by the chain's forwards per prompt, ``decode_tau``), answers of
-``max_new_tokens``; a record's ``followups`` (MT-bench's second turns) are asked after the verifier's
+``evaluate.batch_sizes`` (``eagle3.decoding.speculative``), chain and tree drafting, answers of
+``max_new_tokens`` (in phases of 64, 128, ... tokens, the answers still going regrouped into full batches
+each phase, ``decode_tau``); a record's ``followups`` (MT-bench's second turns) are asked after the verifier's
 own answer and decoded the same way (``Conversations``), the set's τ pooling its turns. Every batch
 size is then timed: plain greedy decoding, chain and tree drafting, alternately per batch,
 ``evaluate.repeats`` times each, on the first max(``timed_prompts``, size) prompts for

@@ -16,14 +16,17 @@ import time
 from collections.abc import Mapping, Sequence
 
 import torch
+from tqdm import tqdm
 
 from eagle3.decoding.acceptance import acceptance_stats, tau_by_position
 from eagle3.decoding.baselines import baselines
+from eagle3.decoding.config import TreeShape
 from eagle3.decoding.session import Session
 from eagle3.decoding.settings import Settings
-from eagle3.decoding.speculative import StopStrings
-from eagle3.decoding.timing import (UNSTABLE_SPREAD, Run, chain_sweep, decode_all, decode_graphs, disagreeing, graph_rows,
-                                    step_costs, timed_prompts, timings, warm_up)
+from eagle3.decoding.speculative import Pause, StopStrings, speculative_decode
+from eagle3.decoding.timing import (UNSTABLE_SPREAD, Run, batched, chain_sweep, decode_all, decode_graphs, disagreeing,
+                                    graph_rows, step_costs, timed_prompts, timings, warm_up)
+from eagle3.decoding.tree import EagleProposer
 from eagle3.lm.chat import prompt_ids
 
 log = logging.getLogger(__name__)
@@ -95,30 +98,64 @@ def lossless(run: Run, plain: Run) -> float:
     return share
 
 
-def decode_tau(session: Session, prompts: Sequence[torch.Tensor], batch_size: int) -> dict[str, Run]:
-    """τ's decode of every prompt at ``batch_size``, once per drafting method: the chain first, then the others on
-    the prompts ordered by the chain's verifier forwards, most first, their runs put back in prompt order.
+FIRST_PHASE = 64  # answer tokens of τ's first decode phase (``phase_ends``)
 
-    Why the order: a batch decodes until its longest answer ends, with graphs its finished rows riding along
-    (``speculative_decode``); the chain's forwards per prompt (its answer's length over its acceptance) tell
-    which rows take long, so batched by them the tree's rows end together and its batches run for about the
-    forwards their rows need. Each prompt is decoded as before, only beside other prompts.
-    """
+
+def phase_ends(max_new_tokens: int) -> list[int]:
+    """The answer lengths where τ's decode regroups the answers not yet ended: doubling from FIRST_PHASE up to
+    ``max_new_tokens``. Example: 256 -> [64, 128, 256]; 100 -> [64, 100]; 64 -> [64] (one phase)."""
+    ends = [FIRST_PHASE]
+    while ends[-1] < max_new_tokens:
+        ends.append(ends[-1] * 2)
+    return [end for end in ends if end < max_new_tokens] + [max_new_tokens]
+
+
+def decode_tau(session: Session, prompts: Sequence[torch.Tensor], batch_size: int) -> dict[str, Run]:
+    """τ's decode of every prompt at ``batch_size``, once per drafting method (``decode_phased``): the chain first,
+    then the others with their first phase's prompts ordered by the chain's verifier forwards, most first."""
     methods = session.settings.drafting_methods()
     first, *others = methods
-    runs = decode_all(session, prompts, batch_size, {first: methods[first]})
-    if others:
-        order = sorted(range(len(prompts)), key=lambda i: len(runs[first].accepted[i]), reverse=True)
-        later = decode_all(session, [prompts[i] for i in order], batch_size, {name: methods[name] for name in others})
-        runs.update({name: in_prompt_order(run, order) for name, run in later.items()})
+    runs = {first: decode_phased(session, prompts, batch_size, first, methods[first])}
+    forwards = [len(accepted) for accepted in runs[first].accepted]
+    runs.update({name: decode_phased(session, prompts, batch_size, name, methods[name], forwards) for name in others})
     return runs
 
 
-def in_prompt_order(run: Run, order: Sequence[int]) -> Run:
-    """A run of the prompts taken in ``order`` (their indices) with its prompts put back in index order.
-    Example: order [2, 0, 1], outputs [c, a, b] -> [a, b, c]."""
-    place = sorted(range(len(order)), key=order.__getitem__)  # where each prompt's output is in the run
-    return Run(outputs=[run.outputs[j] for j in place], accepted=[run.accepted[j] for j in place], seconds=run.seconds)
+def decode_phased(session: Session, prompts: Sequence[torch.Tensor], batch_size: int, name: str, shape: TreeShape,
+                  forwards: Sequence[int] | None = None) -> Run:
+    """One drafting method over every prompt to the end of each answer, in phases (``phase_ends``): a phase decodes
+    the answers not yet ended, in batches, each until it has the phase's tokens (``speculative_decode``'s
+    ``Pause``: never within a round), and the next phase goes on from each answer's last token. A phase's
+    prompts are ordered by verifier forwards so far, most first (the first phase's by ``forwards``, if given).
+
+    Why: a batch decodes until its longest answer ends, with graphs its finished rows riding along, so a
+    batch of answers of 5 and of 256 tokens costs the 256's forwards for every row. Regrouped at 64 and 128
+    tokens, the answers still going fill fewer, fuller batches, of rows that end together. Each answer's
+    forwards are those of one decode, as if never paused (τ by position included), but for the rounding of
+    another batch: each phase's prefill recomputes the features of the answer so far.
+    """
+    graphs, max_new = session.graphs, session.settings.max_new_tokens
+    run = Run(outputs=[[] for _ in prompts], accepted=[[] for _ in prompts])
+    rows = graph_rows(len(prompts), batch_size) if graphs is not None else None  # every phase's, as captured
+    going = list(range(len(prompts)))
+    for phase, end in enumerate(phase_ends(max_new)):
+        if phase or forwards is not None:
+            counts = [len(a) for a in run.accepted] if phase else forwards
+            going.sort(key=lambda i: -counts[i])  # stable: ties keep prompt order
+        inputs = [torch.cat([prompts[i], prompts[i].new_tensor(run.outputs[i][:-1])]) if phase else prompts[i] for i in going]
+        left = []
+        columns = [going, inputs, [run.outputs[i] for i in going]]
+        for count, (ids, batch, answers) in tqdm(batched(columns, batch_size, rows), desc=f"{name} to {end} tokens", unit="batch",
+                                                 total=-(-len(going) // batch_size), leave=False):
+            decoded = speculative_decode(session.target, EagleProposer(session.drafter, shape, graphs), batch, max_new,
+                                         pause=Pause(end, answers if phase else None))
+            for i, d in zip(ids[:count], decoded):
+                run.outputs[i], run.accepted[i] = d.tokens, run.accepted[i] + d.accepted
+                left += [i] if d.paused else []
+        going = left
+        if not going:
+            break
+    return run
 
 
 def timed_with_tau(prompts: Sequence[torch.Tensor], settings: Settings) -> bool:

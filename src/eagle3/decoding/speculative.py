@@ -44,7 +44,7 @@ steps (``graphs=``): rows then stay in the batch and rejected columns stay maske
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,15 @@ class Decoded:
     tokens: list[int]  # generated tokens after the prompt, up to and including EOS, at most max_new_tokens
     accepted: list[int] = field(default_factory=list)  # per verifier forward after prefill: drafts accepted
     stopped: bool = False  # ended by a stop string (its last token completes it; ``StopStrings``)
+    paused: bool = False  # left at ``pause_at`` tokens, unfinished: a later decode may go on from it
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Where a decode leaves its rows unfinished, and where an earlier decode left them (``speculative_decode``)."""
+
+    at: int  # a row leaves once it has this many tokens, after the round that reached them
+    answered: Sequence[list[int]] | None = None  # per prompt, the tokens an earlier decode paused at; None: a new decode
 
 
 @dataclass(frozen=True)
@@ -223,7 +232,7 @@ def finished(output: Decoded, max_new_tokens: int, eos_ids: set[int]) -> bool:
 
 @torch.no_grad()
 def speculative_decode(target: Target, proposer, prompts: Sequence[Tensor], max_new_tokens: int,
-                       prefilled: tuple[Batch, Tensor] | None = None) -> list[Decoded]:
+                       prefilled: tuple[Batch, Tensor] | None = None, pause: Pause | None = None) -> list[Decoded]:
     """Greedy decoding of ``target``'s verifier from each prompt [n_b], sped up by ``proposer``'s drafts (None: plain).
 
     ``prefilled``: ``prefill``'s result for these prompts, to decode several ways from one prefill
@@ -231,6 +240,13 @@ def speculative_decode(target: Target, proposer, prompts: Sequence[Tensor], max_
     and captured steps; the tokens are the same. A row ends at EOS, at ``max_new_tokens`` or after
     a stop string (``target.stops``); a forward whose tokens run past a stop string counts the
     drafts it accepted up to there.
+
+    ``pause.at``: a row also leaves once it has that many tokens, after the round that reached them (never
+    cut short: its acceptance is as if it went on), marked ``paused``. ``pause.answered``: per prompt, the
+    tokens an earlier decode paused at; each prompt then ends with all of them but the last (the bonus token
+    that decode's last round emitted, which becomes the root, as it would have), and decoding goes on from
+    there: its tokens are the whole answer, its ``accepted`` this decode's forwards only. Example, a paused
+    answer [5, 7, 9] of prompt p: prompt p + [5, 7], answered [5, 7, 9]; the first forward verifies 9 and its drafts.
     """
     verifier, layer_ids, eos_ids, graphs, stops = target.verifier, target.layer_ids, target.eos_ids, target.graphs, target.stops
     batch, features = prefilled if prefilled else prefill(verifier, prompts, layer_ids)
@@ -238,13 +254,23 @@ def speculative_decode(target: Target, proposer, prompts: Sequence[Tensor], max_
         batch = copy.deepcopy(batch) if prefilled else batch
     else:
         batch = graphs.static_batch(batch, 1 if proposer is None else proposer.shape.num_draft_tokens)
-    outputs = [Decoded([int(t)]) for t in batch.root]
-    for output in outputs:
-        end_at_stop(output, 1, stops)
+    answered = pause.answered if pause else None
+    if answered is None:
+        outputs = [Decoded([int(t)]) for t in batch.root]
+        for output in outputs:
+            end_at_stop(output, 1, stops)
+    else:  # the last answered token is the root, whatever this prefill's own greedy token (equal, but for rounding)
+        outputs = [Decoded(list(tokens)) for tokens in answered]
+        batch.root = torch.tensor([tokens[-1] for tokens in answered], device=batch.root.device)
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=batch.root.device)
+
+    def leaves(output: Decoded) -> bool:
+        output.paused = pause is not None and len(output.tokens) >= pause.at and not finished(output, max_new_tokens, eos_ids)
+        return output.paused or finished(output, max_new_tokens, eos_ids)
+
     if proposer is not None:
         proposer.start(prompts, batch, features)
-    live = retire(list(range(len(outputs))), outputs, batch, proposer, max_new_tokens, eos_ids)  # the batch's rows
+    live = retire(list(range(len(outputs))), outputs, batch, proposer, leaves)  # the batch's rows
     while live:
         # before any kernel of the round is queued: a host-to-device copy waits for the GPU's queue
         budgets = torch.tensor([max_new_tokens - len(outputs[i].tokens) for i in live], device=eos.device)  # [B]
@@ -257,21 +283,21 @@ def speculative_decode(target: Target, proposer, prompts: Sequence[Tensor], max_
         if graphs is None:
             drop_rejected(batch, inputs.shape[1], torch.tensor(sorted(set().union(*paths)), device=greedy.device))
         for i, row_path, new in zip(live, paths, emitted):
-            if finished(outputs[i], max_new_tokens, eos_ids):
+            if leaves(outputs[i]):
                 continue  # a static batch's finished row, still riding along
             outputs[i].tokens += new
             outputs[i].accepted.append(len(row_path) - 1 - end_at_stop(outputs[i], len(new), stops))
         if proposer is not None:
             proposer.advance(Round(paths, emitted, features, root_positions))
-        live = retire(live, outputs, batch, proposer, max_new_tokens, eos_ids)
-    return [Decoded(truncate(o.tokens, max_new_tokens, eos_ids), o.accepted, o.stopped) for o in outputs]
+        live = retire(live, outputs, batch, proposer, leaves)
+    return [Decoded(truncate(o.tokens, max_new_tokens, eos_ids), o.accepted, o.stopped, o.paused) for o in outputs]
 
 
-def retire(live: list[int], outputs: list[Decoded], batch: Batch, proposer, max_new_tokens: int, eos_ids: set[int]) -> list[int]:
-    """The batch rows ``live`` (indices into ``outputs``) that still decode; the finished ones leave
-    the batch and the proposer's state (``keep_rows``). A static batch (``Batch.graphs``) keeps its
-    rows until all have finished: its graphs are of a fixed row count."""
-    still = [r for r, i in enumerate(live) if not finished(outputs[i], max_new_tokens, eos_ids)]
+def retire(live: list[int], outputs: list[Decoded], batch: Batch, proposer, leaves: Callable[[Decoded], bool]) -> list[int]:
+    """The batch rows ``live`` (indices into ``outputs``) that still decode (``leaves`` says which go); the others
+    leave the batch and the proposer's state (``keep_rows``). A static batch (``Batch.graphs``) keeps its
+    rows until all have gone: its graphs are of a fixed row count."""
+    still = [r for r, i in enumerate(live) if not leaves(outputs[i])]
     if batch.graphs is not None:
         return live if still else []
     if len(still) < len(live):

@@ -14,7 +14,7 @@ also give each method's price in verifier forwards (``step_costs``).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -63,8 +63,14 @@ def median_spread(values: Sequence[float]) -> tuple[float, float | None]:
     return median, (ordered[-1] - ordered[0]) / median if len(ordered) > 1 else None
 
 
-def batches(items: Sequence, size: int) -> list[Sequence]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
+def batched(columns: Sequence[Sequence], batch_size: int, rows: int | None) -> Iterator[tuple[int, list[list]]]:
+    """(count, each column's batch) for every ``batch_size`` items of the columns (parallel sequences), each batch
+    filled up to ``rows`` with copies of its last item (None: not filled), as an engine pads a batch to a
+    captured size. Example: [[a, b, c]], 2, rows 2 -> (2, [[a, b]]), (1, [[c, c]])."""
+    for start in range(0, len(columns[0]), batch_size):
+        parts = [list(column[start : start + batch_size]) for column in columns]
+        count = len(parts[0])
+        yield count, [part + part[-1:] * ((rows or count) - count) for part in parts]
 
 
 def decode_all(session: Session, prompts: Sequence[torch.Tensor], batch_size: int,
@@ -83,10 +89,8 @@ def decode_all(session: Session, prompts: Sequence[torch.Tensor], batch_size: in
     settings, target, graphs = session.settings, session.target, session.graphs
     methods = methods or settings.methods()
     runs = {name: Run(seconds=[0.0] * repeats) for name in methods}
-    for batch in tqdm(batches(prompts, batch_size), desc="/".join(methods), unit="batch", leave=False):
-        rows = len(batch)
-        if graphs is not None:
-            batch = [*batch, *[batch[-1]] * (graph_rows(len(prompts), batch_size) - rows)]
+    rows = graph_rows(len(prompts), batch_size) if graphs is not None else None
+    for count, (batch,) in tqdm(batched([prompts], batch_size, rows), desc="/".join(methods), unit="batch", leave=False):
         prefilled = prefill(target.verifier, batch, target.layer_ids)
         for repeat in range(repeats):
             for name, shape in methods.items():
@@ -97,7 +101,7 @@ def decode_all(session: Session, prompts: Sequence[torch.Tensor], batch_size: in
                     torch.cuda.synchronize()
                 runs[name].seconds[repeat] += time.perf_counter() - start
                 if repeat == 0:
-                    for d in decoded[:rows]:
+                    for d in decoded[:count]:
                         runs[name].outputs.append(d.tokens)
                         runs[name].accepted.append(d.accepted)
     return runs
