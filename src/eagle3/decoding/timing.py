@@ -90,7 +90,8 @@ def decode_all(session: Session, prompts: Sequence[torch.Tensor], batch_size: in
     methods = methods or settings.methods()
     runs = {name: Run(seconds=[0.0] * repeats) for name in methods}
     rows = graph_rows(len(prompts), batch_size) if graphs is not None else None
-    for count, (batch,) in tqdm(batched([prompts], batch_size, rows), desc="/".join(methods), unit="batch", leave=False):
+    for count, (batch,) in tqdm(batched([prompts], batch_size, rows), desc="/".join(methods), unit="batch",
+                                total=-(-len(prompts) // batch_size), leave=False):
         prefilled = prefill(target.verifier, batch, target.layer_ids)
         for repeat in range(repeats):
             for name, shape in methods.items():
