@@ -254,7 +254,7 @@ def evaluate(session: Session, eval_sets: Mapping[str, Sequence[torch.Tensor]],
               for size in settings.timed_sizes} | {graph_rows(len(prompts), largest) for prompts in eval_sets.values()}
     counts |= {graph_rows(c.rows(turn), largest) for c in conversations.values() for turn in range(2, c.turns + 1)}
     first = next(iter(eval_sets.values()))
-    warm_up(session, first, sorted(counts))
+    warm_up(session, first, sorted(counts), None if settings.timed_sizes else settings.drafting_methods())  # none timed: no plain
     if session.graphs is not None and settings.chain_sweep:  # the sweep's chains: every set's timed rows at the first batch size
         size = settings.batch_sizes[0]
         rows = sorted({graph_rows(len(timed_prompts(prompts, settings, size)), size) for prompts in eval_sets.values()})

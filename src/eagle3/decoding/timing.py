@@ -183,14 +183,14 @@ def warm_up(session: Session, prompts: Sequence[torch.Tensor], row_counts: Seque
 
     Its prompts are cut to their last WARMUP_PROMPT_TOKENS: a whole prompt's prefill costs more
     than the rest of the warm-up (about 1.5 s of the demo's) and sets up nothing a short one does not.
-    With the session's graphs, every batch row count in ``row_counts`` is warmed up with ``methods``
-    (default ``settings.methods()``), each for two rounds whatever is accepted (the second captures
+    ``methods``: those to warm up (default ``settings.methods()``). With the session's graphs, every batch row
+    count in ``row_counts`` is warmed up with them, each for two rounds whatever is accepted (the second captures
     the drafter's graph; no stop string ends a warm-up answer): graphs are per row count and shape.
     """
     settings, session = session.settings, session.without_stops()
     if session.graphs is None:
         first = [p[-WARMUP_PROMPT_TOKENS:] for p in prompts[: settings.batch_sizes[0]]]
-        decode_all(session, first, settings.batch_sizes[0], max_new_tokens=WARMUP_TOKENS)
+        decode_all(session, first, settings.batch_sizes[0], methods, max_new_tokens=WARMUP_TOKENS)
         return
     methods = methods or settings.methods()
     tokens = min(WARMUP_TOKENS + max(shape.num_steps + 1 for shape in methods.values() if shape), settings.max_new_tokens)
