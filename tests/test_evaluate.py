@@ -27,7 +27,7 @@ from eagle3.lm.loading import load_tokenizer, load_verifier, read_meta
 from eagle3.decoding.acceptance import acceptance_stats, bucket_names, tau_by_position
 from eagle3.decoding.baselines import baselines, most_frequent_token
 from eagle3.decoding.settings import Settings
-from eagle3.decoding.timing import Run, disagreeing, median_spread, timings
+from eagle3.decoding.timing import Run, batched, disagreeing, median_spread, timings
 from eagle3.lm.tokenizer_id import tokenizer_fingerprint
 from support.models import import_rounded_the_other_way, verifier_model
 from support.speculative import K, QUESTIONS, TINY_TAPS, TableDrafter, encode, greedy_tables, random_drafter
@@ -382,7 +382,12 @@ def test_taus_decode_goes_on_in_phases_regrouped_by_forwards_with_every_forward_
     assert tree_first == [prompts[i].tolist() for i in sorted(range(3), key=lambda i: -forwards[i])]
 
 
-def test_a_paused_answer_goes_on_accepting_as_one_decode_would(smollm2_dir, monkeypatch):
+def test_batches_of_parallel_columns_are_filled_to_the_captured_rows():
+    assert list(batched([["a", "b", "c"], [1, 2, 3]], 2, rows=2)) == [(2, [["a", "b"], [1, 2]]), (1, [["c", "c"], [3, 3]])]
+    assert list(batched([["a", "b", "c"]], 2, rows=None)) == [(2, [["a", "b"]]), (1, [["c"]])]  # eager: no filling
+
+
+def test_a_paused_answer_goes_on_accepting_as_one_decode_would(tiny_verifier_dir, monkeypatch):
     """A partly right drafter (identical prompts, so its table fits any batch row) decoded in phases of 4, 8 and 12
     tokens accepts forward for forward what one decode accepts: a pause never cuts a round short. The same in the
     GPU's static caches (run eagerly), chain and tree: each phase's prefill and rounds fit their columns."""
@@ -390,7 +395,7 @@ def test_a_paused_answer_goes_on_accepting_as_one_decode_would(smollm2_dir, monk
 
     monkeypatch.setattr(evaluation, "FIRST_PHASE", 4)
     torch.set_num_threads(1)
-    verifier, tokenizer = load_verifier(smollm2_dir), load_tokenizer(smollm2_dir)
+    verifier, tokenizer = load_verifier(tiny_verifier_dir), load_tokenizer(tiny_verifier_dir)
     prompts = [encode(tokenizer, QUESTIONS[0])] * 3
     eos = {tokenizer.eos_token_id}
     table = greedy_tables(verifier, prompts, 12 + K + 2)

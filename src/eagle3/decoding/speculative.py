@@ -63,7 +63,7 @@ class Decoded:
     tokens: list[int]  # generated tokens after the prompt, up to and including EOS, at most max_new_tokens
     accepted: list[int] = field(default_factory=list)  # per verifier forward after prefill: drafts accepted
     stopped: bool = False  # ended by a stop string (its last token completes it; ``StopStrings``)
-    paused: bool = False  # left at ``pause_at`` tokens, unfinished: a later decode may go on from it
+    paused: bool = False  # left at ``Pause.at`` tokens, unfinished: a later decode may go on from it
 
 
 @dataclass(frozen=True)
