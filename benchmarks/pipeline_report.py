@@ -240,7 +240,7 @@ def report(run: Path, commit: str, command: str, peer: Path | None, now: float |
 
 
 def over(train: dict, peer: dict) -> dict | None:
-    """Our trainer's tokens/s over the peer's (same GPU, same sitting where the run measured it): ``steady`` ours
+    """Our trainer's tokens/s over the peer's (a fair ratio only where the run measured both on one GPU): ``steady`` ours
     after the first metric sync against its median step, ``whole_run`` train's wall against the peer's steady rate
     (our start-up and compilation counted, its not: the comparison least in our favour); None without a peer."""
     if not peer["tokens_per_s"] or not train.get("tokens_per_s"):
@@ -283,7 +283,7 @@ def readme_results(result: dict, source: Path) -> str:
                           f"in {steady['wall_s']:.0f} s, GPU {percent(steady['gpu_busy'])} busy.")
         if ratio := result.get("train_over_peer"):
             peer = result["peer"]
-            lines += ["", f"The peer trainer on the same data, GPU and sitting (`{peer['source']}`): {peer['tokens_per_s'] / 1000:.1f}k "
+            lines += ["", f"The peer trainer (`{peer['source']}`): {peer['tokens_per_s'] / 1000:.1f}k "
                           f"tokens/s at its median step over {peer['steps']:,} steps; ours {ratio['whole_run']:.2f}× that over "
                           f"train's whole wall" + (f", {ratio['steady']:.2f}× after the first sync." if ratio["steady"] else ".")]
     if not result["finished"]:

@@ -83,7 +83,7 @@ def test_the_report_times_each_stage_and_reads_the_stages_metrics(tmp_path):
                               "seconds": 60.0, "step_median_s": 1.25, "source": "peer.json"}
     assert result["train_over_peer"] == {"steady": 1.23, "whole_run": 0.83}
     headline = report("--readme-results", out)
-    assert "(`peer.json`): 6.0k tokens/s at its median step over 40 steps; ours 0.83× that over train's whole wall, 1.23× after" in headline
+    assert "The peer trainer (`peer.json`): 6.0k tokens/s at its median step over 40 steps; ours 0.83× that over train's whole wall, 1.23× after" in headline
     assert result["sets"] == {
         "heldout": {"prompts": 200, "max_new_tokens": 256, "tau": 3.2, "tree_tau": 3.7, "ngram_tau": 1.5},
         "humaneval": {"prompts": 164, "max_new_tokens": 256, "tau": 1.87, "tree_tau": 2.37, "ngram_tau": 1.5}}

@@ -151,7 +151,8 @@ def decode_phased(session: Session, prompts: Sequence[torch.Tensor], batch_size:
                                          pause=Pause(end, answers if phase else None))
             for i, d in zip(ids[:count], decoded):
                 run.outputs[i], run.accepted[i] = d.tokens, run.accepted[i] + d.accepted
-                left += [i] if d.paused else []
+                if d.paused:
+                    left.append(i)
         going = left
         if not going:
             break
