@@ -254,8 +254,9 @@ def check_sample(peer_data: Path, facts: dict, merged: Path, hidden_states: Path
     drafter = load_drafter(drafter_dir, verifier_parts(verifier)[1]["embed"].float())
     model = peer_drafter(drafter, verifier)
     theirs = model.verifier_lm_head(model.verifier_norm(batch["verifier_last_hidden_states"]))  # [T-1, Vd]
-    head = model.verifier_lm_head(ours["final"][1:T])  # ours: lm_head(final), final post-norm
-    pre = pre_norm(ours["final"][1:T], model.verifier_norm.weight)  # its norm of this is ours / rms(pre), before bf16 storage
+    final = ours["final"][1:T].float()  # as stored (bf16); the copied head is fp32, as its collate casts
+    head = model.verifier_lm_head(final)  # ours: lm_head(final), final post-norm
+    pre = pre_norm(final, model.verifier_norm.weight)  # its norm of this is ours / rms(pre), before bf16 storage
     scale = (pre.pow(2).mean(-1) + model.verifier_norm.variance_epsilon).rsqrt()  # [T-1]: 1 but for our bf16 rounding of final
     target_agree = float((theirs.argmax(-1) == head.argmax(-1)).float().mean())
     if target_agree < 0.97:
