@@ -1,5 +1,6 @@
 """extract's part writer against the one it replaced, on the host alone: the wall time of a part, and how much of
-the interpreter it leaves to the thread that runs the verifier meanwhile.
+the interpreter it leaves to the thread that runs the verifier meanwhile; then the stream of every part through
+``PartWriter`` with one writer thread and with ``PART_WRITERS`` (``threads``: MB/s, each the median of the repeats).
 
     python benchmarks/part_writer.py benchmarks/results/part_writer_cpu.json
     python benchmarks/part_writer.py OUT.json --parts 2 --repeats 1 --smoke     # seconds (a small part)
@@ -30,7 +31,8 @@ from safetensors.torch import save_file
 from common import commit, environment
 
 from eagle3.common import sha256_file
-from eagle3.hidden_states.storage import write_part
+from eagle3.hidden_states.samples import Sample
+from eagle3.hidden_states.storage import PART_WRITERS, PartWriter, write_part
 
 HIDDEN = 576
 
@@ -70,7 +72,7 @@ def spin_rate(seconds: float) -> float:
     return count / seconds
 
 
-def timed(write, path: Path, part: list[dict[str, torch.Tensor]]) -> tuple[float, float, str]:
+def timed(write, path: Path, part: list) -> tuple[float, float, str]:
     """(wall seconds of the write, the spinning main thread's iterations a second meanwhile, the sha256)."""
     stop, result = threading.Event(), {}
 
@@ -87,6 +89,19 @@ def timed(write, path: Path, part: list[dict[str, torch.Tensor]]) -> tuple[float
     rate = count / (time.perf_counter() - start)
     thread.join()
     return result["seconds"], rate, result["sha256"]
+
+
+def streamed(writers: int):
+    """A write (as ``timed`` takes one) that hands every part's samples to a PartWriter of ``writers`` threads
+    writing into the folder, and waits for them all."""
+    def write(folder: Path, parts: list[list[dict[str, torch.Tensor]]]) -> str:
+        part_bytes = sum(t.nbytes for t in parts[0][0].values()) * len(parts[0])  # about a part of the generated ones
+        with PartWriter(folder, part_bytes, writers) as writer:
+            for record, sample in enumerate(sample for part in parts for sample in part):
+                tokens = len(sample["input_ids"])
+                writer.add(Sample(str(record), record, sample["input_ids"].tolist(), [1] * tokens, False), sample, {})
+        return ""
+    return write
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,16 +127,35 @@ def main(argv: list[str] | None = None) -> None:
                     runs[name].append({"seconds": seconds, "interpreter_left": rate / alone})
                     path.unlink()
                 same &= digests["before"] == digests["after"]
+        threads = {str(writers): [] for writers in sorted({1, PART_WRITERS})}
+        for repeat in range(args.repeats):
+            for writers in threads:  # in turn, the main thread spinning meanwhile as before
+                out = Path(folder) / f"threads-{writers}"
+                out.mkdir()
+                alone = spin_rate(0.5)
+                seconds, rate, _ = timed(streamed(int(writers)), out, parts)
+                threads[writers].append({"seconds": seconds, "interpreter_left": rate / alone})
+                for path in out.iterdir():
+                    path.unlink()
+                out.rmdir()
     part_bytes = statistics.median(sum(t.nbytes for s in part for t in s.values()) for part in parts)
     figures = {name: {"seconds": statistics.median(r["seconds"] for r in rows),
                       "mb_per_s": part_bytes / 1e6 / statistics.median(r["seconds"] for r in rows),
                       "interpreter_left": statistics.median(r["interpreter_left"] for r in rows), "runs": rows}
                for name, rows in runs.items()}
+    total = sum(t.nbytes for part in parts for s in part for t in s.values())
+    figures["threads"] = {writers: {"mb_per_s": total / 1e6 / statistics.median(r["seconds"] for r in rows),
+                                    "interpreter_left": statistics.median(r["interpreter_left"] for r in rows), "runs": rows}
+                          for writers, rows in threads.items()}
     record = {"commit": commit(), "command": " ".join(["python", *sys.argv]), "environment": environment("cpu"),
               "part_bytes": part_bytes, "same_bytes": same, "figures": figures}
     args.out.write_text(json.dumps(record, indent=1) + "\n")
-    for name, row in figures.items():
+    for name in ("before", "after"):
+        row = figures[name]
         print(f"{name}: {row['seconds']:.3f} s a part ({row['mb_per_s']:.0f} MB/s), interpreter left {row['interpreter_left']:.2f}")
+    for writers, row in figures["threads"].items():
+        print(f"{len(parts)} parts through PartWriter, {writers} writer thread(s): {row['mb_per_s']:.0f} MB/s, "
+              f"interpreter left {row['interpreter_left']:.2f}")
     print(f"same bytes: {same}")
 
 

@@ -262,6 +262,30 @@ def test_a_part_holds_the_bytes_safetensors_writes(tmp_path, dtype):
     assert digest == sha256_file(tmp_path / "part.safetensors")
 
 
+def test_parts_written_by_several_threads_are_those_of_one(tmp_path):
+    """PartWriter's writer threads change when a part is written, not what: with 1 and with 3 of them (more parts
+    than threads, so the oldest is waited for), the same files, index and sha256 map, in the parts' order."""
+    generator = torch.Generator().manual_seed(2)
+    stream = []
+    for record, tokens in enumerate(torch.randint(1, 30, (40,), generator=generator).tolist()):
+        ids = torch.randint(0, 99, (tokens,), dtype=torch.int32, generator=generator)
+        stored = {"input_ids": ids, "loss_mask": torch.ones(tokens, dtype=torch.uint8),
+                  **encode_states("aux", torch.randn(tokens, 12, generator=generator), "bfloat16", 3),
+                  **encode_states("final", torch.randn(tokens, 4, generator=generator), "bfloat16", 1)}
+        stream.append((Sample(f"s{record}", record, ids.tolist(), [1] * tokens, False), stored, {"aux": 1.0, "final": 1.0}))
+    written = {}
+    for writers in (1, 3):
+        folder = tmp_path / str(writers)
+        folder.mkdir()
+        with PartWriter(folder, part_bytes=1000, writers=writers) as writer:
+            for sample in stream:
+                writer.add(*sample)
+        files = {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+        written[writers] = (files, writer.index, list(writer.sha256.items()))
+    assert len(written[1][0]) > 3
+    assert written[1] == written[3]
+
+
 def test_validation_rejects_id_mismatch():
     sample = Sample("a", 0, [5, 6, 7], [0, 1, 1], False)
     stored = {"input_ids": torch.tensor([5, 6, 8], dtype=torch.int32), "aux": torch.zeros(3, 6), "final": torch.zeros(3, 2)}

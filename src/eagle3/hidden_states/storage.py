@@ -23,6 +23,7 @@ import json
 import math
 import shutil
 import struct
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,11 @@ from eagle3.common import UserError
 from eagle3.hidden_states.config import STORAGE_DTYPES
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+# Parts written at once by extract's background threads: with one, a 10k extract shard stored 230-290 MB/s of parts
+# on an H100 host, the GPU 10 % busy, so the writer set the pace; the writes (concatenation, file I/O, sha256) run
+# outside the interpreter lock, so threads add up (docs/benchmarks.md, "extract's part writer"). Host memory: about
+# PART_WRITERS + 1 parts.
+PART_WRITERS = 4
 
 
 def bytes_per_token(hidden_size: int, groups: int, dtype: str) -> int:
@@ -133,20 +139,20 @@ class PartWriter:
     A sample (``eagle3.hidden_states.samples.Sample``) brings ``id``, ``record`` (its line in records.jsonl, unique
     in the shard), ``input_ids``, ``loss_mask`` and ``truncated``; its index entry is built here.
 
-    Parts are written by one background thread while the verifier runs the next batches (at 8B the
-    writes took as long as the forward). At most one part is being written while the next fills,
-    so host memory stays at about two parts. Use it as a context manager: leaving without an error
-    writes the rest and waits for it (raising a failed write's error); with one, it only waits.
+    Parts are written by ``writers`` background threads while the verifier runs the next batches (at 8B one
+    thread's writes took as long as the forward). At most ``writers`` parts are being written while the next
+    fills, so host memory stays at about ``writers`` + 1 parts. Use it as a context manager: leaving without
+    an error writes the rest and waits for it (raising a failed write's error); with one, it only waits.
     """
 
-    def __init__(self, folder: Path | None, part_bytes: int):
-        self.folder, self.part_bytes = folder, part_bytes
+    def __init__(self, folder: Path | None, part_bytes: int, writers: int = PART_WRITERS):
+        self.folder, self.part_bytes, self.writers = folder, part_bytes, writers
         self.pending: list[tuple[Any, dict[str, torch.Tensor], dict[str, float]]] = []
         self.pending_bytes = 0
         self.index: list[dict[str, Any]] = []
-        self.sha256: dict[str, str] = {}  # part -> sha256 of its file, as written
-        self.background = ThreadPoolExecutor(1, thread_name_prefix="part-writer")
-        self.writing: tuple[str, Future] | None = None  # the part being written
+        self.sha256: dict[str, str] = {}  # part -> sha256 of its file, as written, in the parts' order
+        self.background = ThreadPoolExecutor(writers, thread_name_prefix="part-writer")
+        self.writing: deque[tuple[str, Future]] = deque()  # the parts being written, oldest first
 
     def add(self, sample: Any, stored: dict[str, torch.Tensor], largest: dict[str, float]) -> None:
         self.pending.append((sample, stored, largest))
@@ -166,16 +172,20 @@ class PartWriter:
                  "masked": sum(sample.loss_mask), "truncated": sample.truncated, "max_abs": largest}
             )
             offset += length
-        self.wait()
+        while len(self.writing) >= self.writers:
+            self.collect_oldest()
         if self.folder is not None:  # None: the ranks of a sharded verifier other than rank 0 write nothing
-            self.writing = name, self.background.submit(write_part, self.folder / name, [stored for _, stored, _ in self.pending])
+            part = [stored for _, stored, _ in self.pending]
+            self.writing.append((name, self.background.submit(write_part, self.folder / name, part)))
         self.pending, self.pending_bytes = [], 0
 
+    def collect_oldest(self) -> None:
+        name, written = self.writing.popleft()
+        self.sha256[name] = written.result()  # re-raises a failed write here, in the extracting thread
+
     def wait(self) -> None:
-        if self.writing is not None:
-            name, written = self.writing
-            self.sha256[name] = written.result()  # re-raises a failed write here, in the extracting thread
-            self.writing = None
+        while self.writing:
+            self.collect_oldest()
 
     def __enter__(self) -> PartWriter:
         return self
@@ -201,7 +211,9 @@ def write_part(path: Path, samples: list[dict[str, torch.Tensor]]) -> str:
     The bytes are those of ``safetensors.torch.save_file`` of the concatenated tensors (tested), written key by key:
     save_file copies each concatenated tensor again into a Python bytes object, and the file was then read back for
     its sha256; here each key's concatenation is written and hashed from where it lies (``benchmarks/part_writer.py``
-    times the two: docs/benchmarks.md, "extract's part writer").
+    times the two: docs/benchmarks.md, "extract's part writer"). Concatenated, not written sample by sample: each
+    write and hash lets go of the interpreter lock and must take it back, and beside a busy main thread the
+    thousands of small ones of a 256 MiB part took 10.5 s against 0.66 s for the few large ones (2-core CPU).
 
     A full disk is bad environment, not a bug: one line with the file, the bytes and what to do
     (the caller's ``atomic_dir`` removes the partial output).
