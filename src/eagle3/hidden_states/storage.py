@@ -212,8 +212,8 @@ def write_part(path: Path, samples: list[dict[str, torch.Tensor]]) -> str:
     save_file copies each concatenated tensor again into a Python bytes object, and the file was then read back for
     its sha256; here each key's concatenation is written and hashed from where it lies (``benchmarks/part_writer.py``
     times the two: docs/benchmarks.md, "extract's part writer"). Concatenated, not written sample by sample: each
-    write and hash lets go of the interpreter lock and must take it back, and beside a busy main thread the
-    thousands of small ones of a 256 MiB part took 10.5 s against 0.66 s for the few large ones (2-core CPU).
+    write and hash lets go of the interpreter lock and must take it back, and beside a busy main thread a part's
+    thousands of small ones were far slower than the few large ones (tried once while writing this; not recorded).
 
     A full disk is bad environment, not a bug: one line with the file, the bytes and what to do
     (the caller's ``atomic_dir`` removes the partial output).
