@@ -22,7 +22,8 @@
 # PEER_RATE=1: once the first run has succeeded, before any variant, the peer trainer on its data, the GPU to itself:
 # benchmarks/peer_tau.py --rate-only --rate-steps ${PEER_STEPS:-1000} (its wheels in /root/peer-site: kit.sh with
 # PEER=1; ours is not trained again) into RUN/logs/peer_tau.json, which pipeline_wait.sh's report then compares
-# train's rate with. A failure there is logged (RUN/logs/peer_tau.log) and the variants go on.
+# train's rate with. A failure there is logged (RUN/logs/peer_tau.log) and the variants go on. Its work folder (RUN/peer:
+# the hidden states again, in the peer's format) is removed once the rate is measured.
 #
 # VARIANTS: more runs after the first in the same job, '|'-separated override sets added to OVERRIDES, e.g.
 #   VARIANTS="-S train.epochs=7|-S generate.max_new_tokens=256"
@@ -80,6 +81,7 @@ peer_rate() {
       --work "$PWD/peer" --json logs/peer_tau.json --ours models/drafter --rate-only --rate-steps "$(cat logs/peer_rate.wanted)" \
       --commit "$(cat logs/commit.txt 2>/dev/null)" --peer-flags "--loss-implementation eager" > logs/peer_tau.log 2>&1; then
     touch logs/peer_tau.done && echo "=== peer rate: done" | stamp
+    rm -rf peer  # its copy of the hidden states in the peer's format (as big as ours): the variants need the disk
   else
     echo "=== peer rate: failed (logs/peer_tau.log)" | stamp
   fi
