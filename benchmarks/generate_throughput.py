@@ -191,12 +191,12 @@ def step_ms(backend, slots: int, length: int, kernel: str | None, steps: int = 5
 
     from eagle3.backends.slot_groups import Group
     from eagle3.backends.slot_kernels import fastest_kernel
-    from eagle3.backends.slots import SlotDecoder, slot_attention
+    from eagle3.backends.slots import Ending, SlotDecoder, slot_attention
 
     key = f"{slots}x{length}"
     try:
-        decoder = SlotDecoder(backend.model, Group([], slots, length), backend.generation.max_new_tokens,
-                              sorted(backend.eos_ids), backend.pad_id, kernel or fastest_kernel(backend.model))
+        ending = Ending(backend.generation.max_new_tokens, sorted(backend.eos_ids), backend.pad_id)
+        decoder = SlotDecoder(backend.model, Group([], slots, length), ending, kernel or fastest_kernel(backend.model))
         with torch.inference_mode(), slot_attention(backend.model, decoder.cache):
             decoder.capture()
             decoder.positions.fill_(length // 2)

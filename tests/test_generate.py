@@ -9,7 +9,8 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle3.backends.base import Request, split_reasoning
-from eagle3.backends.local import LocalBackend, SeededSampling, plan_batches, top_p_filter
+from eagle3.backends.local import LocalBackend, plan_batches
+from eagle3.backends.sampling import Sampling, top_p_filter, uniforms
 from eagle3.backends.padding import left_pad
 from eagle3.common import UserError, read_json
 from eagle3.backends.shard import Journal, read_prompts
@@ -133,8 +134,23 @@ def test_top_p_keeps_the_smallest_head_holding_the_mass():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     assert torch.equal(top_p_filter(probs.clone(), 0.7), torch.tensor([[0.5, 0.3, 0.0, 0.0]]))
     assert torch.equal(top_p_filter(probs.clone(), 1.0), probs)
-    picks = SeededSampling([1], temperature=1.0, top_p=0.5)(None, probs.log())
-    assert picks.argmax().item() == 0 and torch.isinf(picks).sum() == 3
+    draws = Sampling(temperature=1.0, top_p=0.4)(probs.log().expand(64, 4), torch.arange(64), torch.zeros(64, dtype=torch.long))
+    assert draws.eq(0).all()  # the first token alone holds 0.4 of the mass
+
+
+def test_a_draw_depends_on_its_row_alone_and_follows_the_distribution():
+    """A row's token is a function of (its logits, seed, index): the same in a batch of one or of 4,096 beside other
+    rows; over many (seed, index) pairs the draws follow softmax(logits / temperature), never a token of mass 0."""
+    logits = torch.tensor([2.0, 1.0, 0.0, float("-inf"), -1.0])
+    seeds, index = torch.arange(4096) * 7919 + 12345, torch.arange(4096) % 37
+    draws = Sampling(temperature=0.7)(logits.expand(4096, 5), seeds, index)
+    alone = [Sampling(temperature=0.7)(logits[None], seeds[i : i + 1], index[i : i + 1]).item() for i in range(0, 4096, 97)]
+    assert draws[::97].tolist() == alone
+    share = torch.bincount(draws, minlength=5).float() / 4096
+    assert share[3] == 0 and torch.allclose(share, torch.softmax(logits / 0.7, -1), atol=0.025)
+    u = uniforms(torch.tensor([1, 1, 2, 2**40 + 1]), torch.tensor([0, 1, 0, 0]))
+    assert len(set(u.tolist())) == 4 and ((0 <= u) & (u < 1)).all()  # index and all 64 seed bits move it
+    assert torch.equal(Sampling()(logits.expand(3, 5), seeds[:3], index[:3]), torch.zeros(3, dtype=torch.long))  # greedy
 
 
 def test_too_long_and_undecodable_prompts_are_skipped_and_recorded(tmp_path, tiny_verifier_dir):

@@ -127,9 +127,9 @@ def test_cpu_answers_are_byte_identical_with_cuda_graphs_on_or_off(tmp_path, tin
     assert runs[0].records and runs[0].stats == runs[1].stats
 
 
-def test_sampled_answers_decode_eagerly_beside_slot_decoded_greedy_ones(tiny_verifier_dir):
-    """generate.samples: the greedy answers 0 go to the slots, the sampled answers 1 (own seed and temperature)
-    to generate, and every answer is what slot decoding off gives."""
+def test_sampled_answers_decode_in_the_slots_as_generate_draws_them(tiny_verifier_dir):
+    """generate.samples: the greedy answers 0 and the sampled answers 1 (own seed and temperature) both go to the
+    slots, and every answer is what slot decoding off (transformers generate) gives: both paths draw by the seed."""
     local = backend(tiny_verifier_dir, "cpu", "float32", 8, graphs=True)
     greedy = random_requests(LENGTHS[:4])
     sampled = [replace(r, id=f"{r.id}-1", seed=i + 1, temperature=1.0, sample=1) for i, r in enumerate(greedy)]
@@ -137,7 +137,7 @@ def test_sampled_answers_decode_eagerly_beside_slot_decoded_greedy_ones(tiny_ver
     slotted, run_slots = [], local.run_slots
     local.run_slots = lambda requests, done: (slotted.extend(r.id for r in requests), run_slots(requests, done))
     local.slot_decoding = True  # as on CUDA (without it the slot steps run eagerly)
-    assert answers(local, greedy + sampled) == eager and slotted == [r.id for r in greedy]
+    assert answers(local, greedy + sampled) == eager and slotted == [r.id for r in greedy + sampled]
     assert all(eager[s.id].content != eager[g.id].content for g, s in zip(greedy, sampled))
 
 

@@ -31,7 +31,7 @@ class BackendSettings:
     device: str = setting()  # layout.device's value
     dtype: str = setting()  # layout.dtype's value
     threads: int = setting()  # layout.threads' value
-    cuda_graphs: bool = setting(BOOL)  # CUDA, greedy: slot KV cache + decode steps as CUDA graphs
+    cuda_graphs: bool = setting(BOOL)  # CUDA, greedy or sampled: slot KV cache + decode steps as CUDA graphs
     cache_memory: float = setting(Check(FRACTION_ABOVE_0.test, f"{FRACTION_ABOVE_0.allowed}: the share of the GPU memory free"))
     # openai: any OpenAI-compatible endpoint (and sglang's client)
     base_urls: list = setting()  # servers of the same verifier, each ending in /v1

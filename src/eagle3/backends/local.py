@@ -4,8 +4,8 @@ Batches are cut from the requests sorted by prompt length (least padding): at mo
 ``batch_size`` rows and, with ``batch_tokens``, at most that many tokens of KV cache per batch
 (rows x (padded prompt + max_new_tokens)), so short prompts go in big batches and long ones in
 small ones. Each batch is left padded to a multiple of ``pad_multiple`` tokens (fewer distinct
-shapes). Greedy decoding, or sampling where every row draws from its own generator seeded from
-its record id, so a record's answer never depends on which records share its batch. With several
+shapes). Greedy decoding, or sampling where every row draws by its record's own seed
+(``backends.sampling``), so a record's answer never depends on which records share its batch. With several
 answers per prompt (``generate.samples``), each answer index is batched on its own: a batch has
 one temperature, and answer 0's batches (and padding, which a row's numerics depend on) are
 exactly those of a ``samples: 1`` run.
@@ -14,13 +14,13 @@ On CUDA, cuDNN's SDPA attention is switched off: it pays a setup for every new (
 shape, about 10 s per 256 prompts on an H200, which dominated a shard; the flash and
 memory-efficient SDPA kernels have no such cost.
 
-On CUDA with ``cuda_graphs``, ``backends.slots`` answers the greedy requests instead: a slot KV
+On CUDA with ``cuda_graphs``, ``backends.slots`` answers instead, greedy and sampled: a slot KV
 cache refilled as rows finish, each decode step a CUDA graph (eager decoding is host-bound there) whose
 attention reads each row's used keys only; groups by prompt width replace the batches above, with as
 many rows as ``batch_size`` and ``cache_memory`` (a share of the GPU memory free after loading the
-verifier) allow: ``batch_tokens`` bounds the eager batches only. The CPU, and sampled answers, keep
-``generate``, as does every group from the first whose attention slots cannot hold (softcapping, sinks,
-a sliding window shorter than the group's cache: Gemma-2, gpt-oss, Mistral), with a warning.
+verifier) allow: ``batch_tokens`` bounds the eager batches only. The CPU keeps ``generate``, as does
+every group from the first whose attention slots cannot hold (softcapping, sinks, a sliding window
+shorter than the group's cache: Gemma-2, gpt-oss, Mistral), with a warning.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from eagle3.backends.base import Answer, Done, Generation, Request, cut_at_stop, split_reasoning
 from eagle3.backends.padding import left_pad, padded_width
+from eagle3.backends.sampling import Sampling
 from eagle3.backends.slot_groups import cache_bytes_per_position, group_requests
 from eagle3.backends.slots import Ending, SlotsCannotAttend, decode_groups
 from eagle3.common import UserError
@@ -74,32 +75,16 @@ def by_sample(requests: Sequence[Request]) -> list[list[Request]]:
     return [parts[sample] for sample in sorted(parts)]
 
 
-def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero the tail of each row of ``probs`` [B, V] beyond the smallest set holding ``top_p`` mass."""
-    if top_p >= 1.0:
-        return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    outside = sorted_probs.cumsum(dim=-1) - sorted_probs > top_p  # mass before a token already >= top_p
-    sorted_probs[outside] = 0.0
-    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-
-
 class SeededSampling(LogitsProcessor):
-    """Sample row b with its own generator seeded ``seeds[b]``; greedy decoding then picks the draw.
+    """``Sampling``'s draw inside transformers ``generate``: the scores it returns are -inf everywhere but the drawn
+    token, so greedy decoding (``do_sample=False``) takes it; the draw's index is the tokens generated so far."""
 
-    The returned scores are -inf everywhere except the sampled token, so ``do_sample=False``
-    keeps each row's tokens independent of the other rows (one global RNG would not).
-    """
+    def __init__(self, seeds: Sequence[int], sampling: Sampling, prompt_width: int):
+        self.seeds, self.sampling, self.prompt_width = torch.tensor(seeds), sampling, prompt_width
 
-    def __init__(self, seeds: Sequence[int], temperature: float, top_p: float):
-        self.seeds, self.temperature, self.top_p = seeds, temperature, top_p
-        self.generators: list[torch.Generator] | None = None
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # scores [B, V]
-        if self.generators is None:
-            self.generators = [torch.Generator(scores.device).manual_seed(s) for s in self.seeds]
-        probs = top_p_filter(torch.softmax(scores.float() / self.temperature, dim=-1), self.top_p)
-        picks = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.generators)])  # [B]
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # input_ids [B, T], scores [B, V]
+        index = torch.full((len(scores),), input_ids.shape[1] - self.prompt_width, device=scores.device)
+        picks = self.sampling(scores, self.seeds.to(scores.device), index)  # [B]
         out = torch.full_like(scores, float("-inf"))
         out[torch.arange(len(picks)), picks] = 0.0
         return out
@@ -125,17 +110,16 @@ class LocalBackend:
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
         graphs = bool(cfg.cuda_graphs) and str(cfg.device).startswith("cuda")
-        self.slot_decoding = graphs and self.model._supports_attention_backend  # of the greedy requests
-        sampled = any(generation.temperature_of(k) > 0 for k in range(generation.samples))
-        if graphs and (sampled or not self.slot_decoding):
-            log.warning("local backend: decoding eagerly where CUDA graphs cannot (they need greedy decoding and a "
-                        "verifier that attends through transformers' AttentionInterface)")
+        self.slot_decoding = graphs and self.model._supports_attention_backend
+        if graphs and not self.slot_decoding:
+            log.warning("local backend: decoding eagerly where CUDA graphs cannot (they need a verifier that attends "
+                        "through transformers' AttentionInterface)")
         self.graph_replays = 0  # CUDA graph steps run by slot decoding (benchmarks and tests read it)
 
     def run(self, requests: Sequence[Request], finished: Collection[str], done: Done) -> None:
         for part in by_sample(requests):
             answered = set(finished)
-            if self.slot_decoding and part[0].temperature == 0:
+            if self.slot_decoding:
                 try:
                     self.run_slots([r for r in part if r.id not in answered], lambda r, a: (answered.add(r.id), done(r, a)))
                     continue
@@ -155,17 +139,22 @@ class LocalBackend:
 
     @torch.inference_mode()
     def run_slots(self, requests: Sequence[Request], done: Done) -> None:
-        """Greedy answers by ``backends.slots``: a row's answer comes as soon as it finishes."""
-
+        """Answers by ``backends.slots`` (one answer index: one temperature): a row's answer comes as soon as it finishes."""
+        if not requests:
+            return
         max_new_tokens = self.generation.max_new_tokens
         groups = group_requests(requests, max_new_tokens, self.batch_size, self.slot_cache_tokens())
         try:
             self.graph_replays += decode_groups(self.model, groups, Ending(max_new_tokens, sorted(self.eos_ids), self.pad_id),
                                                 lambda request, tokens: done(request, self.to_answer(request, tokens)),
-                                                self.decode_kernel)
+                                                self.decode_kernel, self.sampling(requests))
         except torch.cuda.OutOfMemoryError as error:
             raise UserError(f"backend.cache_memory: a slot cache of {self.cache_memory:.0%} of the free GPU memory did not fit "
                             f"({error}); lower it (generate processes sharing a GPU split it between them)") from None
+
+    def sampling(self, requests: Sequence[Request]) -> Sampling:
+        """How ``requests`` draw their tokens: ``run`` hands over one answer index at a time, one temperature."""
+        return Sampling(requests[0].temperature, self.generation.top_p)
 
     def slot_cache_tokens(self) -> int | None:
         """KV-cache positions slot decoding may hold: ``backend.cache_memory`` of the GPU memory free now over the
@@ -184,9 +173,9 @@ class LocalBackend:
             eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id, stop_strings=self.stop_strings or None,
         )
         processors = LogitsProcessorList()
-        temperature = batch[0].temperature  # the batch's one answer index has one temperature (run)
-        if temperature > 0:
-            processors.append(SeededSampling([r.seed for r in batch], temperature, gen.top_p))
+        sampling = self.sampling(batch)
+        if sampling.temperature > 0:
+            processors.append(SeededSampling([r.seed for r in batch], sampling, input_ids.shape[1]))
         device = self.model.device
         output = self.model.generate(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),

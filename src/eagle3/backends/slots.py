@@ -1,4 +1,4 @@
-"""Greedy decoding over a slot KV cache, each decode step replayed as a CUDA graph: the ``local`` backend on CUDA.
+"""Decoding over a slot KV cache, each decode step replayed as a CUDA graph: the ``local`` backend on CUDA.
 
 Why: eager transformers decoding is host-bound on a small verifier (SmolLM2-135M on an H200: 34 ms
 of host time per step for 2.3 ms of GPU work, 1,223 kernel launches); the same step replayed as a
@@ -28,9 +28,9 @@ Requests are grouped by prompt width (``slot_groups.group_requests``): a group's
 prompt + max_new_tokens and has as many rows as ``batch_size`` and ``batch_tokens`` allow (the local
 backend sizes the latter from the GPU memory free: ``cache_bytes_per_position``).
 
-Greedy only (sampling keeps the eager path); a row ends at an EOS token or max_new_tokens, and the
-backend cuts stop strings afterwards as it does for the eager path. Without CUDA (tests) the same
-steps run eagerly.
+Greedy or sampled (``backends.sampling``: each row draws by its request's seed and the tokens it has, inside the
+graph); a row ends at an EOS token or max_new_tokens, and the backend cuts stop strings afterwards as it does for
+the eager path. Without CUDA (tests) the same steps run eagerly.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from transformers import AttentionInterface
 
 from eagle3.backends.base import Request
 from eagle3.backends.padding import left_pad
+from eagle3.backends.sampling import GREEDY, Sampling
 from eagle3.backends.slot_groups import Group
 from eagle3.backends.slot_kernels import fastest_kernel, split_attention, varlen_attention, whole_row_attention
 
@@ -194,19 +195,21 @@ Finished = Callable[[Request, list[int]], None]
 
 
 class SlotDecoder:
-    """Greedy answers to one ``Group``: ``decode(requests, finished)`` calls ``finished(request, tokens)``
+    """Answers to one ``Group``, drawn by ``sampling``: ``decode(requests, finished)`` calls ``finished(request, tokens)``
     per request (tokens: up to max_new_tokens, the stop token included)."""
 
-    def __init__(self, model, group: Group, max_new_tokens: int, eos_ids: Sequence[int], pad_id: int, kernel: str):
+    def __init__(self, model, group: Group, ending: Ending, kernel: str, sampling: Sampling = GREEDY):
         device = model.device
-        self.model, self.slots, self.max_new_tokens, self.pad_id = model, group.slots, max_new_tokens, pad_id
+        self.model, self.slots, self.max_new_tokens, self.pad_id = model, group.slots, ending.max_new_tokens, ending.pad_id
+        self.sampling = sampling
         self.tokens = torch.zeros(group.slots, dtype=torch.long, device=device)  # [slots] the token each row feeds next
         self.positions = torch.zeros(group.slots, dtype=torch.long, device=device)  # [slots] that token's position
         self.counts = torch.zeros(group.slots, dtype=torch.long, device=device)  # [slots] tokens generated
         self.done = torch.ones(group.slots, dtype=torch.bool, device=device)  # [slots] finished or empty
-        self.out = torch.zeros(group.slots, max_new_tokens, dtype=torch.long, device=device)  # [slots, N] generated
+        self.out = torch.zeros(group.slots, self.max_new_tokens, dtype=torch.long, device=device)  # [slots, N] generated
         self.columns = torch.arange(group.length, device=device)
-        self.eos = torch.tensor(sorted(eos_ids), device=device)
+        self.seeds = torch.zeros(group.slots, dtype=torch.long, device=device)  # [slots] each row's request's seed
+        self.eos = torch.tensor(sorted(ending.eos_ids), device=device)
         self.cache = SlotCache(group.slots, group.length, self.positions, self.done, kernel)
         self.unmasked = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)  # the packed kernels read ``used``
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # slot count -> the captured step
@@ -215,7 +218,7 @@ class SlotDecoder:
         self.generated = 0
 
     def step(self, n: int) -> None:
-        """One decode step of rows [:n]: every live row feeds its token and appends the greedy next one."""
+        """One decode step of rows [:n]: every live row feeds its token and appends the next one it draws."""
         positions = self.positions[:n]
         if self.cache.packed:
             self.cache.begin_step(n)
@@ -224,7 +227,7 @@ class SlotDecoder:
             mask = (self.columns[None, :] <= positions[:, None])[:, None, None, :]  # [n, 1, 1, length]: the row so far
         logits = self.model(input_ids=self.tokens[:n, None], position_ids=positions[:, None], attention_mask=mask,
                             use_cache=False, logits_to_keep=1).logits  # [n, 1, V]
-        self.advance(n, logits[:, -1].argmax(-1))
+        self.advance(n, self.sampling(logits[:, -1], self.seeds[:n], self.counts[:n]))
 
     def advance(self, n: int, picked: torch.Tensor) -> None:
         """Append ``picked`` [n] to the live rows; a row is done at an EOS token or max_new_tokens."""
@@ -281,7 +284,8 @@ class SlotDecoder:
                                 attention_mask=prefill_mask(attention_mask), use_cache=False, logits_to_keep=1).logits
         finally:
             self.cache.prefill = None
-        first = logits[:, -1].argmax(-1)  # [n]
+        self.seeds[rows] = torch.tensor([r.seed for r in requests], device=device)
+        first = self.sampling(logits[:, -1], self.seeds[rows], torch.zeros_like(rows))  # [n]
         self.tokens[rows], self.positions[rows], self.counts[rows], self.out[rows, 0] = first, lengths, 1, first
         self.done[rows] = (first[:, None] == self.eos[None, :]).any(-1) | (self.max_new_tokens <= 1)
 
@@ -318,7 +322,7 @@ class SlotDecoder:
             return n
         size = min(smaller)
         index = torch.tensor(live, device=self.out.device)
-        for tensor in (self.tokens, self.positions, self.counts, self.done, self.out,
+        for tensor in (self.tokens, self.positions, self.counts, self.done, self.out, self.seeds,
                        *self.cache.keys.values(), *self.cache.values.values()):
             tensor[: len(live)] = tensor[index]
         self.done[len(live):] = True
@@ -360,14 +364,15 @@ class Ending:
     pad_id: int  # the left padding of a prefill's prompts
 
 
-def decode_groups(model, groups: Sequence[Group], ending: Ending, finished: Finished, kernel: str | None = None) -> int:
+def decode_groups(model, groups: Sequence[Group], ending: Ending, finished: Finished, kernel: str | None = None,
+                  sampling: Sampling = GREEDY) -> int:
     """Decode every group (one cache at a time) with the decode attention ``kernel`` (default: the fastest
-    that runs here); returns the graph replays (0 without CUDA)."""
+    that runs here), drawing by ``sampling``; returns the graph replays (0 without CUDA)."""
     replays = 0
     kernel = kernel or fastest_kernel(model)
     for group in groups:
         start = time.perf_counter()
-        decoder = SlotDecoder(model, group, ending.max_new_tokens, ending.eos_ids, ending.pad_id, kernel)
+        decoder = SlotDecoder(model, group, ending, kernel, sampling)
         decoder.decode(group.requests, finished)
         replays += decoder.replays
         log.info("slots: %d requests over %d rows x %d positions in %.1f s (%s attention): %d tokens, %d graph replays, "
