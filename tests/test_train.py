@@ -30,7 +30,7 @@ from eagle3.train import TrainPaths, main, train
 from eagle3.training.checkpoints import lock_run
 from eagle3.training.config import Batching, TrainConfig
 from eagle3.training.data import DataPlan, InOrder, ValidationSampler, collate, pack
-from eagle3.training.loop import Run, Splits, fit
+from eagle3.training.loop import Run, Splits, fit, largest_compile_timers
 from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead, static_size
 from eagle3.training.parallel import World
 from eagle3.training.step import (Optimisation, collate_ttt, compile_step, graphs, lr_factor, make_optimizers, to_device,
@@ -689,6 +689,7 @@ def test_the_compiled_step_matches_the_eager_one(monkeypatch):
     for name in eager_weights:
         torch.testing.assert_close(compiled_weights[name], eager_weights[name], rtol=1e-4, atol=1e-5, msg=name)
     assert graphs == 2  # the TTT unroll and the verifier head, each once for both batches
+    assert largest_compile_timers().startswith("_compile.compile_inner")  # what the loop logs after a compiled run
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs are a GPU's")
