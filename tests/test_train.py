@@ -689,7 +689,7 @@ def test_the_compiled_step_matches_the_eager_one(monkeypatch):
     for name in eager_weights:
         torch.testing.assert_close(compiled_weights[name], eager_weights[name], rtol=1e-4, atol=1e-5, msg=name)
     assert graphs == 2  # the TTT unroll and the verifier head, each once for both batches
-    assert largest_compile_timers().startswith("_compile.compile_inner")  # what the loop logs after a compiled run
+    assert "_compile.compile_inner" in largest_compile_timers()  # what the loop logs after a compiled run
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs are a GPU's")

@@ -38,8 +38,9 @@ MIN_STEPS = 500
 
 def largest_compile_timers(count: int = 12) -> str:
     """The compile timers torch.compile kept in this process (tracing, AOT autograd, inductor, Triton), the largest
-    first; they nest (a phase's timer includes its parts). Why: on a fresh GPU host the first step's compilation was
-    the train stage's longest idle stretch (49.5-70.3 s of the 10k run), and only these say which phase to shorten."""
+    first; they nest (a phase's timer includes its parts) and those of parallel compile workers add up (so one can pass
+    the wall time). Why: on a fresh GPU host the first step's compilation was the train stage's longest idle stretch
+    (49.5-70.3 s of the 10k run), and only these say which phase to shorten."""
     names, seconds = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
     largest = sorted(zip(map(float, seconds), names), reverse=True)[:count]
     return ", ".join(f"{name} {value:.1f}" for value, name in largest)
@@ -160,6 +161,6 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
     if world.main:
         log.info("the loop's wall time: %s", spent.summary())
         if compiled:
-            log.info("torch.compile's largest timers (nested, seconds): %s", largest_compile_timers())
+            log.info("torch.compile's largest timers (nested, workers summed; seconds): %s", largest_compile_timers())
     last = next((metrics for _, prefix, metrics in reversed(state.history) if prefix == "train"), {})
     return {"steps": total, "train": last, "best": state.best}
