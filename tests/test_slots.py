@@ -131,6 +131,7 @@ def test_sampled_answers_decode_in_the_slots_as_generate_draws_them(tiny_verifie
     """generate.samples: the greedy answers 0 and the sampled answers 1 (own seed and temperature) both go to the
     slots, and every answer is what slot decoding off (transformers generate) gives: both paths draw by the seed."""
     local = backend(tiny_verifier_dir, "cpu", "float32", 8, graphs=True)
+    local.generation = replace(local.generation, top_p=0.9)  # the nucleus filter too
     greedy = random_requests(LENGTHS[:4])
     sampled = [replace(r, id=f"{r.id}-1", seed=i + 1, temperature=1.0, sample=1) for i, r in enumerate(greedy)]
     eager = answers(local, greedy + sampled)  # the CPU keeps generate
@@ -191,3 +192,19 @@ def test_cuda_graph_decoding_replays_graphs_and_agrees_with_eager_generate(tiny_
     assert fast.keys() == eager.keys()
     same = sum(fast[k][:compared] == eager[k][:compared] for k in eager)
     assert same >= share * len(eager), f"{same} of {len(eager)} answers identical in their first {compared} tokens"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampled_answers_are_drawn_inside_the_graphs_as_generate_draws_them(tiny_verifier_dir):
+    """CUDA, fp32: sampled requests (temperature 1, top_p 0.9: the nucleus filter too) decode as graph replays, the
+    draw captured in the step, and their whole answers equal the eager path's for most prompts (the same seeded draw
+    over near-identical logits)."""
+    requests = [replace(r, seed=1000 + i, temperature=1.0) for i, r in enumerate(random_requests(LENGTHS * 3))]
+    eager, graphs = (backend(tiny_verifier_dir, "cuda", "float32", 32, graphs=on, batch_size=8) for on in (False, True))
+    for local in (eager, graphs):
+        local.generation = replace(local.generation, top_p=0.9)
+    graphs.decode_kernel = "masked"
+    want, fast = generated_tokens(eager, requests), generated_tokens(graphs, requests)
+    assert graphs.graph_replays >= 32 and fast.keys() == want.keys()
+    same = sum(fast[k] == want[k] for k in want)
+    assert same >= 0.9 * len(want), f"{same} of {len(want)} sampled answers identical"

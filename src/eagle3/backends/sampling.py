@@ -26,8 +26,8 @@ def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
         return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     outside = sorted_probs.cumsum(dim=-1) - sorted_probs > top_p  # mass before a token already >= top_p
-    sorted_probs[outside] = 0.0
-    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    # masked_fill, not boolean indexing: no data-dependent shapes, so a CUDA graph can capture it
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
 
 
 def times32(x: Tensor, constant: int) -> Tensor:
