@@ -79,15 +79,13 @@ class SeededSampling(LogitsProcessor):
     """``Sampling``'s draw inside transformers ``generate``: the scores it returns are -inf everywhere but the drawn
     token, so greedy decoding (``do_sample=False``) takes it; the draw's index is the tokens generated so far."""
 
-    def __init__(self, seeds: Sequence[int], sampling: Sampling, prompt_width: int):
-        self.seeds, self.sampling, self.prompt_width = torch.tensor(seeds), sampling, prompt_width
+    def __init__(self, seeds: torch.Tensor, sampling: Sampling, prompt_width: int):  # seeds [B] on the scores' device
+        self.seeds, self.sampling, self.prompt_width = seeds, sampling, prompt_width
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # input_ids [B, T], scores [B, V]
         index = torch.full((len(scores),), input_ids.shape[1] - self.prompt_width, device=scores.device)
-        picks = self.sampling(scores, self.seeds.to(scores.device), index)  # [B]
-        out = torch.full_like(scores, float("-inf"))
-        out[torch.arange(len(picks)), picks] = 0.0
-        return out
+        picks = self.sampling(scores, self.seeds, index)  # [B]
+        return torch.full_like(scores, float("-inf")).scatter_(-1, picks[:, None], 0.0)
 
 
 class LocalBackend:
@@ -173,10 +171,10 @@ class LocalBackend:
             eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id, stop_strings=self.stop_strings or None,
         )
         processors = LogitsProcessorList()
-        sampling = self.sampling(batch)
+        sampling, device = self.sampling(batch), self.model.device
         if sampling.temperature > 0:
-            processors.append(SeededSampling([r.seed for r in batch], sampling, input_ids.shape[1]))
-        device = self.model.device
+            seeds = torch.tensor([r.seed for r in batch], device=device)
+            processors.append(SeededSampling(seeds, sampling, input_ids.shape[1]))
         output = self.model.generate(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
             generation_config=config, logits_processor=processors, tokenizer=self.tokenizer,  # (stop strings need it)
