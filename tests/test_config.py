@@ -116,6 +116,7 @@ BAD = [
      "params.yaml: dataset.shards = ['000000-000032', '000040-001000']: must be contiguous ranges (one ends at 000032, "
      "the next starts at 000040)"),
     ("merge.max_tokens=4", "params.yaml: merge.max_tokens = 4: must be >= merge.min_tokens (8)"),
+    ("merge.train_prompts=0", "params.yaml: merge.train_prompts = 0: must be an integer >= 1, or null for all"),
     ("generate.top_p=0", "params.yaml: generate.top_p = 0: must be a number in (0, 1]"),
     ("generate.samples=0", "params.yaml: generate.samples = 0: must be an integer >= 1"),
     ("backend.cache_memory=1.5", "params.yaml: backend.cache_memory = 1.5: must be a number in (0, 1]"),

@@ -112,6 +112,18 @@ def test_a_prompts_answers_stay_on_one_side_of_the_split(tmp_path, tiny_verifier
     assert sorted(split.pop() for split in sides.values()) == ["train"] * 6 + ["val"] * 2  # 0.25 of the prompts
     assert (stats["records"], stats["dropped_duplicates"]) == (23, 1)
 
+    # merge.train_prompts: the first prompts of the same shuffled train split, each with all its answers; the
+    # validation split as before
+    params.merge.train_prompts = 4
+    fewer = merge(tiny_verifier_dir, tmp_path / "hidden", tmp_path / "fewer", tmp_path / "metrics-fewer", params)
+    rows = list(read_jsonl(tmp_path / "merged" / "manifest.jsonl"))
+    kept = list(read_jsonl(tmp_path / "fewer" / "manifest.jsonl"))
+    train = [row for row in rows if row["split"] == "train"]
+    first_four = list(dict.fromkeys(prompt_group(row["id"]) for row in train))[:4]
+    assert [row for row in kept if row["split"] == "train"] == [row for row in train if prompt_group(row["id"]) in first_four]
+    assert [row for row in kept if row["split"] == "val"] == [row for row in rows if row["split"] == "val"]
+    assert fewer["left_out_records"] == stats["train_records"] - fewer["train_records"] > 0 == stats["left_out_records"]
+
 
 def train_target_counts(root, rows) -> np.ndarray:
     counts = np.zeros(49152, dtype=np.int64)

@@ -127,6 +127,20 @@ def split(candidates: list[Candidate], seed: int, val_fraction: float) -> tuple[
     return [c for group in shuffled[n_val:] for c in group], [c for group in shuffled[:n_val] for c in group]
 
 
+def first_prompts(train: list[Candidate], prompts: int | None) -> list[Candidate]:
+    """``merge.train_prompts``: the first ``prompts`` prompts of the shuffled train split (all: None), a prompt with all
+    its answers. The subsets of one seed nest (each is a prefix of the next) and share the validation split, so
+    drafters trained on them differ only in how much data they saw: a tau-against-data curve from one extraction."""
+    if prompts is None:
+        return train
+    groups: dict[str, None] = {}
+    for index, candidate in enumerate(train):
+        groups.setdefault(prompt_group(candidate.entry["id"]))
+        if len(groups) > prompts:
+            return train[:index]
+    return train
+
+
 def token_counts(candidates: list[Candidate], vocab_size: int) -> np.ndarray:
     """[V] int64: how often each token is a prediction target (under the loss mask)."""
     targets = np.concatenate([c.targets for c in candidates]) if candidates else np.zeros(0, np.int32)
@@ -180,6 +194,7 @@ def merge(verifier: Path, root: Path, out: Path, metrics: Path, params: DictConf
     candidates = [c for shard in shards for c in read_candidates(root, shard)]
     kept, dropped = select(candidates, int(cfg.min_tokens), int(cfg.max_tokens))
     train, val = split(kept, int(params.seed), float(cfg.val_fraction))
+    train = first_prompts(train, cfg.train_prompts)
     train_counts = token_counts(train, common["vocab_size"])
     d2t, t2d, filled = draft_vocab(train_counts, int(cfg.draft_vocab_size))
     stats = {
@@ -187,6 +202,7 @@ def merge(verifier: Path, root: Path, out: Path, metrics: Path, params: DictConf
         "records": len(kept),
         "train_records": len(train),
         "val_records": len(val),
+        "left_out_records": len(kept) - len(train) - len(val),  # past merge.train_prompts
         "tokens": int(sum(c.entry["length"] for c in kept)),
         "hidden_state_bytes": stored_bytes(root, candidates),
         "masked_tokens": int(sum(c.entry["masked"] for c in kept)),

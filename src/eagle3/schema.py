@@ -53,6 +53,10 @@ def number(low: float, high: float = float("inf"), open_low: bool = False) -> Ca
     return check
 
 
+def or_null(test: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or test(v)
+
+
 def one_of(*allowed: Any) -> Check:
     return Check(lambda v: v in allowed, f"one of {list(allowed)}")
 
@@ -65,6 +69,7 @@ FRACTION_BELOW_1 = Check(lambda v: number(0, 1)(v) and v < 1, "a number in [0, 1
 FRACTION_ABOVE_0 = Check(number(0, 1, open_low=True), "a number in (0, 1]")
 POSITIVE_NUMBER = Check(number(0, open_low=True), "a number > 0")
 NON_NEGATIVE_NUMBER = Check(number(0), "a number >= 0")
+SOME_OR_ALL = Check(or_null(integer(1)), "an integer >= 1, or null for all")
 
 
 def refuse(key: str, value: Any, allowed: str) -> UserError:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from eagle3.schema import (ABSENT, BOOL, FRACTION_ABOVE_0, NON_NEGATIVE, NON_NEGATIVE_NUMBER, POSITIVE, POSITIVE_NUMBER,
-                           Check, Lookup, integer, number, refuse, setting)
+                           Check, Lookup, integer, number, or_null, refuse, setting)
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class BackendSettings:
 
     # local: in-process transformers
     batch_size: int = setting(POSITIVE)  # most prompts per batch (or slot cache)
-    batch_tokens: int | None = setting(Check(lambda v: v is None or integer(1)(v), "an integer >= 1, or null for no token budget"))
+    batch_tokens: int | None = setting(Check(or_null(integer(1)), "an integer >= 1, or null for no token budget"))
     pad_multiple: int = setting(POSITIVE)  # left-pad each batch to a multiple of this many tokens
     device: str = setting()  # layout.device's value
     dtype: str = setting()  # layout.dtype's value

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from eagle3.common import UserError
-from eagle3.schema import ABSENT, BOOL, NON_NEGATIVE, POSITIVE, Check, Lookup, integer, refuse, setting
+from eagle3.schema import ABSENT, BOOL, NON_NEGATIVE, POSITIVE, SOME_OR_ALL, Check, Lookup, integer, or_null, refuse, setting
 
 TREE_KEYS = ("num_steps", "topk", "num_draft_tokens")
 
@@ -46,22 +46,17 @@ def _integers(v) -> bool:
     return isinstance(v, list) and all(integer(1)(x) for x in v)
 
 
-def _or_null(test):
-    return lambda v: v is None or test(v)
-
-
 def _optional_int(value) -> int | None:
     return None if value is None else int(value)
 
 
-TREE = Check(_or_null(lambda v: isinstance(v, dict) and set(v) == set(TREE_KEYS) and all(integer(0)(v[key]) for key in TREE_KEYS)),
+TREE = Check(or_null(lambda v: isinstance(v, dict) and set(v) == set(TREE_KEYS) and all(integer(0)(v[key]) for key in TREE_KEYS)),
              "null, or integers num_steps, topk and num_draft_tokens")
 SIZES = Check(lambda v: _integers(v) and bool(v), "a non-empty list of integers >= 1")
 CHAINS = Check(_integers, "a list of integers >= 1 (chain K)")
 EDGES = Check(lambda v: _integers(v) and v == sorted(set(v)), "a list of increasing integers >= 1 (answer positions)")
 NAMES = Check(lambda v: isinstance(v, list) and bool(v), "a non-empty list of eval set names")
-SOME_OR_ALL = Check(_or_null(integer(1)), "an integer >= 1, or null for all")
-TOKENS_OR_ALL = Check(_or_null(integer(1)), "an integer >= 1, or null for max_new_tokens")
+TOKENS_OR_ALL = Check(or_null(integer(1)), "an integer >= 1, or null for max_new_tokens")
 
 
 @dataclass(frozen=True, kw_only=True)

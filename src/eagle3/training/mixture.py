@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from eagle3.schema import ABSENT, FRACTION_BELOW_1, POSITIVE, Lookup, refuse, setting
+from eagle3.schema import ABSENT, FRACTION_BELOW_1, POSITIVE, SOME_OR_ALL, Lookup, refuse, setting
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class MixtureSettings:
     GROUP: ClassVar[str] = "merge"
 
     val_fraction: float = setting(FRACTION_BELOW_1)  # share of samples held out for validation
+    train_prompts: int | None = setting(SOME_OR_ALL)  # train on the first N prompts of the train split; None: all
     min_tokens: int = setting(POSITIVE)  # drop samples with fewer loss-masked tokens
     max_tokens: int = setting(POSITIVE)  # drop samples longer than this (relations: >= min_tokens)
     draft_vocab_size: int = setting(POSITIVE)  # Vd, capped at the verifier's vocabulary
