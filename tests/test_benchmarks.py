@@ -34,6 +34,8 @@ SMOKE = {
     "peer_tau.py": ["--help"],  # a pipeline run and the peer's trainer: its imports (ours, peer_format's) only
     "peer_train.py": ["--help"],  # the peer's own trainer, nothing of ours: its imports only
     "pipeline_report.py": ["--readme-table", str(BENCHMARKS / "results" / "pipeline_10k.json")],
+    "tau_vs_data.py": [f"1000={BENCHMARKS / 'results' / 'pipeline_10k_train_prompts1000.json'}",
+                       f"7999={BENCHMARKS / 'results' / 'pipeline_10k.json'}", "--out", "{out}"],
     "recipe_sweep.py": ["--params", "{demo}/params.yaml", "--work", "{demo}/sweep", "--json", "{out}", "--device", "cpu",
                         "--only", "b768-lr3e-4-e1-pack_tokens768-micro_batch_rows1-datashort",  # rows the demo's pack_tokens fits
                         "--parallel", "1", "--threads", "1", "--set", "train.max_steps=1",
