@@ -39,11 +39,12 @@ def test_defaults_are_the_embedded_demo(tmp_path):
 
 def test_the_measured_scales_train_with_their_own_sizing_and_100k_with_the_default(tmp_path):
     assert compose(tmp_path).train.name == "demo"
-    assert [compose(tmp_path, f"dataset={scale}").train.name for scale in ("1k", "10k", "100k")] == ["1k", "10k", "default"]
+    scales = ("1k", "10k", "20k", "100k")
+    assert [compose(tmp_path, f"dataset={scale}").train.name for scale in scales] == ["1k", "10k", "10k", "default"]
     assert compose(tmp_path, "train=debug").train.name == "debug"  # a chosen train option wins over the scale's
 
 
-@pytest.mark.parametrize("smaller, scale", [("demo", "1k"), ("1k", "10k"), ("10k", "100k")])
+@pytest.mark.parametrize("smaller, scale", [("demo", "1k"), ("1k", "10k"), ("10k", "20k"), ("20k", "100k")])
 def test_every_scale_extends_the_one_below_with_contiguous_shards(tmp_path, smaller, scale):
     small, bigger = compose(tmp_path, f"dataset={smaller}"), compose(tmp_path, f"dataset={scale}")
     assert list(bigger.dataset.shards[: len(small.dataset.shards)]) == list(small.dataset.shards)

@@ -218,7 +218,7 @@ def test_every_scale_mixes_real_conversations_in(tmp_path):
 
     out = tmp_path / "params.yaml"
     conf = os.fspath(ROOT / "conf")
-    for scale in ("demo", "1k", "10k", "100k"):
+    for scale in ("demo", "1k", "10k", "20k", "100k"):
         compose_and_dump(out, conf, None, "config", conf, [f"dataset={scale}"])
         params = OmegaConf.load(out)
         validate(params)
