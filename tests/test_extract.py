@@ -137,6 +137,19 @@ def test_taps_equal_hf_hidden_states_and_final_is_post_norm(extracted, tiny_mode
                               "part_bytes": 40_000}  # the whole section, as read
 
 
+def test_extract_logs_where_the_capture_loop_spent_its_time(tmp_path, tiny_model, tiny_model_params, caplog):
+    """The parts a slow extract is read by: the forwards, the copies to the host, the checks, the part writers."""
+    samples = [Sample(id=f"s{i}", record=i, input_ids=list(range(1, 30 + 7 * i)), loss_mask=[1] * (29 + 7 * i), truncated=False)
+               for i in range(6)]
+    with caplog.at_level("INFO", logger="eagle3.hidden_states.capture"):
+        index, rejected, parts = extract_samples(tiny_model, samples, Settings.from_params(tiny_params(tiny_model_params)),
+                                                 tmp_path, 0)
+    assert len(index) == 6 and not rejected and len(parts) > 1
+    [line] = [record.getMessage() for record in caplog.records if record.getMessage().startswith("capture and storage: ")]
+    assert re.fullmatch(r"capture and storage: [\d.]+ s; queueing forwards [\d.]+ s \(\d+%\), encoding and copying to the "
+                        r"host [\d.]+ s \(\d+%\), checking samples [\d.]+ s \(\d+%\), waiting for part writers [\d.]+ s \(\d+%\)", line)
+
+
 def test_stored_ids_masks_index_and_counts(extracted, tiny_verifier_dir):
     folder, records, meta = extracted
     tokenizer = load_tokenizer(tiny_verifier_dir)

@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,30 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
+
+
+class Spent:
+    """Wall seconds of a loop, and how much of it went to named parts: what a slow stage looks at first (a loop that
+    mostly waits for its input is input-bound, not GPU-bound). Host clocks: GPU work queued meanwhile runs on, so on a
+    GPU a part that queues work reads short and the part holding the next host sync holds the wait for it."""
+
+    def __init__(self):
+        self.start, self.parts = time.perf_counter(), {}
+
+    @contextlib.contextmanager
+    def on(self, part: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(part, time.perf_counter() - start)
+
+    def add(self, part: str, seconds: float) -> None:
+        self.parts[part] = self.parts.get(part, 0.0) + seconds
+
+    def summary(self) -> str:
+        total = time.perf_counter() - self.start
+        return f"{total:.1f} s; " + ", ".join(f"{part} {seconds:.1f} s ({seconds / total:.0%})" for part, seconds in self.parts.items())
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:

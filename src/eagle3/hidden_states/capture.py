@@ -8,6 +8,7 @@ state, *after* the final norm.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,11 +18,13 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from eagle3.common import UserError
+from eagle3.common import Spent, UserError
 from eagle3.hidden_states.samples import Sample
 from eagle3.hidden_states.storage import PartWriter, decode_states, encode_states
 from eagle3.lm.loading import Placement
 from eagle3.lm.spec import VerifierSpec, tapped_features
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -137,17 +140,23 @@ def extract_samples(model, samples: list[Sample], settings: Settings, folder: Pa
                     pad_id: int) -> tuple[list[dict], list[dict], dict[str, str]]:
     """Run, check and store ``samples`` (``folder`` None: run and check only); returns (index entries,
     rejections, sha256 of each part written)."""
-    rejected = []
+    rejected, spent = [], Spent()
     progress = tqdm(total=sum(len(s.input_ids) for s in samples), desc="extract", unit="tok")
-    with PartWriter(folder, settings.part_bytes) as writer:
+    with PartWriter(folder, settings.part_bytes, spent=spent) as writer:
         for batch in batches(samples, settings.batch_tokens):
-            for sample, stored, largest in stored_samples(batch, *hidden_states(model, batch, settings.aux_layers, pad_id),
-                                                          settings.dtype):
-                reason = check_sample(sample, stored, largest)
+            with spent.on("queueing forwards"):
+                states = hidden_states(model, batch, settings.aux_layers, pad_id)
+            with spent.on("encoding and copying to the host"):  # on a GPU the first host sync waits for the forward
+                stored_batch = list(stored_samples(batch, *states, settings.dtype))
+            for sample, stored, largest in stored_batch:
+                with spent.on("checking samples"):
+                    reason = check_sample(sample, stored, largest)
                 if reason is None:
-                    writer.add(sample, stored, largest)
+                    writer.add(sample, stored, largest)  # waits for a part writer when all are busy (timed there)
                 else:
                     rejected.append({"id": sample.id, "record": sample.record, "reason": reason})
             progress.update(sum(len(s.input_ids) for s in batch))
     progress.close()
+    # where the wall time went: a GPU far from busy with little "waiting for part writers" is host-bound here
+    log.info("capture and storage: %s", spent.summary())
     return writer.index, rejected, writer.sha256

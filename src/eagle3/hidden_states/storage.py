@@ -30,14 +30,14 @@ from typing import Any
 
 import torch
 
-from eagle3.common import UserError
+from eagle3.common import Spent, UserError
 from eagle3.hidden_states.config import STORAGE_DTYPES
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
-# Parts written at once by extract's background threads: with one, a 10k extract shard stored 230-290 MB/s of parts
-# on an H100 host, the GPU 10 % busy, so the writer set the pace; the writes (concatenation, file I/O, sha256) run
-# outside the interpreter lock, so threads add up (docs/benchmarks.md, "extract's part writer"). Host memory: about
-# PART_WRITERS + 1 parts.
+# Parts written at once by extract's background threads: the writes (concatenation, file I/O, sha256) run outside the
+# interpreter lock, so threads add up: on an H100 host one wrote 307 MB/s of parts and four 960 MB/s
+# (benchmarks/results/part_writer_h100.json), where a 10k extract shard stored 192-227 MB/s with one or four: the
+# capture loop, not the writers, sets that pace (extract logs its parts). Host memory: about PART_WRITERS + 1 parts.
 PART_WRITERS = 4
 
 
@@ -145,8 +145,9 @@ class PartWriter:
     an error writes the rest and waits for it (raising a failed write's error); with one, it only waits.
     """
 
-    def __init__(self, folder: Path | None, part_bytes: int, writers: int = PART_WRITERS):
+    def __init__(self, folder: Path | None, part_bytes: int, writers: int = PART_WRITERS, spent: Spent | None = None):
         self.folder, self.part_bytes, self.writers = folder, part_bytes, writers
+        self.spent = spent or Spent()  # its "waiting for part writers"
         self.pending: list[tuple[Any, dict[str, torch.Tensor], dict[str, float]]] = []
         self.pending_bytes = 0
         self.index: list[dict[str, Any]] = []
@@ -181,7 +182,8 @@ class PartWriter:
 
     def collect_oldest(self) -> None:
         name, written = self.writing.popleft()
-        self.sha256[name] = written.result()  # re-raises a failed write here, in the extracting thread
+        with self.spent.on("waiting for part writers"):
+            self.sha256[name] = written.result()  # re-raises a failed write here, in the extracting thread
 
     def wait(self) -> None:
         while self.writing:

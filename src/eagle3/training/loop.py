@@ -8,8 +8,6 @@ steps (keeping the weights of the best validation), ``save_checkpoint`` every
 from __future__ import annotations
 
 import logging
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -19,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 import eagle3.training.parallel as parallel
+from eagle3.common import Spent
 from eagle3.training.checkpoints import resume, save_best, save_checkpoint
 from eagle3.training.config import TrainConfig
 from eagle3.training.data import DataPlan, check_lengths, step_batches
@@ -57,28 +56,6 @@ def warn_if_undertrained(total: int, cfg: TrainConfig) -> None:
         advice = f"Lower train.batch_tokens (now {cfg.batch_tokens}) or raise train.epochs (now {cfg.epochs})"
     log.warning("\n%s\nUNDER-TRAINED: only %d optimizer steps (fewer than %d): the drafter will accept far fewer tokens "
                 "than this data can teach. %s.\n%s", "!" * 100, total, MIN_STEPS, advice, "!" * 100)
-
-
-class Spent:
-    """Wall seconds of the training loop, and how much of it went to named parts (what a slow run looks at first:
-    a loop that mostly waits for rows is input-bound, not GPU-bound). Host clocks: GPU work queued meanwhile
-    runs on, so on a GPU "queueing steps" near the loop's wall with the GPU far from busy says the host sets the
-    pace; "logging" holds the host syncs that wait for the queued steps."""
-
-    def __init__(self):
-        self.start, self.parts = time.perf_counter(), {}
-
-    @contextmanager
-    def on(self, part: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.parts[part] = self.parts.get(part, 0.0) + time.perf_counter() - start
-
-    def summary(self) -> str:
-        total = time.perf_counter() - self.start
-        return f"{total:.1f} s; " + ", ".join(f"{part} {seconds:.1f} s ({seconds / total:.0%})" for part, seconds in self.parts.items())
 
 
 class Splits(NamedTuple):
