@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,28 @@ def test_extract_logs_where_the_capture_loop_spent_its_time(tmp_path, tiny_model
     [line] = [record.getMessage() for record in caplog.records if record.getMessage().startswith("capture and storage: ")]
     assert re.fullmatch(r"capture and storage: [\d.]+ s; queueing forwards [\d.]+ s \(\d+%\), encoding and copying to the "
                         r"host [\d.]+ s \(\d+%\), checking samples [\d.]+ s \(\d+%\), waiting for part writers [\d.]+ s \(\d+%\)", line)
+
+
+def test_extract_runs_the_verifier_with_cudnn_attention_off_on_cuda(tmp_path, tiny_model_params, monkeypatch):
+    """cuDNN's SDPA pays a setup for every new shape, and extract's length-sorted batches are nearly all new: its
+    worker switches it off before loading the verifier, as generate and evaluate do (on the CPU only the threads)."""
+    import eagle3.hidden_states.workers as workers
+    from eagle3.lm.loading import prepare_torch
+
+    settings = replace(Settings.from_params(tiny_params(tiny_model_params)), device="cuda")
+    seen = []
+    monkeypatch.setattr(workers, "load_verifier", lambda *args: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or 1 / 0)
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        with pytest.raises(ZeroDivisionError):
+            workers.run_worker(0, workers.Job(tmp_path, settings, None, False, 0), [])
+        assert seen == [False]
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        prepare_torch("cpu", torch.get_num_threads())
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
 
 
 def test_stored_ids_masks_index_and_counts(extracted, tiny_verifier_dir):

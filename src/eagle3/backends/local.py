@@ -39,7 +39,7 @@ from eagle3.backends.sampling import Sampling
 from eagle3.backends.slot_groups import cache_bytes_per_position, group_requests
 from eagle3.backends.slots import Ending, SlotsCannotAttend, decode_groups
 from eagle3.common import UserError
-from eagle3.lm.loading import eos_token_ids, load_tokenizer, load_verifier
+from eagle3.lm.loading import eos_token_ids, load_tokenizer, load_verifier, prepare_torch
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +92,7 @@ class LocalBackend:
     decode_kernel: str | None = None  # slot decoding's attention (slot_kernels.KERNELS); None: the fastest that runs here
 
     def __init__(self, cfg: DictConfig, verifier: Path, generation: Generation):
-        torch.set_num_threads(int(cfg.threads))
-        if str(cfg.device).startswith("cuda"):
-            torch.backends.cuda.enable_cudnn_sdp(False)  # per-shape setup cost: see the module docstring
+        prepare_torch(str(cfg.device), int(cfg.threads))  # cuDNN's SDPA off on CUDA (the module docstring)
         trust = generation.trust_remote_code
         self.model = load_verifier(verifier, str(cfg.device), str(cfg.dtype), trust)
         self.tokenizer = load_tokenizer(verifier, trust)

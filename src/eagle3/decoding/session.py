@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
 from torch import nn
 
 from eagle3.decoding.graphed import DecodeGraphs
 from eagle3.decoding.settings import Settings
 from eagle3.decoding.skinny import skinny_matmuls
 from eagle3.decoding.speculative import StopStrings, Target
+from eagle3.lm.loading import prepare_torch
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,7 @@ class Session:
 
 
 def configure_torch(settings: Settings) -> None:
-    torch.set_num_threads(settings.threads)
-    if settings.device.startswith("cuda"):
-        # cuDNN's SDPA pays a setup per new shape (measured ~10 s per 256 prompts on an H200), and every
-        # verify forward here has a new key length; the other SDPA kernels have none.
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    prepare_torch(settings.device, settings.threads)  # every verify forward here has a new key length
 
 
 def for_decoding(verifier, drafter: nn.Module, settings: Settings) -> None:

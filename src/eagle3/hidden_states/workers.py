@@ -7,13 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from eagle3.common import read_json, write_json
 from eagle3.launch import exit_with_launcher
 from eagle3.hidden_states.capture import Settings, extract_samples
 from eagle3.hidden_states.samples import Sample
-from eagle3.lm.loading import load_verifier, shard_rank
+from eagle3.lm.loading import load_verifier, prepare_torch, shard_rank
 
 
 def device_of(device: str, rank: int) -> str:
@@ -33,8 +31,8 @@ class Job:
 
 
 def run_worker(rank: int, job: Job, samples: list[Sample]) -> tuple[list[dict], list[dict], dict[str, str]]:
-    torch.set_num_threads(job.settings.threads)
     settings = job.settings
+    prepare_torch(settings.device, settings.threads)  # cuDNN's SDPA off on CUDA: batches of sorted lengths are new shapes
     model = load_verifier(job.verifier, device_of(settings.device, rank), settings.compute_dtype, job.trust_remote_code,
                           settings.placement)
     return extract_samples(model, samples, settings, job.folder, job.pad_id)
