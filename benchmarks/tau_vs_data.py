@@ -18,6 +18,8 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
+
 
 def parse_point(text: str) -> tuple[int, Path]:
     prompts, _, file = text.partition("=")
@@ -26,18 +28,11 @@ def parse_point(text: str) -> tuple[int, Path]:
     return int(prompts), Path(file)
 
 
-def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least squares y = a + b·x: (a, b)."""
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
-
-
 def set_fit(points: list[tuple[int, dict]], name: str, ratio: float) -> dict:
     """One eval set's fit over the points (prompts, that run's sets) and the prompts its target needs."""
     xs = [math.log(prompts) for prompts, _ in points]
     ys = [sets[name]["tau"] for _, sets in points]
-    a, b = line_fit(xs, ys)
+    b, a = np.polyfit(xs, ys, 1)  # least squares τ = a + b·ln N
     most, largest = points[-1]
     target = ratio * largest[name]["ngram_tau"]
     needed = math.exp((target - a) / b) if b > 0 else None
@@ -53,16 +48,18 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=1.3, help="target chain τ over prompt lookup's (default 1.3)")
     parser.add_argument("--out", type=Path, help="write the fit here as JSON")
     args = parser.parse_args()
-    if len({prompts for prompts, _ in args.points}) < 2:
-        parser.error("need runs at two or more prompt counts")
-    records = sorted((prompts, json.loads(file.read_text())) for prompts, file in args.points)
+    counts = [prompts for prompts, _ in args.points]
+    if len(set(counts)) != len(counts) or len(counts) < 2:
+        parser.error("need runs at two or more prompt counts, each once")
+    files = sorted(args.points, key=lambda point: point[0])
+    records = [(prompts, json.loads(file.read_text())) for prompts, file in files]
     points = [(prompts, record["sets"]) for prompts, record in records]
     names = [name for name in points[-1][1] if all(name in sets for _, sets in points)]
     result = {
         "what": "an extrapolation: least squares of chain tau on ln(training prompts), fixed recipe and epochs",
         "ratio": args.ratio,
         "points": [{"train_prompts": prompts, "commit": record["commit"], "command": record["command"], "gpu": record["gpu"],
-                    "file": str(file)} for (prompts, record), (_, file) in zip(records, sorted(args.points))],
+                    "file": str(file)} for (prompts, record), (_, file) in zip(records, files)],
         "sets": {name: set_fit(points, name, args.ratio) for name in names},
     }
     for name, fit in result["sets"].items():

@@ -176,10 +176,7 @@ class Spent:
         try:
             yield
         finally:
-            self.add(part, time.perf_counter() - start)
-
-    def add(self, part: str, seconds: float) -> None:
-        self.parts[part] = self.parts.get(part, 0.0) + seconds
+            self.parts[part] = self.parts.get(part, 0.0) + time.perf_counter() - start
 
     def summary(self) -> str:
         total = time.perf_counter() - self.start

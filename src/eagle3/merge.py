@@ -133,10 +133,10 @@ def first_prompts(train: list[Candidate], prompts: int | None) -> list[Candidate
     drafters trained on them differ only in how much data they saw: a tau-against-data curve from one extraction."""
     if prompts is None:
         return train
-    groups: dict[str, None] = {}
+    seen: set[str] = set()
     for index, candidate in enumerate(train):
-        groups.setdefault(prompt_group(candidate.entry["id"]))
-        if len(groups) > prompts:
+        seen.add(prompt_group(candidate.entry["id"]))
+        if len(seen) > prompts:
             return train[:index]
     return train
 
