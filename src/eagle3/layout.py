@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from eagle3.schema import ABSENT, POSITIVE, Lookup, one_of, refuse, setting
+from eagle3.schema import ABSENT, NON_NEGATIVE_NUMBER, POSITIVE, Lookup, one_of, refuse, setting
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class LayoutSettings:
     nnodes: int = setting(POSITIVE)  # training nodes
     rdzv_endpoint: str = setting()  # torchrun rendezvous host:port
     threads: int = setting(POSITIVE)  # torch threads per process
+    warm_seconds: float = setting(NON_NEGATIVE_NUMBER)  # per-shard stages through a warm server living this long (eagle3.warm); 0: none
     batch: dict = setting()  # the batch sizes this hardware holds, read by the stage groups' keys
 
     @staticmethod

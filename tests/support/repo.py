@@ -17,9 +17,9 @@ def project_params():
     return OmegaConf.load(ROOT / "params.yaml")
 
 
-def run(cmd: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
-    """Run a command (dvc, git, python -m ...) in ``cwd``; on failure show its output."""
-    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+def run(cmd: list[str], cwd: Path, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run a command (dvc, git, python -m ...) in ``cwd`` (in ``env``, else this environment); on failure show its output."""
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result

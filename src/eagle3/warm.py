@@ -1,0 +1,296 @@
+"""Stages without a process start each: ``python -m eagle3.warm -m eagle3.extract ARGS``.
+
+Every ``generate@<shard>`` and ``extract@<shard>`` is its own command, and so its own process, and so is
+``evaluate``: on a GPU host importing torch and transformers took 7.7 of the ~10 s before a shard's first batch
+(docs/data.md, "What a shard costs"), paid again by every one. Here such a command is a small client (no
+torch): it hands its arguments, environment, working folder and standard streams to a *warm server* that has
+imported the stage modules once, and the server forks a fresh process for it, which runs ``-m MODULE`` as
+Python would (``runpy``), writing straight to the client's streams, while the client waits and exits with its
+status. DVC still runs one command per stage with its own deps and outputs; only the imports are shared. The
+server never touches the GPU (a forked CUDA context would be unusable): each process starts CUDA and loads the
+verifier itself, so its outputs are those of a cold process (tested: the same bytes).
+
+    layout.warm_seconds: 600    # conf/layout/gpu*.yaml: the server lives 600 s past its last stage; 0 (cpu): no server
+    EAGLE3_WARM_SECONDS=0       # overrides the params (0: every shard starts its own process, as before)
+
+A server serves only clients that would have imported exactly what it did: the same Python, search path,
+installed packages, eagle3 sources, environment (DVC's per-stage ``DVC_STAGE`` aside) and working folder
+(``server_key``). A client that finds none starts one (detached, its log in ``.eagle3/warm/``), and runs its
+shard cold if it fails to start. A killed client (``kill`` of ``dvc repro``, Ctrl-C) stops its shard's process:
+that process interrupts itself when the client's connection closes, and outputs are written atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+WARM_ENV = "EAGLE3_WARM_SECONDS"
+VOLATILE_ENV = ("DVC_STAGE", "_", "OLDPWD")  # differ from one stage command to the next, read by nothing at import
+PRELOAD = ("eagle3.generate", "eagle3.extract", "eagle3.evaluate", "eagle3.backends.local", "safetensors.torch")
+SERVER_START_S = 300  # the longest a client waits for a server's imports (a loaded 2-core machine took 9 s)
+INTERRUPT_GRACE_S = 10  # a shard whose client is gone gets this long to stop by KeyboardInterrupt, then is killed
+LAUNCHER_GONE = 143  # = eagle3.launch.LAUNCHER_GONE (not imported: the server must not load torch's helpers first)
+
+
+# --- the client (a stage's command) -------------------------------------------------------------------------------
+
+
+def warm_seconds(args: list[str]) -> float:
+    """How long a server should wait for more shards: $EAGLE3_WARM_SECONDS, else the params' ``layout.warm_seconds``
+    (the file of the stage's ``--params``, params.yaml by default); 0 when neither says (the stage then reads and
+    refuses its params itself)."""
+    if os.environ.get(WARM_ENV):
+        return float(os.environ[WARM_ENV])
+    path = args[args.index("--params") + 1] if "--params" in args[:-1] else "params.yaml"
+    try:
+        import yaml
+
+        return float(((yaml.safe_load(Path(path).read_text()) or {}).get("layout") or {}).get("warm_seconds") or 0)
+    except (OSError, ValueError, TypeError, AttributeError, ImportError, yaml.YAMLError):
+        return 0.0
+
+
+def server_key() -> str:
+    """What a server's imports depend on, hashed: a client uses a server only where it would import the same."""
+    package = Path(__file__).parent
+    sources = sorted((str(p.relative_to(package)), p.stat().st_size, p.stat().st_mtime_ns) for p in package.rglob("*.py"))
+    here = os.getcwd()  # where the stages write: its listing changes, the packages do not live there
+    paths = [(entry, os.stat(entry).st_mtime_ns if os.path.isdir(entry) and entry not in ("", here) else None) for entry in sys.path]
+    env = sorted((k, v) for k, v in os.environ.items() if k not in VOLATILE_ENV)
+    facts = [sys.executable, os.getuid(), os.getcwd(), paths, sources, env]
+    return hashlib.sha256(json.dumps(facts, default=str).encode()).hexdigest()[:24]
+
+
+def address(key: str) -> str:
+    return f"\0eagle3-warm-{key}"  # Linux's abstract namespace: no file to clean up, no path-length limit
+
+
+def start_server(key: str, idle: float) -> None:
+    import subprocess
+
+    folder = Path(".eagle3") / "warm"
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "DVC_STAGE"}  # it serves every stage
+    env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # imports asking "is CUDA there?" must not start CUDA before a fork
+    with open(folder / f"{key}.log", "ab") as log:
+        subprocess.Popen([sys.executable, "-m", "eagle3.warm", "--serve", key, str(idle)], env=env, stdin=subprocess.DEVNULL,
+                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def connect(key: str, idle: float) -> socket.socket | None:
+    """A connection to this key's server, started if there is none; None when none could start."""
+    started, deadline = False, time.monotonic() + SERVER_START_S
+    while time.monotonic() < deadline:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect(address(key))
+            return sock
+        except (ConnectionRefusedError, FileNotFoundError):
+            sock.close()
+        if not started:
+            start_server(key, idle)
+            started = True
+        time.sleep(0.05)
+    return None
+
+
+def run_on_server(sock: socket.socket, module: str, args: list[str]) -> int | None:
+    """Hand the shard to the server; its exit status, or None when the server went before starting it."""
+    request = {"module": module, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}
+    try:
+        socket.send_fds(sock, [json.dumps(request).encode()], [open_or_null(fd) for fd in (0, 1, 2)])
+        first = sock.recv(256).decode()
+    except OSError:  # the server left (its idle time ran out) before taking the request
+        return None
+    if not first.startswith("started "):
+        return None
+    try:
+        last = sock.recv(256).decode()
+    except OSError:
+        last = ""
+    if not last.startswith("exit "):
+        print(f"eagle3.warm: the warm server of this shard's process {first.split()[1]} is gone; run the stage again "
+              f"(its log: .eagle3/warm/)", file=sys.stderr)
+        return 1
+    return int(last.split()[1])
+
+
+def open_or_null(fd: int) -> int:
+    """``fd`` if this process has it open, else the null device (a stage run with a closed stdin)."""
+    try:
+        os.fstat(fd)
+        return fd
+    except OSError:
+        return os.open(os.devnull, os.O_RDWR)
+
+
+def client(module: str, args: list[str]) -> None:
+    """Run ``-m module args`` through a warm server, or in this process (exec: the same pid) when none serves."""
+    idle = warm_seconds(args)
+    sock = connect(server_key(), idle) if idle > 0 and sys.platform == "linux" else None
+    status = None
+    if sock is not None:
+        from eagle3.launch import exit_with_launcher
+
+        exit_with_launcher()  # a killed dvc takes this client, and so the shard's process, with it
+        try:
+            status = run_on_server(sock, module, args)
+        except KeyboardInterrupt:  # the shard's process sees the connection close and interrupts itself
+            sys.exit(130)
+    if status is None:
+        if sock is not None:
+            print(f"eagle3.warm: no warm server started (its log: .eagle3/warm/); running {module} here", file=sys.stderr)
+        os.execv(sys.executable, [sys.executable, "-m", module, *args])
+    sys.exit(status)
+
+
+# --- the server ----------------------------------------------------------------------------------------------------
+
+
+def serve(key: str, idle: float) -> None:
+    """Bind the key's address (a second server of the key leaves), import the stage modules, then fork a process per
+    shard until ``idle`` seconds pass with none running (or the working folder is gone)."""
+    import select
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        listener.bind(address(key))
+    except OSError:
+        return
+    listener.listen(64)  # clients queue here during the imports below
+    preload()
+    print(f"eagle3.warm: server {os.getpid()} ready", flush=True)
+    running: dict[int, socket.socket] = {}
+    last, folder = time.monotonic(), os.getcwd()
+    while running or (time.monotonic() - last < idle and os.path.isdir(folder)):
+        ready, _, _ = select.select([listener], [], [], 0.2)
+        if ready:
+            conn, _ = listener.accept()
+            pid = fork_shard(conn, listener)
+            if pid is not None:
+                running[pid] = conn
+        for pid, status in reaped(running):
+            with running.pop(pid) as conn:
+                try:
+                    conn.send(f"exit {status}".encode())
+                except OSError:  # the client is gone (its shard's process saw it and stopped)
+                    pass
+            last = time.monotonic()
+
+
+def preload() -> None:
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    import transformers
+
+    transformers.AutoConfig, transformers.AutoTokenizer, transformers.AutoModelForCausalLM  # noqa: B018 (lazy imports)
+
+
+def reaped(running: dict[int, socket.socket]) -> list[tuple[int, int]]:
+    """(pid, exit status) of each finished shard process (killed by a signal: 128 + signal, as a shell says)."""
+    done = []
+    for pid in list(running):
+        finished, status = os.waitpid(pid, os.WNOHANG)
+        if finished:
+            done.append((pid, os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)))
+    return done
+
+
+def fork_shard(conn: socket.socket, listener: socket.socket) -> int | None:
+    """Fork the process of one client's shard; its pid (None: not our user's client, or a broken request)."""
+    uid = int.from_bytes(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)[4:8], sys.byteorder)
+    try:
+        data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        request = json.loads(data)
+    except (OSError, ValueError):
+        conn.close()
+        return None
+    if uid != os.getuid() or len(fds) != 3:
+        conn.close()
+        return None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        run_shard(conn, request, fds)  # never returns
+    for fd in fds:
+        os.close(fd)
+    conn.send(f"started {pid}".encode())
+    return pid
+
+
+def run_shard(conn: socket.socket, request: dict, fds: list[int]) -> None:
+    """In the forked process: become the client's process (streams, folder, environment, argv) and run its module."""
+    import atexit
+    import runpy
+    import signal
+    import threading
+    import traceback
+    import warnings
+
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = [request["module"], *request["args"]]
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even where the server was started with it ignored (&)
+    threading.Thread(target=stop_when_client_goes, args=(conn,), daemon=True).start()
+    # runpy's note that the module was imported before (by preload) is no news here: it runs afresh as __main__
+    warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package", category=RuntimeWarning)
+    status = 0
+    try:
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as done:
+        status = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        if not isinstance(done.code, (int, type(None))):
+            print(done.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 (what the interpreter prints for an uncaught error, then its status)
+        traceback.print_exc()
+        status = 1
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])  # the watcher must not interrupt the exit itself
+    atexit._run_exitfuncs()  # what the interpreter runs at exit (os._exit below runs nothing)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def stop_when_client_goes(conn: socket.socket) -> None:
+    """The client sends nothing after its request: its connection closing means it is gone (killed, or Ctrl-C).
+    The shard stops as a cold one would (KeyboardInterrupt: atomic outputs cleaned up), else is killed."""
+    import signal
+
+    while True:
+        try:
+            if not conn.recv(1):
+                break
+        except InterruptedError:
+            continue
+        except OSError:
+            break
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(INTERRUPT_GRACE_S)
+    os._exit(LAUNCHER_GONE)
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--serve"]:
+        serve(argv[1], float(argv[2]))
+    elif len(argv) >= 2 and argv[0] == "-m":
+        client(argv[1], argv[2:])
+    else:
+        sys.exit("usage: python -m eagle3.warm -m MODULE [ARGS ...]  (the stage command MODULE runs through a warm server)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,131 @@
+"""``eagle3.warm``: per-shard stage commands served by one warm server's imports, each in a process of its own,
+with the client's streams, folder, environment and exit status; a killed client stops its shard; under real
+``dvc repro`` warm shards write the bytes cold processes write."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from support.pipeline import FAST, LOCAL_SOURCE, add_dataset, overrides, write_local_prompts
+from support.repo import run
+
+# A stage stand-in: says who it is and where it runs, then sleeps (``sleep``) or exits with its first argument.
+STAND_IN = """
+import os, sys, time
+print("job", os.getpid(), os.getppid(), os.environ.get("MARK"), os.getcwd(), sys.argv[1:], flush=True)
+print("on stderr", file=sys.stderr, flush=True)
+if "sleep" in sys.argv:
+    time.sleep(120)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture
+def folder(tmp_path):
+    (tmp_path / "stand_in.py").write_text(STAND_IN)
+    return tmp_path
+
+
+def warm(folder, *args: str, seconds: str = "20", mark: str = "a", **popen) -> subprocess.Popen:
+    env = {**os.environ, "EAGLE3_WARM_SECONDS": seconds, "MARK": mark}
+    return subprocess.Popen([sys.executable, "-m", "eagle3.warm", "-m", "stand_in", *args], cwd=folder, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def job(process: subprocess.Popen) -> dict:
+    out, err = process.communicate(timeout=120)
+    _, pid, parent, mark, cwd, args = out.split(" ", 5)
+    return {"pid": int(pid), "server": int(parent), "mark": mark, "cwd": cwd, "args": args.strip(), "err": err,
+            "status": process.returncode, "client": process.pid}
+
+
+def gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_shards_share_one_server_in_processes_of_their_own(folder):
+    first, second = job(warm(folder, "3")), job(warm(folder, "4", "x"))
+    assert (first["status"], second["status"]) == (3, 4)  # the client exits with its shard's status
+    assert first["server"] == second["server"] != first["client"]  # forked from one server
+    assert len({first["pid"], second["pid"], first["server"]}) == 3
+    assert second["args"] == "['4', 'x']" and second["cwd"] == str(folder) and second["mark"] == "a"
+    assert second["err"] == "on stderr\n"  # the shard writes to the client's own streams
+    other = job(warm(folder, "0", mark="b"))  # another environment imports differently: another server
+    assert other["server"] != first["server"] and other["mark"] == "b"
+
+
+def test_no_server_when_warm_seconds_is_0(folder):
+    cold = job(warm(folder, "5", seconds="0"))
+    assert cold["status"] == 5 and cold["pid"] == cold["client"]  # exec'd in the client's own process
+    assert not (folder / ".eagle3").exists()
+
+
+def test_a_server_leaves_once_idle(folder):
+    served = job(warm(folder, "0", seconds="1"))
+    assert gone(served["server"], timeout=15)
+
+
+def test_a_killed_client_stops_its_shard(folder):
+    client = warm(folder, "0", "sleep", start_new_session=True)
+    line = client.stdout.readline().split()
+    shard, server = int(line[1]), int(line[2])
+    client.send_signal(signal.SIGKILL)
+    client.wait()
+    assert gone(shard, timeout=15)  # interrupted when the connection closed
+    os.kill(server, signal.SIGTERM)
+
+
+CUDA_STAND_IN = """
+import sys, torch
+print("job", torch.ones(4, device="cuda").sum().item(), torch.cuda.get_device_name(), flush=True)
+sys.exit(0)
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_forked_process_starts_cuda(tmp_path):
+    """The server imported the stages (transformers asks whether CUDA is there) and never started CUDA itself."""
+    (tmp_path / "stand_in.py").write_text(CUDA_STAND_IN)
+    for _ in range(2):  # the second through the same server
+        out, err = warm(tmp_path).communicate(timeout=300)
+        assert out.startswith("job 4.0"), err
+
+
+@pytest.mark.slow
+def test_warm_shards_write_the_bytes_of_cold_processes(make_project):
+    repo = make_project(*FAST[1:])
+    add_dataset(repo, {"name": "two", "shards": ["000000-000006", "000006-000010"], **LOCAL_SOURCE})
+    write_local_prompts(repo)
+    run(["eagle3", "params", *overrides(*FAST, "dataset=two", "layout.warm_seconds=30")], repo)
+    stages = [f"{stage}@{shard}" for stage in ("generate", "extract") for shard in ("000000-000006", "000006-000010")]
+    run(["dvc", "repro", *stages], repo)
+    logs = list((repo / ".eagle3" / "warm").glob("*.log"))
+    assert len(logs) == 1 and logs[0].read_text().count("ready") == 1, [log.read_text() for log in logs]
+    warm_outputs = outputs(repo)
+
+    second = [stage for stage in stages if stage.endswith("000006-000010")]  # served warm, as the first shard was
+    cold = run(["dvc", "repro", "-f", "-s", *second], repo, env={**os.environ, "EAGLE3_WARM_SECONDS": "0"})
+    assert cold.stdout.count("Running stage") == 2
+    assert outputs(repo) == warm_outputs
+
+
+def outputs(repo) -> dict[str, str]:
+    """The md5 of each generate and extract output, as dvc.lock records it."""
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    return {out["path"]: out["md5"] for name, body in lock.items() if name.startswith(("generate@", "extract@"))
+            for out in body["outs"]}
