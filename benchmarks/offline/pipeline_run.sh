@@ -31,7 +31,7 @@
 # run has finished from its outputs (hard links to its data and models, copies of its metrics, its dvc.lock) on its
 # DVC cache, so `dvc repro` there runs only the stages the variant changes. (DVC's run cache would not restore
 # them: a stage with an uncached output is never in it.) An entry starting with "fresh" (e.g. "fresh" alone: the
-# first run again) starts from nothing with an empty cache of its own: a repeat. A variant may not change
+# first run again) starts from nothing with an empty cache of its own, and empty compile caches: a repeat. A variant may not change
 # `dataset`: the carried prompts are the first composition's.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -102,8 +102,9 @@ if [ "${1:-}" = --job ]; then  # the detached job itself (below: `setsid ... "$0
     if [ -f "$variant/logs/linked" ]; then
       [ -f "$variant/dvc.lock" ] || link_outputs "$run" "$variant"
       (cd "$variant" && pipeline "")
-    else
-      (cd "$variant" && pipeline "$prompts")
+    else  # a repeat from nothing: its compile caches (torch.compile's, Triton's) empty too, as on a new host
+      (cd "$variant" && TORCHINDUCTOR_CACHE_DIR=$PWD/compile-cache/inductor TRITON_CACHE_DIR=$PWD/compile-cache/triton \
+        pipeline "$prompts")
     fi
     code=$?
   done
