@@ -90,6 +90,33 @@ def test_a_killed_client_stops_its_shard(folder):
     os.kill(server, signal.SIGTERM)
 
 
+SQUATTER = """
+import os, socket, sys, time
+from eagle3.warm import address, server_key
+where = address(server_key())  # the address a client here would use, taken before any server of ours
+os.setuid(65534)  # by another user (nobody)
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+listener.bind(where)
+listener.listen(8)
+print("bound", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="takes root to be another user")
+def test_another_users_listener_gets_no_request(folder):
+    """The request carries the environment (credentials too): only our own user's server may have it."""
+    env = {**os.environ, "EAGLE3_WARM_SECONDS": "20", "MARK": "a"}
+    squatter = subprocess.Popen([sys.executable, "-c", SQUATTER], cwd=folder, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline() == "bound\n"
+        cold = job(warm(folder, "6"))
+        assert cold["status"] == 6 and cold["pid"] == cold["client"]  # ran in the client's own process
+        assert "another user's process holds" in cold["err"]
+    finally:
+        squatter.kill()
+
+
 CUDA_STAND_IN = """
 import sys, torch
 print("job", torch.ones(4, device="cuda").sum().item(), torch.cuda.get_device_name(), flush=True)

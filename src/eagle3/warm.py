@@ -11,12 +11,12 @@ server never touches the GPU (a forked CUDA context would be unusable): each pro
 verifier itself, so its outputs are those of a cold process (tested: the same bytes).
 
     layout.warm_seconds: 600    # conf/layout/gpu*.yaml: the server lives 600 s past its last stage; 0 (cpu): no server
-    EAGLE3_WARM_SECONDS=0       # overrides the params (0: every shard starts its own process, as before)
+    EAGLE3_WARM_SECONDS=0       # overrides the params (0: every command starts its own process, as before)
 
 A server serves only clients that would have imported exactly what it did: the same Python, search path,
 installed packages, eagle3 sources, environment (DVC's per-stage ``DVC_STAGE`` aside) and working folder
 (``server_key``). A client that finds none starts one (detached, its log in ``.eagle3/warm/``), and runs its
-shard cold if it fails to start. A killed client (``kill`` of ``dvc repro``, Ctrl-C) stops its shard's process:
+command cold if it fails to start. A killed client (``kill`` of ``dvc repro``, Ctrl-C) stops its command's process:
 that process interrupts itself when the client's connection closes, and outputs are written atomically.
 """
 
@@ -30,11 +30,13 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 WARM_ENV = "EAGLE3_WARM_SECONDS"
 VOLATILE_ENV = ("DVC_STAGE", "_", "OLDPWD")  # differ from one stage command to the next, read by nothing at import
 PRELOAD = ("eagle3.generate", "eagle3.extract", "eagle3.evaluate", "eagle3.backends.local", "safetensors.torch")
 SERVER_START_S = 300  # the longest a client waits for a server's imports (a loaded 2-core machine took 9 s)
-INTERRUPT_GRACE_S = 10  # a shard whose client is gone gets this long to stop by KeyboardInterrupt, then is killed
+INTERRUPT_GRACE_S = 10  # a process whose client is gone gets this long to stop by KeyboardInterrupt, then is killed
 LAUNCHER_GONE = 143  # = eagle3.launch.LAUNCHER_GONE (not imported: the server must not load torch's helpers first)
 
 
@@ -42,17 +44,15 @@ LAUNCHER_GONE = 143  # = eagle3.launch.LAUNCHER_GONE (not imported: the server m
 
 
 def warm_seconds(args: list[str]) -> float:
-    """How long a server should wait for more shards: $EAGLE3_WARM_SECONDS, else the params' ``layout.warm_seconds``
+    """How long a server should wait for more commands: $EAGLE3_WARM_SECONDS, else the params' ``layout.warm_seconds``
     (the file of the stage's ``--params``, params.yaml by default); 0 when neither says (the stage then reads and
     refuses its params itself)."""
     if os.environ.get(WARM_ENV):
         return float(os.environ[WARM_ENV])
     path = args[args.index("--params") + 1] if "--params" in args[:-1] else "params.yaml"
     try:
-        import yaml
-
         return float(((yaml.safe_load(Path(path).read_text()) or {}).get("layout") or {}).get("warm_seconds") or 0)
-    except (OSError, ValueError, TypeError, AttributeError, ImportError, yaml.YAMLError):
+    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
         return 0.0
 
 
@@ -61,7 +61,8 @@ def server_key() -> str:
     package = Path(__file__).parent
     sources = sorted((str(p.relative_to(package)), p.stat().st_size, p.stat().st_mtime_ns) for p in package.rglob("*.py"))
     here = os.getcwd()  # where the stages write: its listing changes, the packages do not live there
-    paths = [(entry, os.stat(entry).st_mtime_ns if os.path.isdir(entry) and entry not in ("", here) else None) for entry in sys.path]
+    entries = [os.path.abspath(entry) for entry in sys.path]  # "" (python -c) is the folder too
+    paths = [(entry, os.stat(entry).st_mtime_ns if os.path.isdir(entry) and entry != here else None) for entry in entries]
     env = sorted((k, v) for k, v in os.environ.items() if k not in VOLATILE_ENV)
     facts = [sys.executable, os.getuid(), os.getcwd(), paths, sources, env]
     return hashlib.sha256(json.dumps(facts, default=str).encode()).hexdigest()[:24]
@@ -83,14 +84,25 @@ def start_server(key: str, idle: float) -> None:
                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket (Linux's SO_PEERCRED: pid, uid, gid)."""
+    return int.from_bytes(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)[4:8], sys.byteorder)
+
+
 def connect(key: str, idle: float) -> socket.socket | None:
-    """A connection to this key's server, started if there is none; None when none could start."""
+    """A connection to this key's server, started if there is none; None when none could start, or when another
+    user's process holds the address (the request carries this environment: it goes to our own user's server only)."""
     started, deadline = False, time.monotonic() + SERVER_START_S
     while time.monotonic() < deadline:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             sock.connect(address(key))
-            return sock
+            if peer_uid(sock) == os.getuid():
+                return sock
+            sock.close()
+            print("eagle3.warm: another user's process holds this command's warm-server address; running it here",
+                  file=sys.stderr)
+            return None
         except (ConnectionRefusedError, FileNotFoundError):
             sock.close()
         if not started:
@@ -101,7 +113,7 @@ def connect(key: str, idle: float) -> socket.socket | None:
 
 
 def run_on_server(sock: socket.socket, module: str, args: list[str]) -> int | None:
-    """Hand the shard to the server; its exit status, or None when the server went before starting it."""
+    """Hand the command to the server; its exit status, or None when the server went before starting it."""
     request = {"module": module, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}
     try:
         socket.send_fds(sock, [json.dumps(request).encode()], [open_or_null(fd) for fd in (0, 1, 2)])
@@ -115,7 +127,7 @@ def run_on_server(sock: socket.socket, module: str, args: list[str]) -> int | No
     except OSError:
         last = ""
     if not last.startswith("exit "):
-        print(f"eagle3.warm: the warm server of this shard's process {first.split()[1]} is gone; run the stage again "
+        print(f"eagle3.warm: the warm server of this command's process {first.split()[1]} is gone; run the stage again "
               f"(its log: .eagle3/warm/)", file=sys.stderr)
         return 1
     return int(last.split()[1])
@@ -138,10 +150,10 @@ def client(module: str, args: list[str]) -> None:
     if sock is not None:
         from eagle3.launch import exit_with_launcher
 
-        exit_with_launcher()  # a killed dvc takes this client, and so the shard's process, with it
+        exit_with_launcher()  # a killed dvc takes this client, and so the command's process, with it
         try:
             status = run_on_server(sock, module, args)
-        except KeyboardInterrupt:  # the shard's process sees the connection close and interrupts itself
+        except KeyboardInterrupt:  # the command's process sees the connection close and interrupts itself
             sys.exit(130)
     if status is None:
         if sock is not None:
@@ -155,7 +167,7 @@ def client(module: str, args: list[str]) -> None:
 
 def serve(key: str, idle: float) -> None:
     """Bind the key's address (a second server of the key leaves), import the stage modules, then fork a process per
-    shard until ``idle`` seconds pass with none running (or the working folder is gone)."""
+    command until ``idle`` seconds pass with none running (or the working folder is gone)."""
     import select
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -172,14 +184,14 @@ def serve(key: str, idle: float) -> None:
         ready, _, _ = select.select([listener], [], [], 0.2)
         if ready:
             conn, _ = listener.accept()
-            pid = fork_shard(conn, listener)
+            pid = fork_command(conn, listener)
             if pid is not None:
                 running[pid] = conn
         for pid, status in reaped(running):
             with running.pop(pid) as conn:
                 try:
                     conn.send(f"exit {status}".encode())
-                except OSError:  # the client is gone (its shard's process saw it and stopped)
+                except OSError:  # the client is gone (its command's process saw it and stopped)
                     pass
             last = time.monotonic()
 
@@ -195,7 +207,7 @@ def preload() -> None:
 
 
 def reaped(running: dict[int, socket.socket]) -> list[tuple[int, int]]:
-    """(pid, exit status) of each finished shard process (killed by a signal: 128 + signal, as a shell says)."""
+    """(pid, exit status) of each finished command's process (killed by a signal: 128 + signal, as a shell says)."""
     done = []
     for pid in list(running):
         finished, status = os.waitpid(pid, os.WNOHANG)
@@ -204,9 +216,9 @@ def reaped(running: dict[int, socket.socket]) -> list[tuple[int, int]]:
     return done
 
 
-def fork_shard(conn: socket.socket, listener: socket.socket) -> int | None:
-    """Fork the process of one client's shard; its pid (None: not our user's client, or a broken request)."""
-    uid = int.from_bytes(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)[4:8], sys.byteorder)
+def fork_command(conn: socket.socket, listener: socket.socket) -> int | None:
+    """Fork the process of one client's command; its pid (None: not our user's client, or a broken request)."""
+    uid = peer_uid(conn)
     try:
         data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
         request = json.loads(data)
@@ -221,14 +233,14 @@ def fork_shard(conn: socket.socket, listener: socket.socket) -> int | None:
     pid = os.fork()
     if pid == 0:
         listener.close()
-        run_shard(conn, request, fds)  # never returns
+        run_command(conn, request, fds)  # never returns
     for fd in fds:
         os.close(fd)
     conn.send(f"started {pid}".encode())
     return pid
 
 
-def run_shard(conn: socket.socket, request: dict, fds: list[int]) -> None:
+def run_command(conn: socket.socket, request: dict, fds: list[int]) -> None:
     """In the forked process: become the client's process (streams, folder, environment, argv) and run its module."""
     import atexit
     import runpy
@@ -267,7 +279,7 @@ def run_shard(conn: socket.socket, request: dict, fds: list[int]) -> None:
 
 def stop_when_client_goes(conn: socket.socket) -> None:
     """The client sends nothing after its request: its connection closing means it is gone (killed, or Ctrl-C).
-    The shard stops as a cold one would (KeyboardInterrupt: atomic outputs cleaned up), else is killed."""
+    The process stops as a cold one would (KeyboardInterrupt: atomic outputs cleaned up), else is killed."""
     import signal
 
     while True:
