@@ -32,12 +32,13 @@ from pathlib import Path
 
 import yaml
 
+from eagle3.launch import LAUNCHER_GONE, exit_with_launcher
+
 WARM_ENV = "EAGLE3_WARM_SECONDS"
 VOLATILE_ENV = ("DVC_STAGE", "_", "OLDPWD")  # differ from one stage command to the next, read by nothing at import
 PRELOAD = ("eagle3.generate", "eagle3.extract", "eagle3.evaluate", "eagle3.backends.local", "safetensors.torch")
 SERVER_START_S = 300  # the longest a client waits for a server's imports (a loaded 2-core machine took 9 s)
 INTERRUPT_GRACE_S = 10  # a process whose client is gone gets this long to stop by KeyboardInterrupt, then is killed
-LAUNCHER_GONE = 143  # = eagle3.launch.LAUNCHER_GONE (not imported: the server must not load torch's helpers first)
 
 
 # --- the client (a stage's command) -------------------------------------------------------------------------------
@@ -148,8 +149,6 @@ def client(module: str, args: list[str]) -> None:
     sock = connect(server_key(), idle) if idle > 0 and sys.platform == "linux" else None
     status = None
     if sock is not None:
-        from eagle3.launch import exit_with_launcher
-
         exit_with_launcher()  # a killed dvc takes this client, and so the command's process, with it
         try:
             status = run_on_server(sock, module, args)
