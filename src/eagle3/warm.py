@@ -35,7 +35,7 @@ import yaml
 from eagle3.launch import LAUNCHER_GONE, exit_with_launcher
 
 WARM_ENV = "EAGLE3_WARM_SECONDS"
-VOLATILE_ENV = ("DVC_STAGE", "_", "OLDPWD")  # differ from one stage command to the next, read by nothing at import
+VOLATILE_ENV = ("DVC_STAGE", "_", "OLDPWD", "SHLVL")  # differ between stage commands or shells; no import reads them
 PRELOAD = ("eagle3.generate", "eagle3.extract", "eagle3.evaluate", "eagle3.backends.local", "safetensors.torch")
 SERVER_START_S = 300  # the longest a client waits for a server's imports (a loaded 2-core machine took 9 s)
 INTERRUPT_GRACE_S = 10  # a process whose client is gone gets this long to stop by KeyboardInterrupt, then is killed
