@@ -60,9 +60,9 @@ from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.decoding.speculative import Target, greedy_decode, prefill, speculative_decode
 from eagle3.decoding.tree import EagleProposer
 from eagle3.decoding.config import TreeShape
-from eagle3.decoding.session import Session, configure_torch, for_decoding
+from eagle3.decoding.session import Session, for_decoding
 from eagle3.lm.chat import prompt_ids
-from eagle3.lm.loading import WHOLE_COPY, eos_token_ids, input_embedding, load_tokenizer, load_verifier
+from eagle3.lm.loading import WHOLE_COPY, eos_token_ids, input_embedding, load_tokenizer, load_verifier, prepare_torch
 from eagle3.decoding.acceptance import acceptance_stats
 from eagle3.decoding.settings import Settings
 from eagle3.decoding.timing import decode_all, step_costs, timings, warm_up
@@ -292,7 +292,7 @@ def main() -> None:
                         cuda_graphs=True, max_new_tokens=args.max_new_tokens, position_buckets=(), sets=("bench",),
                         max_prompts=None, baseline=False, device=args.device, dtype=args.dtype, threads=args.threads, stop=(),
                         trust_remote_code=False, placement=WHOLE_COPY)
-    configure_torch(settings)
+    prepare_torch(settings.device, settings.threads)  # every verify forward has a new key length
     verifier, drafter, eos, tokenizer = models(args)
     for_decoding(verifier, drafter, settings)
     sizes = sorted({*args.batch_sizes, *args.eager_batch_sizes, args.check_rows})

@@ -58,13 +58,13 @@ from eagle3.common import UserError, atomic_dir, read_json, read_jsonl, stage_ma
 from eagle3.config import stage_params
 from eagle3.decoding.evaluation import Conversations, evaluate
 from eagle3.decoding.report import log_report
-from eagle3.decoding.session import Session, configure_torch, for_decoding
+from eagle3.decoding.session import Session, for_decoding
 from eagle3.decoding.settings import Settings
 from eagle3.decoding.speculative import StopStrings
 from eagle3.drafter.export import check_drafter, load_drafter
 from eagle3.lm.chat import prompt_ids
-from eagle3.lm.loading import (close_sharded, eos_token_ids, input_embedding, load_tokenizer, load_verifier, shard_rank,
-                               text_config)
+from eagle3.lm.loading import (close_sharded, eos_token_ids, input_embedding, load_tokenizer, load_verifier, prepare_torch,
+                               shard_rank, text_config)
 from eagle3.lm.spec import require_verifier
 from eagle3.lm.tokenizer_id import tokenizer_fingerprint
 
@@ -108,7 +108,7 @@ def check_pair(verifier_dir: Path, drafter_dir: Path, prompts_dir: Path) -> None
 
 def load_models(verifier_dir: Path, drafter_dir: Path, settings: Settings):
     """(verifier, drafter, tokenizer) on the settings' device, set up for decoding."""
-    configure_torch(settings)
+    prepare_torch(settings.device, settings.threads)  # every verify forward has a new key length
     verifier = load_verifier(verifier_dir, settings.device, settings.dtype, settings.trust_remote_code, settings.placement)
     embed = input_embedding(verifier)
     drafter = load_drafter(drafter_dir, embed).to(settings.device, embed.dtype).eval()

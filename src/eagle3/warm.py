@@ -156,7 +156,7 @@ def client(module: str, args: list[str]) -> None:
             sys.exit(130)
     if status is None:
         if sock is not None:
-            print(f"eagle3.warm: no warm server started (its log: .eagle3/warm/); running {module} here", file=sys.stderr)
+            print(f"eagle3.warm: no warm server took the command (its log: .eagle3/warm/); running {module} here", file=sys.stderr)
         os.execv(sys.executable, [sys.executable, "-m", module, *args])
     sys.exit(status)
 
@@ -262,10 +262,12 @@ def run_command(conn: socket.socket, request: dict, fds: list[int]) -> None:
     status = 0
     try:
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-    except SystemExit as done:
-        status = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-        if not isinstance(done.code, (int, type(None))):
+    except SystemExit as done:  # as the interpreter reads it: None is 0, a message is printed and is 1
+        if done.code is None or isinstance(done.code, int):
+            status = done.code or 0
+        else:
             print(done.code, file=sys.stderr)
+            status = 1
     except BaseException:  # noqa: BLE001 (what the interpreter prints for an uncaught error, then its status)
         traceback.print_exc()
         status = 1
@@ -281,14 +283,11 @@ def stop_when_client_goes(conn: socket.socket) -> None:
     The process stops as a cold one would (KeyboardInterrupt: atomic outputs cleaned up), else is killed."""
     import signal
 
-    while True:
-        try:
-            if not conn.recv(1):
-                break
-        except InterruptedError:
-            continue
-        except OSError:
-            break
+    try:
+        while conn.recv(1):
+            pass
+    except OSError:  # reset: gone as well
+        pass
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(INTERRUPT_GRACE_S)
     os._exit(LAUNCHER_GONE)

@@ -6,7 +6,7 @@
 
 Why one object: the timed decoding (``eagle3.decoding.timing``) and each set's evaluation
 (``eagle3.decoding.evaluation``) pass the same models, ends and graphs through every call.
-``configure_torch`` and ``for_decoding`` set the process and the models up for it.
+``for_decoding`` sets the models up for it (``eagle3.lm.loading.prepare_torch``, the process).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from eagle3.decoding.graphed import DecodeGraphs
 from eagle3.decoding.settings import Settings
 from eagle3.decoding.skinny import skinny_matmuls
 from eagle3.decoding.speculative import StopStrings, Target
-from eagle3.lm.loading import prepare_torch
 
 
 @dataclass(frozen=True)
@@ -47,10 +46,6 @@ class Session:
     def without_stops(self) -> Session:
         """The same decoding with answers ending at EOS and the token budget only (the warm-up's)."""
         return replace(self, target=replace(self.target, stops=None))
-
-
-def configure_torch(settings: Settings) -> None:
-    prepare_torch(settings.device, settings.threads)  # every verify forward here has a new key length
 
 
 def for_decoding(verifier, drafter: nn.Module, settings: Settings) -> None:
