@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
+import platform
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -158,9 +162,16 @@ def test_imports_are_acyclic():
     assert cycle is None, " -> ".join(str(file.relative_to(SRC)) for file in cycle)
 
 
-def test_package_init_holds_only_docstring_and_version():
-    """Why ``eagle3/__init__.py`` need not be a dep: importing it runs nothing a stage uses."""
-    assert only_docstring(SRC / "eagle3" / "__init__.py")
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="an x86 pin")
+@pytest.mark.parametrize("chosen,expected", [(None, "AVX2"), ("default", "DEFAULT")])
+def test_eagle3_pins_torchs_cpu_kernels_unless_the_user_chose(chosen, expected):
+    """``eagle3/__init__.py`` (a dep of every stage) has torch run its AVX2 kernels on every x86 host, whatever it
+    offers more (an AVX-512 host wrote other extract bytes), so CPU outputs match across machines; a value the user
+    set is kept."""
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"} | ({"ATEN_CPU_CAPABILITY": chosen} if chosen else {})
+    result = subprocess.run([sys.executable, "-c", "import eagle3, torch; print(torch.backends.cpu.get_cpu_capability())"],
+                            env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == expected
 
 
 def test_library_subpackages_are_no_deps_themselves():
@@ -173,12 +184,13 @@ def test_library_subpackages_are_no_deps_themselves():
 
 def test_the_training_code_in_the_run_id_is_what_train_depends_on():
     """``train``'s run id hashes the code training runs, derived from its imports (a new module under
-    drafter/ enters it by being imported): train's src/ deps but the launcher, which runs the stage
-    and is no part of it, and the export, which determines none of the weights."""
+    drafter/ enters it by being imported): train's src/ deps but the launchers, which run the stage
+    and are no part of it, and the export, which determines none of the weights."""
     from eagle3.training.checkpoints import training_code
 
     deps = {file for file in dep_files(stages()["train"]["deps"]) if not (file.name == "__init__.py" and only_docstring(file))}
-    assert set(training_code()) == deps - {SRC / "eagle3" / "launch.py", SRC / "eagle3" / "drafter" / "export.py"}
+    launchers = {SRC / "eagle3" / "launch.py", SRC / "eagle3" / "warm.py"}
+    assert set(training_code()) == deps - launchers - {SRC / "eagle3" / "drafter" / "export.py"}
 
 
 def test_every_stage_reads_exactly_its_declared_params():

@@ -1,4 +1,5 @@
-"""eagle3.launch under real `dvc repro`: a stopped training run ends in one line, not torchrun's report."""
+"""eagle3.launch under real `dvc repro`: a stopped training run ends in one line, not torchrun's report, whether it
+ran in the launcher's process (one process) or under torchrun (two)."""
 
 from __future__ import annotations
 
@@ -15,28 +16,29 @@ from support.processes import stage_processes
 from support.repo import run
 from support.train import copy_data, stage_args, stage_params, tiny_data  # noqa: F401 (fixture)
 
-LAUNCH = [sys.executable, "-m", "eagle3.launch", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-          "--rdzv-endpoint", "localhost:0"]
+LAUNCH = [sys.executable, "-m", "eagle3.launch", "--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
 
-
-STOPS = {  # how the stop is signalled -> the lines after training's last log line
-    "SIGTERM to dvc": (lambda pid: os.kill(pid, signal.SIGTERM),  # `kill` of dvc alone: the stage's watchdog stops the workers
-                       [r"eagle3: process \d+ that launched this stage is gone; stopping \(pid \d+\)"]),
-    # SIGINT to dvc's process group: the torchrun agent. DVC reports 130 where its shell (bash) execs the
-    # launcher, -2 where the shell (dash, CI's /bin/sh) stays and is stopped by the same Ctrl-C.
-    "Ctrl-C": (lambda pid: os.killpg(pid, signal.SIGINT),
-               [r"eagle3.launch: stopped by SIGINT; workers stopped", r"ERROR: failed to reproduce 'train': .* exited with (130|-2)"]),
+FAILED = r"ERROR: failed to reproduce 'train': .* exited with (130|-2)"
+STOPS = {  # (training processes, how the stop is signalled) -> the lines after training's last log line
+    # `kill` of dvc alone: one process, DVC's child, is killed with its parent (the kernel's guard: nothing to say)
+    (1, "SIGTERM to dvc"): (lambda pid: os.kill(pid, signal.SIGTERM), []),
+    # SIGINT to dvc's process group: one process runs in the launcher's, which stops as any stage does; two run under
+    # torchrun's agent, which stops them. DVC reports 130 where its shell (bash) execs the launcher, -2 where the
+    # shell (dash, CI's /bin/sh) stays and is stopped by the same Ctrl-C.
+    (1, "Ctrl-C"): (lambda pid: os.killpg(pid, signal.SIGINT), [r"eagle3: interrupted; stopping \(pid \d+\)", FAILED]),
+    (2, "Ctrl-C"): (lambda pid: os.killpg(pid, signal.SIGINT), [r"eagle3.launch: stopped by SIGINT; workers stopped", FAILED]),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
-@pytest.mark.parametrize("stop", list(STOPS))
-def test_a_stopped_train_ends_in_one_line(tiny_data, tiny_verifier_dir, tmp_path, stop):  # noqa: F811
-    send, expected = STOPS[stop]
+@pytest.mark.parametrize("procs,stop", list(STOPS), ids=[f"{procs} process(es), {stop}" for procs, stop in STOPS])
+def test_a_stopped_train_ends_in_one_line(tiny_data, tiny_verifier_dir, tmp_path, procs, stop):  # noqa: F811
+    send, expected = STOPS[procs, stop]
     repo = copy_data(tiny_data, tmp_path / "repo")
-    params = stage_params(repo / "p.yaml", max_steps=1000, checkpoint_every=1000, val_every=1000)
-    command = " ".join([*LAUNCH, "-m", "eagle3.train", *stage_args(repo, tiny_verifier_dir, "run", params), "--threads", "1"])
+    params = stage_params(repo / "p.yaml", max_steps=1000, checkpoint_every=1000, val_every=1000, batch_tokens=128 * procs)
+    command = " ".join([*LAUNCH, "--nproc-per-node", str(procs), "-m", "eagle3.train",
+                        *stage_args(repo, tiny_verifier_dir, "run", params), "--threads", "1"])
     (repo / "dvc.yaml").write_text(f"stages:\n  train:\n    cmd: {command}\n")
     for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "test@eagle3"], ["git", "config", "user.name", "eagle3 test"],
                 ["dvc", "init", "-q"], ["git", "add", "dvc.yaml"], ["git", "commit", "-qam", "train"]):

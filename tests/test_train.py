@@ -329,7 +329,7 @@ def test_rerun_is_idempotent_and_training_deterministic(tiny_data, tiny_verifier
     args = train_paths(stage_args(tiny_data, tiny_verifier_dir, "idem", params))
     with caplog.at_level("INFO", logger="eagle3"):
         train_with(args, params)
-    assert "the loop's wall time:" in caplog.text and "waiting for rows" in caplog.text and "checkpointing" in caplog.text
+    assert "fit's wall time:" in caplog.text and "waiting for rows" in caplog.text and "checkpointing" in caplog.text
     first, first_live = folder_bytes(args.out), folder_bytes(args.live)
     assert b"tokens_per_s" not in first["meta.json"]
     shutil.rmtree(args.out)

@@ -11,4 +11,13 @@ and its export), ``training`` (loss, data plan, step, checkpoints, parallelism),
 remote).
 """
 
+import os
+import platform
+
 __version__ = "0.1.0"
+
+# CPU outputs byte-identical across x86 machines: torch picks its vectorised CPU kernels by what the CPU offers
+# (AVX-512 on one host, AVX2 on another), and their float rounding differs (the demo's extract wrote other bytes on
+# an AVX-512 host than on the AVX2 hosts before it). Set before any stage imports torch; a value the user set is kept.
+if platform.machine().lower() in ("x86_64", "amd64"):
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")

@@ -4,6 +4,12 @@ whatever launched it), and ``torchrun`` for pipeline stages, whose one-line erro
     exit_with_launcher()          # every stage, through common.stage_main: gone when DVC or torchrun is
     subprocess.Popen(command, preexec_fn=die_with_parent)   # a child server gone with its parent
     python -m eagle3.launch --nnodes 1 --nproc-per-node 8 ... -m eagle3.train ...
+    python -m eagle3.launch --nnodes 1 --nproc-per-node 1 ... -m eagle3.train ...   # runs in this process
+
+One process on one node has nothing to rendezvous with or supervise, so it runs in the launcher's own process,
+as ``python -m eagle3.train`` would. Why: torchrun's agent imports torch, then spawns a fresh interpreter that
+imports it again (the 10k run's ``train`` on an H100 logged its first line 11 s after it started); run alone
+through ``eagle3.warm`` (dvc.yaml) the stage's imports are already done.
 
 torchrun follows a failed worker's output with its own traceback and failure summary (about 30
 lines). A worker that exits with ``USER_ERROR`` has already said what is wrong in one line (bad
@@ -123,15 +129,31 @@ class _HideReported(logging.Filter):
         return not any(text in record.getMessage() for text in HIDDEN)
 
 
+def run_alone(args) -> None:
+    """torchrun's parsed ``args`` for one process on one node, run here as the interpreter would run them."""
+    import runpy
+
+    sys.argv = [args.training_script, *args.training_script_args]
+    if args.module:
+        runpy.run_module(args.training_script, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(args.training_script, run_name="__main__")
+
+
 def main(argv: list[str]) -> None:
-    from torch.distributed.elastic.multiprocessing.api import SignalException  # torch only for torchrun
+    from torch.distributed.run import parse_args, run  # torch only for torchrun's command line
+
+    args = parse_args(argv)
+    if str(args.nnodes) == "1" and args.nproc_per_node == "1" and not args.no_python:
+        run_alone(args)
+        return
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
 
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(_HideReported())
     try:
-        run(parse_args(argv))
+        run(args)
     except ChildFailedError as err:
         _, first = err.get_first_failure()
         if first.exitcode in REPORTED:

@@ -47,6 +47,7 @@ from eagle3.training.loop import Run, Splits, fit
 from eagle3.training.loss import TrainingTimeTest, VerifierHead
 from eagle3.training.parallel import World
 from eagle3.training.reporting import log_summary
+from eagle3.training.step import compiles, start_compile_workers
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class TrainPaths:
 
 def train(paths: TrainPaths, cfg: TrainConfig, seed: int, draft_head: dict[str, Any], world: World) -> dict[str, Any]:
     """The whole stage on one process of the world; ``draft_head``: params ``model.draft_head``."""
+    if compiles(cfg, world):
+        start_compile_workers()
     fingerprint = verifier_fingerprint(paths.verifier)
     train_set, val_set, meta, d2t = open_data(paths.merged, paths.hidden_states, fingerprint)
     config, tensors = verifier_parts(paths.verifier)

@@ -1,7 +1,7 @@
 """Stages without a process start each: ``python -m eagle3.warm -m eagle3.extract ARGS``.
 
-Every ``generate@<shard>`` and ``extract@<shard>`` is its own command, and so its own process, and so is
-``evaluate``: on a GPU host importing torch and transformers took 7.7 of the ~10 s before a shard's first batch
+Every ``generate@<shard>`` and ``extract@<shard>`` is its own command, and so its own process, and so are
+``train`` (``eagle3.launch``, which runs one process alone in its own) and ``evaluate``: on a GPU host importing torch and transformers took 7.7 of the ~10 s before a shard's first batch
 (docs/data.md, "What a shard costs"), paid again by every one. Here such a command is a small client (no
 torch): it hands its arguments, environment, working folder and standard streams to a *warm server* that has
 imported the stage modules once, and the server forks a fresh process for it, which runs ``-m MODULE`` as
@@ -36,7 +36,8 @@ from eagle3.launch import LAUNCHER_GONE, exit_with_launcher
 
 WARM_ENV = "EAGLE3_WARM_SECONDS"
 VOLATILE_ENV = ("DVC_STAGE", "_", "OLDPWD", "SHLVL")  # differ between stage commands or shells; no import reads them
-PRELOAD = ("eagle3.generate", "eagle3.extract", "eagle3.evaluate", "eagle3.backends.local", "safetensors.torch")
+PRELOAD = ("eagle3.generate", "eagle3.extract", "eagle3.evaluate", "eagle3.train", "eagle3.backends.local", "safetensors.torch",
+           "torch.distributed.run", "torch._inductor.compile_fx")  # the last two: eagle3.launch's, train's torch.compile
 SERVER_START_S = 300  # the longest a client waits for a server's imports (a loaded 2-core machine took 9 s)
 INTERRUPT_GRACE_S = 10  # a process whose client is gone gets this long to stop by KeyboardInterrupt, then is killed
 

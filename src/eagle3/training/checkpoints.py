@@ -71,11 +71,12 @@ def run_id(train: dict[str, Any], draft: dict[str, Any], fingerprint: str, seed:
 
 def training_code(stage: str = "eagle3.train") -> list[Path]:
     """The source files of ``stage`` and of every eagle3 module it imports, transitively, but those
-    of ``NO_WEIGHTS_CODE``. Read with ``ast``, so an import inside a function counts and
-    nothing is imported. Package ``__init__`` files are not followed: they hold only docstrings
-    (tests/test_dvc_deps.py checks it), and train's dvc.yaml deps list the same files.
+    of ``NO_WEIGHTS_CODE``, and ``eagle3/__init__.py`` (it picks torch's CPU kernels). Read with ``ast``,
+    so an import inside a function counts and nothing is imported. Subpackages' ``__init__`` files are
+    not followed: they hold only docstrings (tests/test_dvc_deps.py checks it), and train's dvc.yaml
+    deps list the same files.
     """
-    seen, todo = set(), [module_source(stage)]
+    seen, todo = set(), [module_source(stage), PACKAGE / "__init__.py"]
     while todo:
         file = todo.pop()
         if file not in seen:

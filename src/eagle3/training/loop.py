@@ -7,6 +7,7 @@ steps (keeping the weights of the best validation), ``save_checkpoint`` every
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -43,6 +44,18 @@ def largest_compile_timers(count: int = 12) -> str:
     names, seconds = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
     largest = sorted(zip(map(float, seconds), names), reverse=True)[:count]
     return ", ".join(f"{name} {value:.1f}" for value, name in largest)
+
+
+def longest_kernel_builds(count: int = 5) -> str:
+    """The Triton kernels whose builds took longest in this process (each build's own seconds, in a worker or here).
+    Why: the builds run in parallel, so their wait (``async_compile.wait``) is either one long kernel or many short
+    ones queued behind workers still starting; these tell which."""
+    builds = {}
+    for metrics in torch._dynamo.utils.get_compilation_metrics():
+        for name, microseconds in json.loads(metrics.triton_kernel_compile_times_us or "[]"):
+            builds[name] = max(builds.get(name, 0), microseconds / 1e6)
+    longest = sorted(builds.items(), key=lambda item: -item[1])[:count]
+    return ", ".join(f"{name} {seconds:.1f}" for name, seconds in longest) or "none"
 
 
 def warn_if_undertrained(total: int, cfg: TrainConfig) -> None:
@@ -91,22 +104,24 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
                  "tokens (micro-batches x rows), %d processes", total, cfg.batch_tokens, warmup, batching.grad_accum,
                  batching.batch_size, cfg.pack_tokens, world.size)
         warn_if_undertrained(total, cfg)
-    compiled = compiles(cfg, world)
-    if compiled:
-        compile_step(ttt, head, graphs(cfg, world))
-    model = parallel.wrap(ttt, world, cfg.fsdp)
-    optimizers = make_optimizers(model, cfg, fused=world.device.type == "cuda")
-    factor = partial(lr_factor, warmup=warmup, total=total, floor=cfg.min_lr_ratio)
-    schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer, factor) for optimizer in optimizers]
-    state = resume(run_dir, model, optimizers, schedulers, world)
-    train_set, val_set = on_device(splits._asdict(), cfg, world).values()
+    compiled, spent = compiles(cfg, world), Spent()
+    with spent.on("setting up the step"):
+        if compiled:
+            compile_step(ttt, head, graphs(cfg, world))
+        model = parallel.wrap(ttt, world, cfg.fsdp)
+        optimizers = make_optimizers(model, cfg, fused=world.device.type == "cuda")
+        factor = partial(lr_factor, warmup=warmup, total=total, floor=cfg.min_lr_ratio)
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer, factor) for optimizer in optimizers]
+        state = resume(run_dir, model, optimizers, schedulers, world)
+    with spent.on("placing the states"):
+        train_set, val_set = on_device(splits._asdict(), cfg, world).values()
     if state.step:
         log.info("resumed %s at step %d", run_dir, state.step)
     replay(live, state)
     collate_fn = partial(collate_ttt, batching=batching, ttt_steps=cfg.ttt_steps, static=graphs(cfg, world))
     batches = iter(step_batches(train_set, plan, range(state.step, total), collate_fn, cfg.num_workers, world.device.type == "cuda"))
     val_batches = validation_batches(val_set, cfg, world)
-    window, clock, spent = torch.zeros(6, cfg.ttt_steps, device=world.device), Window(), Spent()
+    window, clock = torch.zeros(6, cfg.ttt_steps, device=world.device), Window()
     compiling = state.step if compiled else None  # the step whose call compiles the step's graphs
     while state.step < total:
         with spent.on("waiting for rows"):
@@ -136,8 +151,9 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
             with spent.on("checkpointing"):
                 save_checkpoint(run_dir, model, optimizers, schedulers, state, world)
     if world.main:
-        log.info("the loop's wall time: %s", spent.summary())
+        log.info("fit's wall time: %s", spent.summary())
         if compiled:
-            log.info("torch.compile's largest timers (nested, workers summed; seconds): %s", largest_compile_timers())
+            log.info("torch.compile's largest timers (nested, workers summed; seconds): %s; its longest Triton kernel "
+                     "builds (seconds): %s", largest_compile_timers(), longest_kernel_builds())
     last = next((metrics for _, prefix, metrics in reversed(state.history) if prefix == "train"), {})
     return {"steps": total, "train": last, "best": state.best}

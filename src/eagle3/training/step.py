@@ -87,6 +87,15 @@ def compile_step(ttt: TrainingTimeTest, head: VerifierHead, cuda_graphs: bool = 
     head.compile(mode=mode)
 
 
+def start_compile_workers() -> None:
+    """Start torch.compile's kernel-building worker processes now, in the background. Why: inductor starts them at its
+    first compile, and builds in this process, one at a time, every kernel it asks for before they are ready (on a
+    fresh host they import torch and Triton first); started here, they get ready while the stage loads its inputs."""
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    maybe_warm_pool()
+
+
 def begin_graph_step(cuda_graphs: bool) -> None:
     """Tell the CUDA graphs that a new step begins (their outputs of the last one may be overwritten now): the
     graphs cannot see where a step that runs its forward without a backward (validation) ends."""
