@@ -8,6 +8,7 @@ replayed as CUDA graphs (graphed: ``train.cuda_graphs``, the selection padded to
     python benchmarks/train_throughput.py --device cuda --merged data/merged --hidden-states data/hidden_states --out ...
     python benchmarks/train_throughput.py --device cuda --modes compiled --loader-workers 4 [--states-on-device] [--validate] --out ...
     python benchmarks/train_throughput.py --device cuda --modes compiled graphed --loader-workers 4 --states-on-device --out ...
+    python benchmarks/train_throughput.py --device cuda --modes graphed --iters 20 --kernel-builds 15 --out ...  # which kernels
     torchrun --nproc-per-node 2 benchmarks/train_throughput.py --device cuda --out ...   # DDP (--fsdp: FSDP2)
 
 Runs the stage's own pieces: the recipe's ``TrainConfig`` (conf/train/<recipe>.yaml), ``make_optimizers``
@@ -27,7 +28,8 @@ batches; the losses of the first ``--check-steps`` steps are compared across mod
 Writes JSON to ``--out``: {"commit", "command", "figures": {"shape": ..., "modes": {mode: {"median_step_s",
 "tokens_per_s", "first_step_s" (compilation included), "gpu_util" (NVML, sampled over the timed steps),
 "model_tflops", "mfu", "peak_memory_gib", "losses", "validation" (--validate: "seconds" of two validations,
-"graphs_before", "graphs_after")}}, "loss_agreement": {"max_rel_diff", "agree"}}}.
+"graphs_before", "graphs_after"), "kernel_builds" (--kernel-builds: "count", "total_s", "longest_s")}},
+"loss_agreement": {"max_rel_diff", "agree"}}}.
 Tokens are real (non-padding) tokens over all processes. FLOPs (``step_flops``), real tokens only:
 6 x params per token for fc and the decoder layer on every row of every step; the lm_head on the
 rows with a target (6 x H x Vd, or 4 x when frozen); causal attention within each document (plus
@@ -201,6 +203,28 @@ def make_model(draft: DraftConfig, cfg: TrainConfig, world: World, dtype: torch.
     return wrap(ttt, world, cfg.fsdp), head
 
 
+def timed_kernel_builds() -> dict[str, float]:
+    """Every Triton kernel torch.compile builds from now on, built in this process one at a time (compile threads 1),
+    and its seconds, each also printed as it finishes: which kernels the first step's compile waits for (in the stage
+    they build in parallel workers, and the wait is the longest chain of them)."""
+    from torch._inductor import config
+    from torch._inductor.async_compile import AsyncCompile
+
+    config.compile_threads = 1
+    builds, build = {}, AsyncCompile.triton
+
+    def timed(self, kernel_name: str, *rest, **keys):
+        start = time.perf_counter()
+        try:
+            return build(self, kernel_name, *rest, **keys)
+        finally:
+            builds[kernel_name] = builds.get(kernel_name, 0.0) + time.perf_counter() - start
+            print(f"kernel build: {kernel_name} {builds[kernel_name]:.2f} s", file=sys.stderr, flush=True)
+
+    AsyncCompile.triton = timed
+    return builds
+
+
 def mode_config(cfg: TrainConfig, mode: str) -> TrainConfig:
     """The recipe with ``train.compile`` and ``train.cuda_graphs`` as ``mode`` (eager, compiled, graphed) says."""
     return dataclasses.replace(cfg, compile=mode != "eager", cuda_graphs=mode == "graphed")
@@ -214,6 +238,7 @@ def measure(args, draft: DraftConfig, cfg: TrainConfig, host_batches: list[dict]
     if static:  # the selection as the stage's loader pads it for CUDA graphs
         host_batches = [{**b, "selection": b["selection"].pad(b["position_ids"].numel())} for b in host_batches]
         host_batches = [pinned(b) for b in host_batches] if gpu else host_batches
+    builds = timed_kernel_builds() if args.kernel_builds and cfg.compile else None
     model, head = make_model(draft, cfg, world, dtype)
     optimizers = make_optimizers(model, cfg, fused=gpu)
     total = args.warmup + args.iters
@@ -267,6 +292,10 @@ def measure(args, draft: DraftConfig, cfg: TrainConfig, host_batches: list[dict]
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     if args.validate:
         result["validation"] = result_validation
+    if builds is not None:
+        longest = sorted(builds.items(), key=lambda item: -item[1])[: args.kernel_builds]
+        result["kernel_builds"] = {"count": len(builds), "total_s": round(sum(builds.values()), 2),
+                                   "longest_s": {name: round(seconds, 2) for name, seconds in longest}}
     return result
 
 
@@ -330,6 +359,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden-states", help="real data: the extracted shards folder")
     parser.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
     parser.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
+    parser.add_argument("--kernel-builds", type=int, default=0, help="compiled modes: build the Triton kernels one at a "
+                        "time in this process, timing each; the figures keep this many of the longest (first_step_s "
+                        "is then serial: compare it with a run without)")
     args = parser.parse_args(argv)
     if (args.states_on_device or args.validate) and args.loader_workers is None:
         parser.error("--states-on-device and --validate read the stage's format on disk: give --loader-workers N")
