@@ -3,7 +3,7 @@ prompts the drafter saw (``-S merge.train_prompts=N``, the same recipe and epoch
 reach a chain τ of RATIO × prompt lookup's, if τ keeps rising as it did.
 
     python benchmarks/tau_vs_data.py 1000=benchmarks/results/pipeline_10k_train_prompts1000.json \\
-        3000=benchmarks/results/pipeline_10k_train_prompts3000.json 7999=benchmarks/results/pipeline_10k.json \\
+        3000=benchmarks/results/pipeline_10k_train_prompts3000.json 7999=benchmarks/results/pipeline_10k_42c77ec.json \\
         --out benchmarks/results/tau_vs_data_10k.json
 
 Each ``N=FILE`` is a benchmarks/pipeline_report.py record (its ``sets``) of a drafter trained on N prompts. The fit

@@ -7,7 +7,6 @@ steps (keeping the weights of the best validation), ``save_checkpoint`` every
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -44,18 +43,6 @@ def largest_compile_timers(count: int = 12) -> str:
     names, seconds = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
     largest = sorted(zip(map(float, seconds), names), reverse=True)[:count]
     return ", ".join(f"{name} {value:.1f}" for value, name in largest)
-
-
-def longest_kernel_builds(count: int = 5) -> str:
-    """The Triton kernels whose builds took longest in this process (each build's own seconds, in a worker or here).
-    Why: the builds run in parallel, so their wait (``async_compile.wait``) is either one long kernel or many short
-    ones queued behind workers still starting; these tell which."""
-    builds = {}
-    for metrics in torch._dynamo.utils.get_compilation_metrics():
-        for name, microseconds in json.loads(metrics.triton_kernel_compile_times_us or "[]"):
-            builds[name] = max(builds.get(name, 0), microseconds / 1e6)
-    longest = sorted(builds.items(), key=lambda item: -item[1])[:count]
-    return ", ".join(f"{name} {seconds:.1f}" for name, seconds in longest) or "none"
 
 
 def warn_if_undertrained(total: int, cfg: TrainConfig) -> None:
@@ -153,7 +140,6 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
     if world.main:
         log.info("fit's wall time: %s", spent.summary())
         if compiled:
-            log.info("torch.compile's largest timers (nested, workers summed; seconds): %s; its longest Triton kernel "
-                     "builds (seconds): %s", largest_compile_timers(), longest_kernel_builds())
+            log.info("torch.compile's largest timers (nested, workers summed; seconds): %s", largest_compile_timers())
     last = next((metrics for _, prefix, metrics in reversed(state.history) if prefix == "train"), {})
     return {"steps": total, "train": last, "best": state.best}
