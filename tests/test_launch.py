@@ -20,8 +20,11 @@ LAUNCH = [sys.executable, "-m", "eagle3.launch", "--nnodes", "1", "--rdzv-backen
 
 FAILED = r"ERROR: failed to reproduce 'train': .* exited with (130|-2)"
 STOPS = {  # (training processes, how the stop is signalled) -> the lines after training's last log line
-    # `kill` of dvc alone: one process, DVC's child, is killed with its parent (the kernel's guard: nothing to say)
+    # `kill` of dvc alone: one process, DVC's child, is killed with its parent (the kernel's guard: nothing to say);
+    # two, torchrun's workers, each stop in one line, whether its watcher saw DVC gone or its collective failed first
     (1, "SIGTERM to dvc"): (lambda pid: os.kill(pid, signal.SIGTERM), []),
+    (2, "SIGTERM to dvc"): (lambda pid: os.kill(pid, signal.SIGTERM),
+                            [r"eagle3: process \d+ that launched this stage is gone; stopping \(pid \d+\)"] * 2),
     # SIGINT to dvc's process group: one process runs in the launcher's, which stops as any stage does; two run under
     # torchrun's agent, which stops them. DVC reports 130 where its shell (bash) execs the launcher, -2 where the
     # shell (dash, CI's /bin/sh) stays and is stopped by the same Ctrl-C.

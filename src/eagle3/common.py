@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from eagle3.launch import INTERRUPTED, USER_ERROR, exit_with_launcher
+from eagle3.launch import INTERRUPTED, USER_ERROR, exit_with_launcher, stop_if_launcher_gone
 
 log = logging.getLogger("eagle3")
 
@@ -70,6 +70,9 @@ def stage_main(fn: Callable[[list[str]], None]) -> None:
         if "TORCHELASTIC_RUN_ID" not in os.environ:  # a torchrun worker: eagle3.launch says it once
             print(f"eagle3: interrupted; stopping (pid {os.getpid()})", file=sys.stderr)
         sys.exit(INTERRUPTED)
+    except Exception:
+        stop_if_launcher_gone()  # the failure is the launcher's going (a collective with stopped peers): one line
+        raise
 
 
 MEND_LOCK = "mend it with `git checkout dvc.lock` (none committed: remove it), then `dvc status` / `dvc repro`"

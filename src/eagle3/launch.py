@@ -59,7 +59,20 @@ def exit_with_launcher(worker: bool = False, interval: float = 1.0) -> None:
         die_with_parent(signal.SIGKILL)
         if os.getppid() != links[0][1]:  # the parent died before the guard was set
             os._exit(LAUNCHER_GONE)
+        WATCHED[:] = links
         threading.Thread(target=_watch_links, args=(links, interval), name="launcher-watch", daemon=True).start()
+
+
+WATCHED: list[tuple[int, int]] = []  # the links exit_with_launcher watches in this process
+
+
+def stop_if_launcher_gone() -> None:
+    """Stop as the watcher would (one line, exit LAUNCHER_GONE) if a watched link is gone already; else return.
+    Why: a torchrun worker whose peers stopped for the launcher fails in its next collective before its own
+    watcher looks, and that failure's traceback (one per worker) would bury the one line that says why."""
+    parent = gone_link(WATCHED)
+    if parent is not None:
+        stop_for_launcher(parent)
 
 
 PR_SET_PDEATHSIG = 1
@@ -102,14 +115,22 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
+def gone_link(links: list[tuple[int, int]]) -> int | None:
+    """The first of ``links``' parents that is gone (its child has another parent now), or None."""
+    return next((parent for pid, parent in links if _parent(pid) != parent), None)
+
+
+def stop_for_launcher(parent: int) -> None:
+    print(f"eagle3: process {parent} that launched this stage is gone; stopping (pid {os.getpid()})", file=sys.stderr, flush=True)
+    os._exit(LAUNCHER_GONE)  # at once: the rerun owns the outputs now
+
+
 def _watch_links(links: list[tuple[int, int]], interval: float) -> None:
     while True:
         time.sleep(interval)
-        for pid, parent in links:
-            if _parent(pid) != parent:
-                print(f"eagle3: process {parent} that launched this stage is gone; stopping (pid {os.getpid()})",
-                      file=sys.stderr, flush=True)
-                os._exit(LAUNCHER_GONE)  # at once: the rerun owns the outputs now
+        parent = gone_link(links)
+        if parent is not None:
+            stop_for_launcher(parent)
 
 
 # ---------------------------------------------------------------------------------------------
