@@ -1,8 +1,9 @@
 """Stages without a process start each: ``python -m eagle3.warm -m eagle3.extract ARGS``.
 
 Every ``generate@<shard>`` and ``extract@<shard>`` is its own command, and so its own process, and so are
-``train`` (``eagle3.launch``, which runs one process alone in its own) and ``evaluate``: on a GPU host importing torch and transformers took 7.7 of the ~10 s before a shard's first batch
-(docs/data.md, "What a shard costs"), paid again by every one. Here such a command is a small client (no
+``train`` (``eagle3.launch``, which runs one process alone in its own) and ``evaluate``: on a GPU host importing
+torch and transformers took 7.7 of the ~10 s before a shard's first batch (docs/data.md, "What a shard costs"),
+paid again by every one. Here such a command is a small client (no
 torch): it hands its arguments, environment, working folder and standard streams to a *warm server* that has
 imported the stage modules once, and the server forks a fresh process for it, which runs ``-m MODULE`` as
 Python would (``runpy``), writing straight to the client's streams, while the client waits and exits with its
