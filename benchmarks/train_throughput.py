@@ -369,6 +369,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.device, args.recipe, args.seq, args.doc_tokens = "cpu", "debug", 128, 40
         args.batches, args.iters, args.warmup, args.check_steps = 2, 2, 2, 2
     args.modes = args.modes or (["eager"] if args.smoke else ["eager", "compiled"])  # compiling on a CPU takes minutes
+    if args.kernel_builds and [mode for mode in args.modes if mode != "eager"] != args.modes[-1:]:
+        # the builds are timed once per process: a second compiled mode reuses the first one's kernels
+        parser.error("--kernel-builds times one compiled mode, the last of --modes: give one (compiled or graphed)")
     args.warmup = max(args.warmup, args.check_steps, 1)
     return args
 
