@@ -171,6 +171,26 @@ def packed_starts(T: int) -> Tensor:
     return torch.arange(T) - positions
 
 
+@pytest.mark.parametrize("T", [37, 128, 300, 1024])  # under a block, one block, padded blocks, whole blocks
+def test_document_block_mask_is_create_block_masks(T):
+    """The packed rows' block mask, built from the documents' starts, holds the very tensors ``create_block_mask``
+    builds from the mask_mod at every pair: documents of lengths around the 128-row block, many packings."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    generator = torch.Generator().manual_seed(T)
+    for _ in range(10):
+        lengths = [torch.tensor([1, 5, 127, 128, 129, 300])[torch.randint(6, (40,), generator=generator)] for _ in range(3)]
+        positions = [torch.cat([torch.arange(n) for n in row])[:T] for row in lengths]
+        starts = torch.arange(T) - torch.stack([torch.cat([p, torch.arange(T - len(p))]) for p in positions])  # padding: one more document
+        ours = document_block_mask(starts)
+        theirs = create_block_mask(lambda b, h, q, k: (q >= k) & (k >= starts[b, q]), 3, None, T, T, device="cpu")
+        assert (ours.seq_lengths, ours.BLOCK_SIZE) == (theirs.seq_lengths, theirs.BLOCK_SIZE)
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+            mine, reference = getattr(ours, name), getattr(theirs, name)
+            assert mine.dtype == reference.dtype and torch.equal(mine, reference), name
+
+
 def test_document_block_mask_equals_masked_attention(monkeypatch):
     """The FlexAttention mask of packed rows sees what the masked path sees (flex run eagerly here), and the
     kernel's log-sum-exp comes back without a deprecation warning (a compiled step would guard on it)."""

@@ -126,12 +126,52 @@ def compiled_flex_attention():
     return torch.compile(flex_attention)
 
 
+BLOCK = 128  # FlexAttention's default tile: rows and keys are masked by blocks of 128
+
+
 def document_block_mask(starts: Tensor):
-    """FlexAttention mask of packed rows: query q sees keys starts[b, q]..q (its own document, causal)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """FlexAttention mask of packed rows: query q sees keys starts[b, q]..q (its own document, causal).
+
+    The same tensors as ``create_block_mask`` builds for this mask_mod, from the documents' starts alone. Why:
+    ``create_block_mask`` evaluates the mask at every (query, key) pair and orders the blocks with a sort; inside the
+    compiled step, Triton took 31 + 15 s to build that sort's two kernels (one H100, the 10k shape), most of the
+    first step's wait. Here a block's fate follows from the starts of its first and last rows: starts never decrease
+    along a row and ``starts[q] <= q``, so block (i, j) holds a visible pair when j <= i and j's last key reaches the
+    first row's start, and is full when j < i, j's first key is at or after the last row's start and no row or key
+    of it is padding.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
 
     B, T = starts.shape
-    return create_block_mask(lambda b, h, q, k: (q >= k) & (k >= starts[b, q]), B, None, T, T, device=starts.device)
+    blocks = torch.arange(-(-T // BLOCK), device=starts.device)
+    first_row, last_row = blocks * BLOCK, (blocks * BLOCK + BLOCK - 1).clamp(max=T - 1)
+    q, kv = blocks[:, None], blocks[None, :]  # [n, 1] query blocks, [1, n] key blocks
+    seen = (kv <= q) & (kv * BLOCK + BLOCK - 1 >= starts[:, first_row, None])  # [B, n, n]
+    full = (kv < q) & (kv * BLOCK >= starts[:, last_row, None]) & (first_row + BLOCK <= T)[:, None]
+    partial = seen & ~full
+    kv_num, kv_indices = ordered_blocks(partial)
+    full_kv_num, full_kv_indices = ordered_blocks(full)
+    q_num, q_indices = ordered_blocks(partial.transpose(-2, -1))
+    full_q_num, full_q_indices = ordered_blocks(full.transpose(-2, -1))
+    return BlockMask(seq_lengths=(T, T), kv_num_blocks=kv_num, kv_indices=kv_indices, full_kv_num_blocks=full_kv_num,
+                     full_kv_indices=full_kv_indices, q_num_blocks=q_num, q_indices=q_indices, full_q_num_blocks=full_q_num,
+                     full_q_indices=full_q_indices, BLOCK_SIZE=(BLOCK, BLOCK),
+                     mask_mod=lambda b, h, q, k: (q >= k) & (k >= starts[b, q]))
+
+
+def ordered_blocks(dense: Tensor) -> tuple[Tensor, Tensor]:
+    """Block flags [B, n, n] -> (count per row [B, 1, n], the flagged columns first, then the others, each in
+    column order [B, 1, n, n]), int32: a stable descending argsort of the flags, as ``create_block_mask``'s,
+    by counting instead of sorting.
+
+    Worked example: flags [0, 1, 1, 0] -> count 2, columns [1, 2, 0, 3].
+    """
+    flags = dense.int()
+    count = flags.sum(-1, keepdim=True)
+    slot = torch.where(dense, flags.cumsum(-1) - 1, count + (1 - flags).cumsum(-1) - 1)  # where each column goes
+    columns = torch.arange(dense.shape[-1], device=dense.device, dtype=torch.int32).expand_as(slot)
+    indices = torch.empty_like(columns).scatter_(-1, slot, columns)
+    return count.squeeze(-1).unsqueeze(1).int(), indices.unsqueeze(1)
 
 
 def fused_causal_attention(q: Tensor, k: Tensor, v: Tensor, block_mask) -> tuple[Tensor, Tensor]:
