@@ -191,6 +191,22 @@ def test_document_block_mask_is_create_block_masks(T):
             assert mine.dtype == reference.dtype and torch.equal(mine, reference), name
 
 
+def test_document_block_mask_traces_whole_in_a_compiled_graph():
+    """Built inside the compiled training step on GPUs: one graph with the attention (fullgraph: no graph break),
+    which sees what the masked path sees (aot_eager: the traced graph run without a kernel build; forward only,
+    FlexAttention's backward runs on CUDA)."""
+    torch.manual_seed(0)
+    B, nh, nkv, T, hd = 2, 4, 2, 700, 16  # full blocks, partial ones, a padded last block
+    q, k, v = torch.randn(B, nh, T, hd), torch.randn(B, nkv, T, hd), torch.randn(B, nkv, T, hd)
+    starts = packed_starts(T)
+    traced = torch.compile(lambda q, k, v, starts: attention.fused_causal_attention(q, k, v, document_block_mask(starts)),
+                           fullgraph=True, backend="aot_eager")
+    out, lse = traced(q, k, v, starts)
+    expected, expected_lse = masked_attention(q, k, v, torch.arange(T), starts)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(lse, expected_lse)
+
+
 def test_document_block_mask_equals_masked_attention(monkeypatch):
     """The FlexAttention mask of packed rows sees what the masked path sees (flex run eagerly here), and the
     kernel's log-sum-exp comes back without a deprecation warning (a compiled step would guard on it)."""
