@@ -238,17 +238,18 @@ def test_sequence_normalisation_is_the_same_however_the_batch_is_cut():
     assert abs(float(norm_token) - float(norm_whole)) > 1e-4 * float(norm_whole)
 
 
-def fit_debug(run_dir: Path, train_set: Dataset, val_set: Dataset, cfg: TrainConfig, live_dir: Path | None = None) -> dict:
+def fit_debug(run_dir: Path, train_set: Dataset, val_set: Dataset, cfg: TrainConfig,
+              live_dir: Path | None = None) -> tuple[dict, dict]:
     from dvclive import Live
 
     drafter = make_drafter(seed=11)
     head = VerifierHead(verifier_head_weight(drafter.config, drafter.d2t), drafter.d2t)
     live = Live(str(live_dir), dvcyaml=False, save_dvc_exp=False) if live_dir else None
-    summary = fit(TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation), head, Splits(train_set, val_set), cfg,
-                  Run(run_dir, 0, live), CPU)
+    summary, best_weights = fit(TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation), head,
+                                Splits(train_set, val_set), cfg, Run(run_dir, 0, live), CPU)
     if live:
         live.end()
-    return summary
+    return summary, best_weights
 
 
 def live_files(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, bytes]:
@@ -277,13 +278,13 @@ def test_resume_after_crash_equals_uninterrupted(tmp_path, optimizer):
                                                           "batch_tokens": 32, "optimizer": optimizer}))
     dcfg = make_drafter().config
     val = Items(dcfg, 3, seed=100)
-    whole = fit_debug(tmp_path / "whole", Items(dcfg, 6, seed=0), val, cfg, tmp_path / "live-whole")
+    whole, whole_best = fit_debug(tmp_path / "whole", Items(dcfg, 6, seed=0), val, cfg, tmp_path / "live-whole")
     # Killed during step 5 (after the checkpoint of step 3 and a validation at step 4).
     with pytest.raises(RuntimeError, match="killed"):
         fit_debug(tmp_path / "resumed", Items(dcfg, 6, seed=0, crash_after=2 * 4 + 1), val, cfg, tmp_path / "live-resumed")
     assert torch.load(tmp_path / "resumed" / "latest.pt", weights_only=False)["step"] == 3
     shutil.rmtree(tmp_path / "live-resumed")  # DVC removes the stage's metrics and plots before a rerun
-    resumed = fit_debug(tmp_path / "resumed", Items(dcfg, 6, seed=0), val, cfg, tmp_path / "live-resumed")
+    resumed, resumed_best = fit_debug(tmp_path / "resumed", Items(dcfg, 6, seed=0), val, cfg, tmp_path / "live-resumed")
     # The whole metric history of steps 1..7 (replayed up to the checkpoint), equal up to float noise.
     whole_live, resumed_live = (live_files(tmp_path / f"live-{n}", skip=("tokens_per_s",)) for n in ("whole", "resumed"))
     assert whole_live.keys() == resumed_live.keys() and "plots/metrics/train/loss.tsv" in whole_live
@@ -297,6 +298,9 @@ def test_resume_after_crash_equals_uninterrupted(tmp_path, optimizer):
     for name in a["model"]:
         torch.testing.assert_close(a["model"][name], b["model"][name], rtol=1e-5, atol=1e-6, msg=name)
     assert resumed["best"] == pytest.approx(whole["best"])
+    for name in whole_best:  # the weights of the best validation: kept in the checkpoint with its metrics
+        torch.testing.assert_close(resumed_best[name], whole_best[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert torch.equal(b["best_weights"][name], resumed_best[name]), name
     assert resumed["train"]["loss"] == pytest.approx(whole["train"]["loss"], rel=1e-5)
 
 

@@ -112,13 +112,12 @@ def train(paths: TrainPaths, cfg: TrainConfig, seed: int, draft_head: dict[str, 
 
             live = Live(str(paths.live), dvcyaml=False, save_dvc_exp=False)  # a fresh record; fit replays a resumed history
         ttt = TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation)
-        summary = fit(ttt, head, Splits(train_set, val_set), cfg, Run(run_dir, seed, live), world)
+        summary, best_weights = fit(ttt, head, Splits(train_set, val_set), cfg, Run(run_dir, seed, live), world)
         if world.main:
-            best = torch.load(run_dir / "best.pt", map_location="cpu", weights_only=False)
             training = {**summary, "train": {k: v for k, v in summary["train"].items() if k not in CLOCK_METRICS},
                         "run": run_dir.name, "processes": world.size, "params": asdict(cfg),
                         "data": {"merged": str(paths.merged), "train_samples": len(train_set), "val_samples": len(val_set)}}
-            export(paths.out, paths.verifier, Trained(best["model"], draft, tensors["embed"], d2t), training)
+            export(paths.out, paths.verifier, Trained(best_weights, draft, tensors["embed"], d2t), training)
             tokens = DataPlan(train_set.lengths, cfg.batching(world.size), seed, processes=world.size).tokens(summary["steps"])
             log_summary(live, summary, tokens)
     parallel.barrier(world)

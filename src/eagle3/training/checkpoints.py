@@ -2,10 +2,10 @@
 outside the DVC outputs, in ``<checkpoints>/<run id>/``), and the export of its best weights.
 
     with run_folder(checkpoints, merged, hidden_states, shards, make_id, world) as run_dir:
-        state = resume(run_dir, model, optimizers, schedulers, world)      # or a fresh TrainState
+        state = resume(run_dir, model, optimizers, schedulers)      # or a fresh TrainState
         ...
         save_checkpoint(run_dir, model, optimizers, schedulers, state, world)
-    export(out, verifier, Trained(best["model"], draft, embed, d2t), training)   # the best weights, checked
+    export(out, verifier, Trained(best_weights, draft, embed, d2t), training)   # the best weights, checked
 
 The run id hashes everything that determines the trained weights: the params, the source of every
 eagle3 module training runs (derived from the imports, ``training_code``: a superset of the code that
@@ -14,7 +14,8 @@ resume weights that other code made), the verifier, the seed,
 the process count and the sha256 of every data file training reads. A run is resumed only by a
 trainer with the same id, so other data or other code never continues an old run's weights; a
 lock on the folder keeps a second trainer out. ``latest.pt`` holds model, optimizers, schedulers,
-step, RNG states and the metric history; ``best.pt`` the weights of the best validation.
+step, RNG states, the metric history and the weights of the best validation so far (kept on the device between
+checkpoints: in the one file, a resumed run's best weights always match its best validation).
 """
 
 from __future__ import annotations
@@ -205,6 +206,7 @@ class TrainState:
     step: int = 0  # optimizer steps done; also the data position
     best: dict | None = None  # best validation summary so far, with its "step"
     history: list = field(default_factory=list)  # every logged (step, prefix, metrics), replayed on resume
+    best_weights: dict | None = None  # the model state dict of the best validation (parallel.model_copy)
 
 
 def save_checkpoint(run_dir: Path, model, optimizers: list, schedulers: list, state: TrainState, world: World) -> None:
@@ -214,18 +216,12 @@ def save_checkpoint(run_dir: Path, model, optimizers: list, schedulers: list, st
         save_atomic(run_dir / "latest.pt", {
             "model": model_state, "optimizer": optim_state, "schedulers": [s.state_dict() for s in schedulers],
             "step": state.step, "best": state.best, "history": state.history, "rng": rng_state(),
+            "best_weights": None if state.best_weights is None else {k: v.cpu() for k, v in state.best_weights.items()},
         })
     parallel.barrier(world)
 
 
-def save_best(run_dir: Path, model, state: TrainState, world: World) -> None:
-    """``best.pt``: the weights of the best validation so far (what is exported at the end)."""
-    model_state, _ = parallel.full_state(model)
-    if world.main:
-        save_atomic(run_dir / "best.pt", {"model": model_state, "step": state.step, "metrics": state.best})
-
-
-def resume(run_dir: Path, model, optimizers: list, schedulers: list, world: World) -> TrainState:
+def resume(run_dir: Path, model, optimizers: list, schedulers: list) -> TrainState:
     """The state of ``latest.pt`` loaded into model/optimizers/schedulers, or a fresh state."""
     path = run_dir / "latest.pt"
     if not path.is_file():
@@ -235,10 +231,7 @@ def resume(run_dir: Path, model, optimizers: list, schedulers: list, world: Worl
     for scheduler, scheduler_state in zip(schedulers, saved["schedulers"], strict=True):
         scheduler.load_state_dict(scheduler_state)
     set_rng_state(saved["rng"])
-    best = run_dir / "best.pt"
-    if world.main and best.is_file() and torch.load(best, map_location="cpu", weights_only=False)["step"] > saved["step"]:
-        best.unlink()  # written after the last checkpoint by the killed run; the replay rewrites it
-    return TrainState(step=saved["step"], best=saved["best"], history=saved["history"])
+    return TrainState(step=saved["step"], best=saved["best"], history=saved["history"], best_weights=saved["best_weights"])
 
 
 def save_atomic(path: Path, obj: dict) -> None:

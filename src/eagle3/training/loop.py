@@ -1,8 +1,8 @@
 """The training loop: ``train_step`` for every optimizer step, ``validate`` every ``val_every``
-steps (keeping the weights of the best validation), ``save_checkpoint`` every
+steps (keeping a copy of the weights of the best validation on the device), ``save_checkpoint`` every
 ``checkpoint_every``; resumed from the run folder's last checkpoint.
 
-    summary = fit(ttt, head, Splits(train_set, val_set), cfg, Run(run_dir, seed, live), world)
+    summary, best_weights = fit(ttt, head, Splits(train_set, val_set), cfg, Run(run_dir, seed, live), world)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 
 import eagle3.training.parallel as parallel
 from eagle3.common import Spent
-from eagle3.training.checkpoints import resume, save_best, save_checkpoint
+from eagle3.training.checkpoints import resume, save_checkpoint
 from eagle3.training.config import TrainConfig
 from eagle3.training.data import DataPlan, check_lengths, step_batches
 from eagle3.training.loss import TrainingTimeTest, VerifierHead
@@ -74,8 +74,10 @@ class Run:
     live: Any = None  # a dvclive Live on the main process, None on the others
 
 
-def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainConfig, run: Run, world: World) -> dict[str, Any]:
-    """Train until the last step (resuming from ``run.folder``); returns the run summary.
+def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainConfig, run: Run,
+        world: World) -> tuple[dict[str, Any], dict]:
+    """Train until the last step (resuming from ``run.folder``); returns the run summary and the weights of its best
+    validation (a model state dict).
 
     ``ttt`` and ``head`` are on ``world.device``.
     """
@@ -99,7 +101,7 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
         optimizers = make_optimizers(model, cfg, fused=world.device.type == "cuda")
         factor = partial(lr_factor, warmup=warmup, total=total, floor=cfg.min_lr_ratio)
         schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer, factor) for optimizer in optimizers]
-        state = resume(run_dir, model, optimizers, schedulers, world)
+        state = resume(run_dir, model, optimizers, schedulers)
     with spent.on("placing the states"):
         train_set, val_set = on_device(splits._asdict(), cfg, world).values()
     if state.step:
@@ -133,7 +135,8 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
             record(live, state, "val", metrics)
             if state.best is None or metrics["sim_accept_len"] > state.best["sim_accept_len"]:
                 state.best = {**metrics, "step": state.step}
-                save_best(run_dir, model, state, world)
+                with spent.on("keeping the best weights"):
+                    state.best_weights = parallel.model_copy(model)
         if saving:
             with spent.on("checkpointing"):
                 save_checkpoint(run_dir, model, optimizers, schedulers, state, world)
@@ -142,4 +145,4 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
         if compiled:
             log.info("torch.compile's largest timers (nested, workers summed; seconds): %s", largest_compile_timers())
     last = next((metrics for _, prefix, metrics in reversed(state.history) if prefix == "train"), {})
-    return {"steps": total, "train": last, "best": state.best}
+    return {"steps": total, "train": last, "best": state.best}, state.best_weights

@@ -132,6 +132,16 @@ def full_state(model: nn.Module, optimizers: list[torch.optim.Optimizer] | None 
     return dcp.get_state_dict(model, optimizers, options=options)
 
 
+def model_copy(model: nn.Module) -> dict:
+    """A copy of the unsharded model state dict on the model's device, keyed by plain names, on every process (a
+    collective under FSDP). Why on the device: the copy queues behind the steps as any kernel does, where a copy to the
+    host (``full_state``) waits for them and leaves the GPU idle while it is written out."""
+    from torch.distributed.checkpoint import state_dict as dcp  # slow import: only here
+
+    state = dcp.get_model_state_dict(model, options=dcp.StateDictOptions(full_state_dict=True))
+    return {name: tensor.detach().clone() for name, tensor in state.items()}
+
+
 def load_full_state(model: nn.Module, optimizers: list[torch.optim.Optimizer], model_state: dict, optim_state: dict) -> None:
     """Inverse of ``full_state``, on every process."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
