@@ -617,11 +617,14 @@ def test_states_held_on_the_device_train_the_same_bytes(tmp_path, workers):
     assert [(s, p, m["loss"]) for s, p, m in held["history"]] == [(s, p, m["loss"]) for s, p, m in read["history"]]
 
 
-def test_resident_rows_are_the_collated_rows():
+@pytest.mark.parametrize("staging_bytes", [256 << 20, 1])  # all samples sent at once; sent a buffer of one or two at a time
+def test_resident_rows_are_the_collated_rows(monkeypatch, staging_bytes):
     """A packed micro-batch of ``Resident`` items, gathered, is the micro-batch collated from the samples themselves:
-    states, padding (zeros) and the host tensors."""
+    states, padding (zeros) and the host tensors, however many host buffers the states went through."""
+    from eagle3.training import resident as module
     from eagle3.training.resident import Resident
 
+    monkeypatch.setattr(module, "STAGING_BYTES", staging_bytes)
     items = Items(make_drafter().config, 5, seed=3)
     batching = Batching(pack_tokens=32, batch_size=2, grad_accum=1)
     resident = Resident(items, torch.device("cpu"), "test")

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 # Of the device memory free before the states arrive, the share they may take under `auto`: the rest is
 # the step's (activations of 8,192-token rows, the compiled step's workspace, the optimizer).
 AUTO_SHARE = 0.5
+# Each of the two host buffers the states go through (``Staging``): a copy of this size runs at the link's speed.
+STAGING_BYTES = 256 << 20
 
 
 class Resident(Dataset):
@@ -48,13 +50,12 @@ class Resident(Dataset):
         self.final = torch.zeros(shape + first["final"].shape[1:], dtype=first["final"].dtype, device=device)
         self.host: list[tuple[Tensor, Tensor, int]] = []  # input_ids, loss_mask, first token
         start = 1
-        for i in tqdm(range(len(dataset)), desc=desc, unit="sample", mininterval=5):
-            sample = first if i == 0 else dataset[i]
-            n = len(sample["input_ids"])
-            self.aux[start : start + n] = sample["aux"]
-            self.final[start : start + n] = sample["final"]
-            self.host.append((sample["input_ids"], sample["loss_mask"], start))
-            start += n
+        with Staging((self.aux, self.final), max(self.lengths)) as staging:
+            for i in tqdm(range(len(dataset)), desc=desc, unit="sample", mininterval=5):
+                sample = first if i == 0 else dataset[i]
+                staging.put(start, sample["aux"], sample["final"])
+                self.host.append((sample["input_ids"], sample["loss_mask"], start))
+                start += len(sample["input_ids"])
 
     def __len__(self) -> int:
         return len(self.host)
@@ -70,6 +71,55 @@ class Resident(Dataset):
     def gather(self, token: Tensor) -> dict[str, Tensor]:
         """The states of a collated ``token`` index [B, T] (on the device): ``aux`` [B, T, 3H], ``final`` [B, T, H]."""
         return {"aux": self.aux[token], "final": self.final[token]}
+
+
+class Staging:
+    """Device tensors filled with consecutive row ranges through two host buffers: one is sent whole, asynchronously,
+    while the next samples are read into the other (pinned on CUDA). Why: sent sample by sample from pageable memory,
+    each copy waiting for the last, the 10k run's 13.6 GB of states reached an H100 at 3 GB/s (4.5 s).
+
+        with Staging((aux, final), longest_sample) as staging:
+            staging.put(start, sample_aux, sample_final)    # rows start.. of each tensor; the next put continues there
+    """
+
+    def __init__(self, targets: tuple[Tensor, ...], min_rows: int):
+        self.targets = targets
+        row_bytes = sum(t[0].numel() * t.element_size() for t in targets)
+        rows = max(min_rows, STAGING_BYTES // row_bytes)
+        self.cuda = targets[0].device.type == "cuda"
+        self.buffers = [[torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=self.cuda) for t in targets] for _ in range(2)]
+        self.sent: list = [None, None]  # each buffer's last copy (a CUDA event): refilled only once it is done
+        self.current, self.start, self.filled = 0, 0, 0
+
+    def put(self, start: int, *rows: Tensor) -> None:
+        n = len(rows[0])
+        if self.filled and (start != self.start + self.filled or self.filled + n > len(self.buffers[0][0])):
+            self.flush()
+        if not self.filled:
+            self.start = start
+        for buffer, values in zip(self.buffers[self.current], rows):
+            buffer[self.filled : self.filled + n] = values
+        self.filled += n
+
+    def flush(self) -> None:
+        """Send the current buffer, then wait until the other one's copy is done before it is refilled."""
+        for target, buffer in zip(self.targets, self.buffers[self.current]):
+            target[self.start : self.start + self.filled].copy_(buffer[: self.filled], non_blocking=True)
+        if self.cuda:
+            self.sent[self.current] = torch.cuda.Event()
+            self.sent[self.current].record()
+        self.current, self.filled = 1 - self.current, 0
+        if self.sent[self.current] is not None:
+            self.sent[self.current].synchronize()
+
+    def __enter__(self) -> Staging:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.filled:
+            self.flush()
+        if self.cuda:
+            torch.cuda.current_stream(self.targets[0].device).synchronize()  # the buffers outlive no copy of theirs
 
 
 def state_bytes(dataset: Dataset) -> int:
