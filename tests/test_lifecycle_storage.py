@@ -255,3 +255,52 @@ def test_gc_removes_what_killed_runs_left_beside_the_outputs(blob_repo, local_s3
     assert removed.returncode == 0 and f"removing {dead.name}" in removed.stdout, removed.stderr
     assert not dead.exists() and writing.exists()
     assert "up to date" in run(["dvc", "status"], repo).stdout
+
+
+FAKE_TRAIN = """\
+import json, sys
+from pathlib import Path
+from eagle3.common import RUN_EXPORTED
+run, checkpoints = sys.argv[1], Path(sys.argv[sys.argv.index("--checkpoints") + 1])
+(checkpoints / run).mkdir(parents=True, exist_ok=True)
+(checkpoints / run / "latest.pt").write_bytes(bytes(200_000))
+Path("drafter").mkdir()
+(Path("drafter") / "meta.json").write_text(json.dumps({"training": {"run": run}}))
+(checkpoints / run / RUN_EXPORTED).write_text("drafter")
+"""
+
+
+def test_gc_removes_the_checkpoints_of_exported_runs_the_workspace_does_not_use(blob_repo, local_s3):
+    """Training runs r1 and r2 exported (the workspace's export is r2's); r0 stopped before its export (resumable);
+    r3 exported but held by a trainer (``dvc repro -f``): only r1's checkpoint folder goes."""
+    import fcntl
+
+    repo = blob_repo
+    local_s3(repo)
+    (repo / "train.py").write_text(FAKE_TRAIN)
+    with (repo / ".gitignore").open("a") as ignore:
+        ignore.write(".eagle3/\n")  # scratch, as in the project
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"train": {
+        "cmd": "python train.py ${run} --checkpoints .eagle3/checkpoints/train", "deps": ["train.py"], "params": ["run"],
+        "outs": ["drafter"]}}}))
+    for run_id in ("r1", "r2"):
+        (repo / "params.yaml").write_text(yaml.safe_dump({"run": run_id}))
+        run(["dvc", "repro"], repo)
+        commit(repo, run_id)
+        run(["dvc", "push"], repo)
+    runs = repo / ".eagle3" / "checkpoints" / "train"
+    (runs / "r0").mkdir()
+    (runs / "r3").mkdir()
+    (runs / "r3" / "exported").write_text("drafter")
+    trainer = os.open(runs / "r3" / "lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(trainer, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    listed = gc(repo, "--dry-run")
+    assert listed.returncode == 0, listed.stderr
+    assert "would remove .eagle3/checkpoints/train/r1 (0.2 MB), an exported training run the workspace does not use" in listed.stdout
+    assert not any(f"train/{name} " in listed.stdout for name in ("r0", "r2", "r3")) and (runs / "r1").is_dir()
+    removed = gc(repo)
+    assert removed.returncode == 0 and "removing .eagle3/checkpoints/train/r1" in removed.stdout, removed.stderr
+    assert sorted(p.name for p in runs.iterdir()) == ["r0", "r2", "r3"]
+    os.close(trainer)
+    assert "up to date" in run(["dvc", "status"], repo).stdout

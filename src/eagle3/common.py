@@ -75,6 +75,10 @@ def stage_main(fn: Callable[[list[str]], None]) -> None:
         raise
 
 
+# In a training run's checkpoint folder (``train --checkpoints``): the run ended and its best weights were exported, so
+# only a forced rerun of that training would read the folder again (``eagle3 gc`` removes such folders).
+RUN_EXPORTED = "exported"
+
 MEND_LOCK = "mend it with `git checkout dvc.lock` (none committed: remove it), then `dvc status` / `dvc repro`"
 
 

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from eagle3.common import UserError, stage_main
+from eagle3.common import RUN_EXPORTED, UserError, stage_main
 from eagle3.config import stage_params
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.hidden_states.loader import HiddenStates
@@ -118,6 +118,7 @@ def train(paths: TrainPaths, cfg: TrainConfig, seed: int, draft_head: dict[str, 
                         "run": run_dir.name, "processes": world.size, "params": asdict(cfg),
                         "data": {"merged": str(paths.merged), "train_samples": len(train_set), "val_samples": len(val_set)}}
             export(paths.out, paths.verifier, Trained(best_weights, draft, tensors["embed"], d2t), training)
+            (run_dir / RUN_EXPORTED).write_text(f"{paths.out}\n")
             tokens = DataPlan(train_set.lengths, cfg.batching(world.size), seed, processes=world.size).tokens(summary["steps"])
             log_summary(live, summary, tokens)
     parallel.barrier(world)

@@ -13,14 +13,19 @@ the check to the deletion. It never deletes anything from the remote (no ``--clo
 
 First it removes what killed stages left beside their outputs (``atomic_dir``'s temporaries
 ``.<output>.tmp-<pid>-*`` whose process is gone: partial hidden-state parts, gigabytes at scale),
-which no hash includes, so neither ``dvc status`` nor ``dvc gc`` ever sees them.
+which no hash includes, so neither ``dvc status`` nor ``dvc gc`` ever sees them; and the checkpoint folders of
+training runs that ended and were exported (``train --checkpoints``: weights, optimizer state and the best weights,
+gigabytes a run at 8B), but the one whose export the workspace holds and any a trainer has locked.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import json
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3.common import UserError, stale_tmp
+from eagle3.common import RUN_EXPORTED, UserError, stale_tmp
 
 if TYPE_CHECKING:
     from dvc.repo import Repo
@@ -271,11 +276,44 @@ def stale_temporaries(repo: Repo) -> list[Path]:
 def remove_temporaries(repo: Repo, dry_run: bool) -> None:
     """Remove (``dry_run``: only list) the stale temporaries, one line each with its size."""
     for tmp in stale_temporaries(repo):
-        size = sum(file.stat().st_size for file in tmp.rglob("*") if file.is_file())
-        verb = "would remove" if dry_run else "removing"
-        print(f"{verb} {tmp.relative_to(repo.root_dir)} ({size / 1e6:.1f} MB), left by a killed run (its process is gone)")
-        if not dry_run:
-            shutil.rmtree(tmp)
+        remove_folder(repo, tmp, "left by a killed run (its process is gone)", dry_run)
+
+
+def remove_folder(repo: Repo, folder: Path, why: str, dry_run: bool) -> None:
+    size = sum(file.stat().st_size for file in folder.rglob("*") if file.is_file())
+    print(f"{'would remove' if dry_run else 'removing'} {folder.relative_to(repo.root_dir)} ({size / 1e6:.1f} MB), {why}")
+    if not dry_run:
+        shutil.rmtree(folder)
+
+
+def training_runs(repo: Repo) -> Iterator[tuple[Path, set[str]]]:
+    """Each checkpoints folder a stage names (``--checkpoints DIR`` in its command) with the runs the workspace's
+    exports come from (``training.run`` in the ``meta.json`` of the stage's outputs)."""
+    for stage in repo.index.stages:
+        args = shlex.split(" ".join(stage.cmd) if isinstance(stage.cmd, list) else stage.cmd or "")
+        if "--checkpoints" in args[:-1]:
+            exports = [Path(out.fs_path) / "meta.json" for out in stage.outs]
+            used = {json.loads(meta.read_text()).get("training", {}).get("run") for meta in exports if meta.is_file()}
+            yield Path(stage.wdir) / args[args.index("--checkpoints") + 1], used
+
+
+def remove_exported_runs(repo: Repo, dry_run: bool) -> None:
+    """Remove (``dry_run``: only list) the checkpoint folders of exported training runs the workspace does not use.
+    Each is locked while it goes, as a trainer locks its run (``lock_run``): one that a trainer holds is skipped."""
+    for checkpoints, used in training_runs(repo):
+        for run_dir in sorted(checkpoints.glob(f"*/{RUN_EXPORTED}")):
+            run_dir = run_dir.parent
+            if run_dir.name in used:
+                continue
+            fd = os.open(run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a trainer runs it again (`dvc repro -f`)
+            try:
+                remove_folder(repo, run_dir, "an exported training run the workspace does not use", dry_run)
+            finally:
+                os.close(fd)
 
 
 def run_gc(args: argparse.Namespace) -> None:
@@ -286,6 +324,7 @@ def run_gc(args: argparse.Namespace) -> None:
     logging.getLogger("aiobotocore").setLevel(logging.WARNING)  # "Found credentials in ..." on every run
     with Repo() as repo, lock_repo(repo):  # held from the check to the deletion: no dvc command in between
         remove_temporaries(repo, args.dry_run)
+        remove_exported_runs(repo, args.dry_run)
         verdict = check(repo, expand_ranges(repo, args.rev), args.all_commits, args.remote)
         problem = refusal(repo, verdict, args.remote)
         if problem:
@@ -306,5 +345,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        "(default: all branches and tags); the workspace is always kept")
     scope.add_argument("--all-commits", action="store_true", help="keep every commit")
     parser.add_argument("--remote", help="remote to check (default: core.remote)")
-    parser.add_argument("--dry-run", action="store_true", help="check, then list what `dvc gc -w` would remove and the temporaries of killed runs (removing nothing)")
+    parser.add_argument("--dry-run", action="store_true", help="check, then list what `dvc gc -w` would remove, the "
+                        "temporaries of killed runs and the checkpoints of exported training runs (removing nothing)")
     parser.set_defaults(func=run_gc)
