@@ -161,11 +161,11 @@ STAGES = [  # what `dvc exp run -S key=value` hands a stage: params.yaml with th
 def test_a_stage_refuses_a_bad_param_in_one_line_before_anything(tmp_path, argv, key, value, message):
     params = OmegaConf.load(ROOT / "params.yaml")
     OmegaConf.update(params, key, value)
-    OmegaConf.save(params, tmp_path / "trial.yaml")  # the error names the file the stage was given
-    result = subprocess.run([sys.executable, *argv, "--params", "trial.yaml"], cwd=tmp_path, capture_output=True, text=True)
+    OmegaConf.save(params, tmp_path / "params.yaml")
+    result = subprocess.run([sys.executable, *argv, "--params", "params.yaml"], cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == USER_ERROR, result.stderr
-    assert result.stderr.splitlines() == [f"error: trial.yaml: {message}"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["trial.yaml"]  # nothing written
+    assert result.stderr.splitlines() == [f"error: params.yaml: {message}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]  # nothing written
 
 
 def test_params_command_refuses_in_one_line_with_the_status_of_every_eagle3_command(tmp_path):

@@ -85,7 +85,7 @@ def stage_params(keys: Iterable[str], path: str | os.PathLike = "params.yaml", s
         if value is ABSENT:
             raise UserError(f"{path}: {key} is missing; recompose it with `eagle3 params`")
         OmegaConf.update(view, key, value, force_add=True)
-    with _reported_by_rank0(), _naming(path):
+    with _reported_by_rank0():
         if schema is not None:
             check_known_keys(params, schema, path.name)
         validate(view)
@@ -93,18 +93,6 @@ def stage_params(keys: Iterable[str], path: str | os.PathLike = "params.yaml", s
     at_finish(lambda: _require_unchanged(path, keys, started))
     OmegaConf.set_struct(view, True)
     return view
-
-
-@contextlib.contextmanager
-def _naming(path: Path) -> Iterator[None]:
-    """A params value's error (``schema.refuse``: "params.yaml: key = value: ...") names the file read, where a stage
-    was given another (``--params``)."""
-    try:
-        yield
-    except UserError as err:
-        if str(path) == "params.yaml" or not str(err).startswith("params.yaml: "):
-            raise
-        raise UserError(f"{path}: {str(err).removeprefix('params.yaml: ')}") from None
 
 
 @contextlib.contextmanager
