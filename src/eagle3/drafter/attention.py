@@ -167,11 +167,11 @@ def ordered_blocks(dense: Tensor) -> tuple[Tensor, Tensor]:
     Worked example: flags [0, 1, 1, 0] -> count 2, columns [1, 2, 0, 3].
     """
     flags = dense.int()
-    count = flags.sum(-1, keepdim=True)
-    slot = torch.where(dense, flags.cumsum(-1) - 1, count + (1 - flags).cumsum(-1) - 1)  # where each column goes
+    count = flags.sum(-1, dtype=torch.int32)
+    slot = torch.where(dense, flags.cumsum(-1) - 1, count[..., None] + (1 - flags).cumsum(-1) - 1)  # where each column goes
     columns = torch.arange(dense.shape[-1], device=dense.device, dtype=torch.int32).expand_as(slot)
     indices = torch.empty_like(columns).scatter_(-1, slot, columns)
-    return count.squeeze(-1).unsqueeze(1).int(), indices.unsqueeze(1)
+    return count.unsqueeze(1), indices.unsqueeze(1)
 
 
 def fused_causal_attention(q: Tensor, k: Tensor, v: Tensor, block_mask) -> tuple[Tensor, Tensor]:

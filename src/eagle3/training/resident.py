@@ -49,13 +49,11 @@ class Resident(Dataset):
         self.aux = torch.zeros(shape + first["aux"].shape[1:], dtype=first["aux"].dtype, device=device)
         self.final = torch.zeros(shape + first["final"].shape[1:], dtype=first["final"].dtype, device=device)
         self.host: list[tuple[Tensor, Tensor, int]] = []  # input_ids, loss_mask, first token
-        start = 1
-        with Staging((self.aux, self.final), max(self.lengths)) as staging:
+        with Staging((self.aux, self.final), max(self.lengths), first_row=1) as staging:
             for i in tqdm(range(len(dataset)), desc=desc, unit="sample", mininterval=5):
                 sample = first if i == 0 else dataset[i]
-                staging.put(start, sample["aux"], sample["final"])
+                start = staging.put(sample["aux"], sample["final"])
                 self.host.append((sample["input_ids"], sample["loss_mask"], start))
-                start += len(sample["input_ids"])
 
     def __len__(self) -> int:
         return len(self.host)
@@ -74,32 +72,32 @@ class Resident(Dataset):
 
 
 class Staging:
-    """Device tensors filled with consecutive row ranges through two host buffers: one is sent whole, asynchronously,
-    while the next samples are read into the other (pinned on CUDA). Why: sent sample by sample from pageable memory,
-    each copy waiting for the last, the 10k run's 13.6 GB of states reached an H100 at 3 GB/s (4.5 s).
+    """Device tensors filled row after row, from ``first_row`` on, through two host buffers: one is sent whole,
+    asynchronously, while the next samples are read into the other (pinned on CUDA). Why: sent sample by sample from
+    pageable memory, each copy waiting for the last, the 10k run's 13.6 GB of states reached an H100 at 3 GB/s (4.5 s).
 
-        with Staging((aux, final), longest_sample) as staging:
-            staging.put(start, sample_aux, sample_final)    # rows start.. of each tensor; the next put continues there
+        with Staging((aux, final), longest_sample, first_row=1) as staging:
+            start = staging.put(sample_aux, sample_final)    # the rows they go to: start, start + 1, ...
     """
 
-    def __init__(self, targets: tuple[Tensor, ...], min_rows: int):
+    def __init__(self, targets: tuple[Tensor, ...], min_rows: int, first_row: int = 0):
         self.targets = targets
         row_bytes = sum(t[0].numel() * t.element_size() for t in targets)
         rows = max(min_rows, STAGING_BYTES // row_bytes)
         self.cuda = targets[0].device.type == "cuda"
         self.buffers = [[torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=self.cuda) for t in targets] for _ in range(2)]
         self.sent: list = [None, None]  # each buffer's last copy (a CUDA event): refilled only once it is done
-        self.current, self.start, self.filled = 0, 0, 0
+        self.current, self.start, self.filled = 0, first_row, 0  # the current buffer holds rows start .. start + filled
 
-    def put(self, start: int, *rows: Tensor) -> None:
+    def put(self, *rows: Tensor) -> int:
+        """Queue one sample's rows (one tensor a target); returns the first row they go to."""
         n = len(rows[0])
-        if self.filled and (start != self.start + self.filled or self.filled + n > len(self.buffers[0][0])):
+        if self.filled + n > len(self.buffers[0][0]):
             self.flush()
-        if not self.filled:
-            self.start = start
         for buffer, values in zip(self.buffers[self.current], rows):
             buffer[self.filled : self.filled + n] = values
         self.filled += n
+        return self.start + self.filled - n
 
     def flush(self) -> None:
         """Send the current buffer, then wait until the other one's copy is done before it is refilled."""
@@ -108,7 +106,7 @@ class Staging:
         if self.cuda:
             self.sent[self.current] = torch.cuda.Event()
             self.sent[self.current].record()
-        self.current, self.filled = 1 - self.current, 0
+        self.current, self.start, self.filled = 1 - self.current, self.start + self.filled, 0
         if self.sent[self.current] is not None:
             self.sent[self.current].synchronize()
 
