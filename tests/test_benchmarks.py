@@ -17,7 +17,7 @@ from eagle3.drafter.export import verifier_facts, write_drafter
 from eagle3.lm.loading import load_verifier
 from eagle3.lm.tokenizer_id import tokenizer_fingerprint
 from support.models import tiny_model_spec
-from support.repo import ROOT, project_params
+from support.repo import ROOT, project_params, with_sources
 from support.speculative import QUESTIONS, TINY_TAPS, random_drafter
 
 BENCHMARKS = ROOT / "benchmarks"
@@ -124,8 +124,7 @@ def test_benchmark_smoke_mode_runs(script, tmp_path, tiny_verifier_dir):
     OmegaConf.save(tiny_params(), work / "params.yaml")
     if any("{demo}" in argument for argument in SMOKE[script]):
         tiny_demo(work, tiny_verifier_dir)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"),
-           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]), "DVC_NO_ANALYTICS": "1"}
+    env = with_sources(PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]), DVC_NO_ANALYTICS="1")
     before = changed_files()
     done = subprocess.run(smoke_command(script, work, tiny_verifier_dir), cwd=work, env=env, capture_output=True, text=True,
                           timeout=300)

@@ -36,7 +36,7 @@ from eagle3.training.parallel import World
 from eagle3.training.step import (Optimisation, collate_ttt, compile_step, graphs, lr_factor, make_optimizers, to_device,
                                   train_step, validate, validation_batches)
 
-from support.repo import ROOT, project_params
+from support.repo import project_params, with_sources
 from support.tiny_drafter import make_drafter, one_thread, random_batch, verifier_head_weight  # noqa: F401 (autouse fixture)
 from support.train import (  # noqa: F401 (fixture)
     DEBUG, copy_data, folder_bytes, make_data, part_element, stage_args, stage_params, tiny_data)
@@ -446,7 +446,7 @@ def test_second_trainer_on_one_run_is_refused(tiny_data, tiny_verifier_dir, tmp_
     (run_dir,) = [p for p in args.checkpoints.iterdir() if p.is_dir()]
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from eagle3.training.checkpoints import lock_run; "
                                "lock_run(__import__('pathlib').Path(sys.argv[1])); print('locked', flush=True); time.sleep(60)",
-                               str(run_dir)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+                               str(run_dir)], stdout=subprocess.PIPE, text=True, env=with_sources())
     try:
         assert holder.stdout.readline() == "locked\n"
         with pytest.raises(UserError, match=f"another trainer \\(pid {holder.pid}\\) is writing this run"):
@@ -491,7 +491,7 @@ def test_sigkill_of_the_launcher_ends_torchrun_workers(tiny_data, tiny_verifier_
                           val_every=1000)
     command = " ".join([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eagle3.train",
                         *stage_args(copy_data(tiny_data, tmp_path), tiny_verifier_dir, "run", params), "--threads", "1"])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env = with_sources(OMP_NUM_THREADS="1")
     launcher = subprocess.Popen([sys.executable, "-c", "import os, subprocess, sys; "
                                  "subprocess.run(['bash', '-c', sys.argv[1]], env={**os.environ, 'DVC_STAGE': 'train'})", command],
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -514,7 +514,7 @@ def test_sigkill_of_the_launcher_ends_torchrun_workers(tiny_data, tiny_verifier_
 
 def test_two_processes_equal_one(tiny_data, tiny_verifier_dir):
     """torchrun --nproc-per-node 2 (gloo, batch 2 each) == one process (batch 4), same global batches."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env = with_sources(OMP_NUM_THREADS="1")
     head = {"lm_head_init": "verifier", "freeze_lm_head": True}
     one = stage_params(tiny_data / "one.yaml", batch_tokens=4 * 128, micro_batch_rows=4, max_steps=3, **head)
     two = stage_params(tiny_data / "two.yaml", batch_tokens=4 * 128, micro_batch_rows=4, max_steps=3, **head)

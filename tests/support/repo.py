@@ -12,6 +12,14 @@ ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("EAGLE3_TEST_CACHE", ROOT / ".eagle3" / "cache"))
 
 
+def with_sources(**more: str) -> dict[str, str]:
+    """This environment with the checkout's ``src`` first on PYTHONPATH (and ``more``), for a Python started by a test.
+    Why prepend: where the packages themselves come by PYTHONPATH (a GPU host's carried wheels), replacing it left the
+    child without them."""
+    path = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **more}
+
+
 def project_params():
     """The committed params.yaml (the demo defaults) as an OmegaConf object."""
     return OmegaConf.load(ROOT / "params.yaml")
