@@ -74,7 +74,9 @@ class Resident(Dataset):
 class Staging:
     """Device tensors filled row after row, from ``first_row`` on, through two host buffers: one is sent whole,
     asynchronously, while the next samples are read into the other (pinned on CUDA). Why: sent sample by sample from
-    pageable memory, each copy waiting for the last, the 10k run's 13.6 GB of states reached an H100 at 3 GB/s (4.5 s).
+    pageable memory, each copy waiting for the last, the 10k run's 13.6 GB of states reached an H100 at 3 GB/s (4.5 s;
+    3.8 s in its repeat). Through these buffers, on another H100: 5.0 s, 3.0 s in the repeat; no clear gain yet, so
+    reading the shards, not the copy, may set that pace.
 
         with Staging((aux, final), longest_sample, first_row=1) as staging:
             start = staging.put(sample_aux, sample_final)    # the rows they go to: start, start + 1, ...
