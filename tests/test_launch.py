@@ -20,7 +20,8 @@ LAUNCH = [sys.executable, "-m", "eagle3.launch", "--nnodes", "1", "--rdzv-backen
 
 FAILED = r"ERROR: failed to reproduce 'train': .* exited with (130|-2)"
 GONE = r"eagle3: process \d+ that launched this stage is gone; stopping \(pid \d+\)"
-STOPS = {  # (training processes, how the stop is signalled) -> the lines after training's last log line
+LOG_RECORD = re.compile(r"\d\d:\d\d:\d\d [A-Z]+ [\w.]+: ")  # common.setup_logging's format
+STOPS = {  # (training processes, how the stop is signalled) -> what the processes say as they stop (stop_lines)
     # `kill` of dvc alone: one process is killed with its parent, the kernel's guard, where DVC's shell (bash, the
     # user's $SHELL) execs it (nothing to say), and stops in the watcher's line where the shell (dash, /bin/sh when
     # $SHELL is unset, as in CI) stays and is orphaned; two, torchrun's workers, each stop in one line, whether its
@@ -57,7 +58,14 @@ def test_a_stopped_train_ends_in_one_line(tiny_data, tiny_verifier_dir, tmp_path
     send(dvc.pid)
     output = dvc.communicate(timeout=60)[0]  # until every process of the stage has closed its output
     assert not stage_processes(repo, "train")
-    lines = output.splitlines()
-    last_log = max(i for i, line in enumerate(lines) if " INFO " in line)
-    tail = [line for line in lines[last_log + 1 :] if line.strip()]
+    tail = stop_lines(output)
     assert any(len(tail) == len(expected) and all(map(re.fullmatch, expected, tail)) for expected in tails), output[-3000:]
+
+
+def stop_lines(output: str) -> list[str]:
+    """The lines of a stage's output after training's first log record that are not log records: what its processes
+    said as they stopped. Why not the lines after its last record: with two processes, one can say its line while the
+    other still writes the train lines it had queued (a sync writes many at once)."""
+    lines = output.splitlines()
+    first_log = min(i for i, line in enumerate(lines) if LOG_RECORD.match(line))
+    return [line for line in lines[first_log:] if line.strip() and not LOG_RECORD.match(line)]

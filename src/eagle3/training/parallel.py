@@ -10,6 +10,7 @@ distributed is applied here from outside, in one fixed order (see ``wrap``).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -97,7 +98,12 @@ def wrap(module: nn.Module, world: World, fsdp: bool) -> nn.Module:
         fully_shard(module.drafter.lm_head, mp_policy=inner)
         fully_shard(module, mp_policy=root)
         return module
-    return DistributedDataParallel(module, device_ids=[world.device] if world.device.type == "cuda" else None, broadcast_buffers=False)
+    # The buffers (RoPE frequencies, the draft vocabulary's map) are the same on every process: not re-sent each forward.
+    # torch 2.13 names that switch forward_sync_buffers and warns at every process on the old name; older torches (a GPU
+    # host's own) know only the old one.
+    renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    no_resend = {"forward_sync_buffers": False} if renamed else {"broadcast_buffers": False}
+    return DistributedDataParallel(module, device_ids=[world.device] if world.device.type == "cuda" else None, **no_resend)
 
 
 @contextlib.contextmanager
