@@ -273,7 +273,7 @@ Path("drafter").mkdir()
 def test_gc_removes_the_checkpoints_of_exported_runs_the_workspace_does_not_use(blob_repo, local_s3):
     """Training runs r1 and r2 exported (the workspace's export is r2's); r0 stopped before its export (resumable);
     r3 exported but held by a trainer (``dvc repro -f``): only r1's checkpoint folder goes."""
-    import fcntl
+    from eagle3.training.checkpoints import lock_run
 
     repo = blob_repo
     local_s3(repo)
@@ -292,8 +292,7 @@ def test_gc_removes_the_checkpoints_of_exported_runs_the_workspace_does_not_use(
     (runs / "r0").mkdir()
     (runs / "r3").mkdir()
     (runs / "r3" / "exported").write_text("drafter")
-    trainer = os.open(runs / "r3" / "lock", os.O_RDWR | os.O_CREAT)
-    fcntl.flock(trainer, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    trainer = lock_run(runs / "r3")  # as a trainer holds its run
 
     listed = gc(repo, "--dry-run")
     assert listed.returncode == 0, listed.stderr

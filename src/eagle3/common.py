@@ -7,6 +7,7 @@ clear line naming the file and what to do. ``stage_main`` and ``atomic_dir`` giv
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import hashlib
 import importlib.util
@@ -78,6 +79,19 @@ def stage_main(fn: Callable[[list[str]], None]) -> None:
 # In a training run's checkpoint folder (``train --checkpoints``): the run ended and its best weights were exported, so
 # only a forced rerun of that training would read the folder again (``eagle3 gc`` removes such folders).
 RUN_EXPORTED = "exported"
+
+
+def try_lock_run(run_dir: Path) -> int | None:
+    """An exclusive lock on a training run's folder (its ``lock`` file), not waited for: the open descriptor (closing it
+    or exiting releases it), or None while another process holds it. A trainer holds it while it writes the run
+    (``training.checkpoints.lock_run``); ``eagle3 gc`` takes it before it removes the folder."""
+    fd = os.open(run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 MEND_LOCK = "mend it with `git checkout dvc.lock` (none committed: remove it), then `dvc status` / `dvc repro`"
 

@@ -21,7 +21,6 @@ gigabytes a run at 8B), but the one whose export the workspace holds and any a t
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import logging
 import os
@@ -35,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3.common import RUN_EXPORTED, UserError, stale_tmp
+from eagle3.common import RUN_EXPORTED, UserError, stale_tmp, try_lock_run
 
 if TYPE_CHECKING:
     from dvc.repo import Repo
@@ -299,16 +298,14 @@ def training_runs(repo: Repo) -> Iterator[tuple[Path, set[str]]]:
 
 def remove_exported_runs(repo: Repo, dry_run: bool) -> None:
     """Remove (``dry_run``: only list) the checkpoint folders of exported training runs the workspace does not use.
-    Each is locked while it goes, as a trainer locks its run (``lock_run``): one that a trainer holds is skipped."""
+    Each is locked while it goes (``try_lock_run``, as a trainer locks its run): one that a trainer holds is skipped."""
     for checkpoints, used in training_runs(repo):
         for run_dir in sorted(checkpoints.glob(f"*/{RUN_EXPORTED}")):
             run_dir = run_dir.parent
             if run_dir.name in used:
                 continue
-            fd = os.open(run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            fd = try_lock_run(run_dir)
+            if fd is None:
                 continue  # a trainer runs it again (`dvc repro -f`)
             try:
                 remove_folder(repo, run_dir, "an exported training run the workspace does not use", dry_run)

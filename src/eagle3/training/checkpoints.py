@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -39,7 +38,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from eagle3.common import UserError, atomic_dir, sha256_file, stable_hash, write_json
+from eagle3.common import UserError, atomic_dir, sha256_file, stable_hash, try_lock_run, write_json
 from eagle3.drafter.export import check_drafter, verifier_facts, write_drafter
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.hidden_states.loader import check_recorded_digests
@@ -161,13 +160,10 @@ def lock_run(run_dir: Path) -> int:
     """An exclusive lock on ``run_dir`` (the open descriptor; closing it or exiting releases it);
     refuses when another trainer holds it."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise UserError(f"{run_dir}: another trainer (pid {holder}) is writing this run; wait for it to end or stop it") from None
+    fd = try_lock_run(run_dir)
+    if fd is None:
+        holder = (run_dir / "lock").read_text(errors="replace")[:32].strip() or "?"
+        raise UserError(f"{run_dir}: another trainer (pid {holder}) is writing this run; wait for it to end or stop it")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
