@@ -9,6 +9,8 @@ replayed as CUDA graphs (graphed: ``train.cuda_graphs``, the selection padded to
     python benchmarks/train_throughput.py --device cuda --modes compiled --loader-workers 4 [--states-on-device] [--validate] --out ...
     python benchmarks/train_throughput.py --device cuda --modes compiled graphed --loader-workers 4 --states-on-device --out ...
     python benchmarks/train_throughput.py --device cuda --modes graphed --iters 20 --kernel-builds 15 --out ...  # which kernels
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python benchmarks/train_throughput.py --device cuda --modes graphed --iters 20 \
+        --profile-first-step 40 --out ...   # where a cold compile's seconds go in this process
     torchrun --nproc-per-node 2 benchmarks/train_throughput.py --device cuda --out ...   # DDP (--fsdp: FSDP2)
 
 Runs the stage's own pieces: the recipe's ``TrainConfig`` (conf/train/<recipe>.yaml), ``make_optimizers``
@@ -28,7 +30,8 @@ batches; the losses of the first ``--check-steps`` steps are compared across mod
 Writes JSON to ``--out``: {"commit", "command", "figures": {"shape": ..., "modes": {mode: {"median_step_s",
 "tokens_per_s", "first_step_s" (compilation included), "gpu_util" (NVML, sampled over the timed steps),
 "model_tflops", "mfu", "peak_memory_gib", "losses", "validation" (--validate: "seconds" of two validations,
-"graphs_before", "graphs_after"), "kernel_builds" (--kernel-builds: "count", "total_s", "longest_s")}},
+"graphs_before", "graphs_after"), "kernel_builds" (--kernel-builds: "count", "total_s", "longest_s"), "compile_timers"
+(compiled modes: torch.compile's largest, nested), "first_step_profile" (--profile-first-step: "own", "with_callees")}},
 "loss_agreement": {"max_rel_diff", "agree"}}}.
 Tokens are real (non-padding) tokens over all processes. FLOPs (``step_flops``), real tokens only:
 6 x params per token for fc and the decoder layer on every row of every step; the lm_head on the
@@ -41,8 +44,11 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
+import cProfile
 import dataclasses
 import json
+import pstats
 import shutil
 import statistics
 import sys
@@ -60,6 +66,7 @@ from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.hidden_states.loader import HiddenStates
 from eagle3.training.config import TrainConfig
 from eagle3.training.data import DataPlan, step_batches
+from eagle3.training.loop import largest_compile_timers
 from eagle3.training.loss import StepMetrics, TrainingTimeTest, VerifierHead
 from eagle3.training.parallel import World, close_world, init_world, wrap
 from eagle3.training.resident import Resident
@@ -225,6 +232,20 @@ def timed_kernel_builds() -> dict[str, float]:
     return builds
 
 
+def heaviest_calls(profiler: cProfile.Profile, count: int) -> dict[str, list]:
+    """The ``count`` functions of this process's main thread with the most time of the profiled step, by time spent in
+    their own code ("own") and with what they called ("with_callees"): [seconds, calls, "file:line(function)"] each.
+    Why: torch.compile's timers name its phases, not which of their functions the cold compile spends its seconds in
+    (sympy, the partitioner, the scheduler, code generation); the kernel-building workers are other processes."""
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, own s, with callees s, callers)}
+
+    def ranked(column: int) -> list:
+        heaviest = sorted(stats.items(), key=lambda item: -item[1][column])[:count]
+        return [[round(row[column], 3), row[1], f"{file}:{line}({name})"] for (file, line, name), row in heaviest]
+
+    return {"own": ranked(2), "with_callees": ranked(3)}
+
+
 def mode_config(cfg: TrainConfig, mode: str) -> TrainConfig:
     """The recipe with ``train.compile`` and ``train.cuda_graphs`` as ``mode`` (eager, compiled, graphed) says."""
     return dataclasses.replace(cfg, compile=mode != "eager", cuda_graphs=mode == "graphed")
@@ -255,10 +276,12 @@ def measure(args, draft: DraftConfig, cfg: TrainConfig, host_batches: list[dict]
         micro = [to_device(batch, world.device, dataset)]
         return train_step(model, head, micro, Optimisation(optimizers, schedulers), cfg, world)[0]
 
+    profiler = cProfile.Profile() if args.profile_first_step else contextlib.nullcontext()
     start = time.perf_counter()
-    sums = [step(0)]
-    if gpu:
-        torch.cuda.synchronize()
+    with profiler:
+        sums = [step(0)]
+        if gpu:
+            torch.cuda.synchronize()
     first_step_s = time.perf_counter() - start
     sums += [step(i) for i in range(1, args.warmup)]
     losses = [StepMetrics(s).summary(cfg.step_decay)["loss"] for s in sums[: args.check_steps]]  # host syncs, untimed
@@ -292,6 +315,12 @@ def measure(args, draft: DraftConfig, cfg: TrainConfig, host_batches: list[dict]
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     if args.validate:
         result["validation"] = result_validation
+    if args.profile_first_step:
+        result["first_step_profile"] = heaviest_calls(profiler, args.profile_first_step)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(args.out.with_name(f"{args.out.stem}.{args.mode}.prof"))  # all of it, for pstats
+    if cfg.compile:
+        result["compile_timers"] = largest_compile_timers(count=25)
     if builds is not None:
         longest = sorted(builds.items(), key=lambda item: -item[1])[: args.kernel_builds]
         result["kernel_builds"] = {"count": len(builds), "total_s": round(sum(builds.values()), 2),
@@ -359,6 +388,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden-states", help="real data: the extracted shards folder")
     parser.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
     parser.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
+    parser.add_argument("--profile-first-step", type=int, default=0, metavar="N", help="profile the first step of each "
+                        "mode (compiling it, where compiled) in this process's main thread with cProfile and keep its N "
+                        "heaviest functions, and write the whole profile beside --out (OUT_STEM.MODE.prof, for "
+                        "pstats; first_step_s then includes the profiler's overhead)")
     parser.add_argument("--kernel-builds", type=int, default=0, help="compiled modes: build the Triton kernels one at a "
                         "time in this process, timing each; the figures keep this many of the longest (first_step_s "
                         "is then serial: compare it with a run without)")
@@ -422,6 +455,7 @@ def main(argv: list[str] | None = None) -> None:
              "dtype": str(dtype).removeprefix("torch."), "warmup": args.warmup, "iters": args.iters}
     modes = {}
     for mode in args.modes:
+        args.mode = mode  # names the --profile-first-step file
         try:
             modes[mode] = measure(args, draft, mode_config(cfg, mode), host_batches, flops, world, dtype)
         except Exception as err:  # noqa: BLE001 (a mode that fails is a figure too; the others still run)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import pstats
 import subprocess
 import sys
 
@@ -12,8 +13,8 @@ from support.repo import ROOT
 
 def test_the_train_benchmark_smoke_mode_writes_its_figures(tmp_path):
     out = tmp_path / "figures.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--smoke", "--out", str(out)],
-                   check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--smoke", "--profile-first-step", "5",
+                    "--out", str(out)], check=True, capture_output=True, text=True, timeout=300)
     record = json.loads(out.read_text())
     assert set(record) == {"commit", "command", "figures"} and "--smoke" in record["command"]
     figures = record["figures"]
@@ -22,6 +23,11 @@ def test_the_train_benchmark_smoke_mode_writes_its_figures(tmp_path):
     assert "error" not in eager, eager
     assert eager["median_step_s"] > 0 and eager["tokens_per_s"] > 0 and eager["gpu_util"] is None
     assert len(eager["losses"]) == 2 and all(math.isfinite(loss) for loss in eager["losses"])
+    profile = eager["first_step_profile"]  # the first step's heaviest functions, by their own time and with callees
+    assert [len(profile["own"]), len(profile["with_callees"])] == [5, 5]
+    seconds, calls, where = profile["with_callees"][0]
+    assert seconds > 0 and calls >= 1 and "(" in where and "compile_timers" not in eager  # eager: nothing compiled
+    assert pstats.Stats(str(tmp_path / "figures.eager.prof")).total_tt > 0  # the whole profile, beside the figures
 
 
 def test_rows_held_on_the_device_take_the_loaders_losses(tmp_path):
