@@ -317,8 +317,9 @@ def measure(args, draft: DraftConfig, cfg: TrainConfig, host_batches: list[dict]
         result["validation"] = result_validation
     if args.profile_first_step:
         result["first_step_profile"] = heaviest_calls(profiler, args.profile_first_step)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        profiler.dump_stats(args.out.with_name(f"{args.out.stem}.{args.mode}.prof"))  # all of it, for pstats
+        if world.main:  # under torchrun the main process's alone, as its figures are the ones written
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            profiler.dump_stats(args.out.with_name(f"{args.out.stem}.{args.mode}.prof"))  # all of it, for pstats
     if cfg.compile:
         result["compile_timers"] = largest_compile_timers(count=25)
     if builds is not None:
