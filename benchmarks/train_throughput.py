@@ -11,6 +11,8 @@ replayed as CUDA graphs (graphed: ``train.cuda_graphs``, the selection padded to
     python benchmarks/train_throughput.py --device cuda --modes graphed --iters 20 --kernel-builds 15 --out ...  # which kernels
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python benchmarks/train_throughput.py --device cuda --modes graphed --iters 20 \
         --profile-first-step 40 --out ...   # where a cold compile's seconds go in this process
+    python benchmarks/train_throughput.py --device cuda --verifier models/verifier --modes graphed --iters 1 --out ...
+        # the step of train's drafter for that verifier, compiled into the compile caches before the stage runs
     torchrun --nproc-per-node 2 benchmarks/train_throughput.py --device cuda --out ...   # DDP (--fsdp: FSDP2)
 
 Runs the stage's own pieces: the recipe's ``TrainConfig`` (conf/train/<recipe>.yaml), ``make_optimizers``
@@ -246,6 +248,16 @@ def heaviest_calls(profiler: cProfile.Profile, count: int) -> dict[str, list]:
     return {"own": ranked(2), "with_callees": ranked(3)}
 
 
+def verifier_shape(folder: Path) -> DraftConfig:
+    """The drafter ``train`` builds for the verifier in ``folder`` (``DraftConfig.from_verifier``, its config's own
+    floats: a compiled step bakes in such constants as the norms' epsilon), over a draft vocabulary of 32,000 tokens or
+    the verifier's whole one; the taps, which change no shape, are placeholders."""
+    from eagle3.lm.loading import verifier_parts
+
+    config = verifier_parts(folder)[0]
+    return DraftConfig.from_verifier(config, min(32000, config.vocab_size), (0, 1, 2))
+
+
 def mode_config(cfg: TrainConfig, mode: str) -> TrainConfig:
     """The recipe with ``train.compile`` and ``train.cuda_graphs`` as ``mode`` (eager, compiled, graphed) says."""
     return dataclasses.replace(cfg, compile=mode != "eager", cuda_graphs=mode == "graphed")
@@ -373,6 +385,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.set_defaults(preset="smollm2-135m", batch=1, ttt_steps=None, doc_tokens=320, answer=0.4, iters=100, warmup=10)
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON figures")
     parser.add_argument("--smoke", action="store_true", help="a tiny drafter on the CPU, a few steps: seconds (tests run it)")
+    parser.add_argument("--verifier", type=Path, help="the drafter shape train builds for this verifier folder instead of "
+                        "--preset's (e.g. models/verifier), with its own constants, such as the norms' epsilon, which a "
+                        "compiled step bakes in: a compile here is one train's compile can find in the caches")
     parser.add_argument("--recipe", default="10k", help="conf/train/<recipe>.yaml: K, decay, optimizer, row length (default 10k)")
     parser.add_argument("--modes", nargs="+", choices=["eager", "compiled", "graphed"],
                         help="default: eager and compiled (--smoke: eager)")
@@ -417,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     world = init_world(args.device)
     gpu = world.device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
-    draft = DraftConfig.create(SMOKE_SHAPE if args.smoke else DRAFTER_SHAPES[args.preset], {})
+    draft = verifier_shape(args.verifier) if args.verifier else DraftConfig.create(SMOKE_SHAPE if args.smoke else DRAFTER_SHAPES[args.preset], {})
     rows = args.batch
     base = recipe(args.recipe, rows)
     seq, ttt_steps = args.seq or base.pack_tokens, args.ttt_steps or base.ttt_steps
@@ -445,7 +460,7 @@ def main(argv: list[str] | None = None) -> None:
     flops = [step_flops(draft, b, n, cfg.freeze_lm_head) for b, n in zip(host_batches, lengths)]
     shape = {"device": torch.cuda.get_device_name(world.device) if gpu else f"cpu x{torch.get_num_threads()} threads",
              "torch": torch.__version__, "processes": world.size, "parallel": ("fsdp" if args.fsdp else "ddp") if world.size > 1 else "none",
-             "preset": "smoke" if args.smoke else args.preset, "H": draft.hidden_size, "V": draft.vocab_size, "Vd": draft.draft_vocab_size,
+             "preset": str(args.verifier) if args.verifier else "smoke" if args.smoke else args.preset, "H": draft.hidden_size, "V": draft.vocab_size, "Vd": draft.draft_vocab_size,
              "recipe": args.recipe, "rows": rows, "seq": seq, "ttt_steps": cfg.ttt_steps, "optimizer": cfg.optimizer,
              "data": (f"random, the stage's format{', held on the device,' if args.states_on_device else ''} through "
                       f"{args.loader_workers} loader workers" if args.loader else args.merged

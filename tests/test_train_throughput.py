@@ -44,3 +44,13 @@ def test_rows_held_on_the_device_take_the_loaders_losses(tmp_path):
         assert len(validation["seconds"]) == 2 and validation["graphs_before"] == validation["graphs_after"] == 0
     assert figures["shape"]["data"] == "random, the stage's format, held on the device, through 0 loader workers"
     assert losses[True] == losses[False]
+
+
+def test_the_drafter_shape_can_come_from_a_verifier_folder(tmp_path, tiny_verifier_dir):
+    """--verifier: the drafter train builds for that verifier (its hidden size and vocabulary), not a preset's."""
+    out = tmp_path / "figures.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--smoke", "--verifier",
+                    str(tiny_verifier_dir), "--out", str(out)], check=True, capture_output=True, text=True, timeout=300)
+    shape = json.loads(out.read_text())["figures"]["shape"]
+    config = json.loads((tiny_verifier_dir / "config.json").read_text())
+    assert (shape["H"], shape["V"], shape["preset"]) == (config["hidden_size"], config["vocab_size"], str(tiny_verifier_dir))
