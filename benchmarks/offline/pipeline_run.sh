@@ -76,7 +76,8 @@ ahead_compile() {
   local recipe
   recipe=$(python3 -c 'import yaml; print(yaml.safe_load(open("params.yaml"))["train"]["name"])')
   python3 "$here/benchmarks/train_throughput.py" --device cuda --verifier models/verifier --recipe "$recipe" \
-    --modes graphed --iters 1 --warmup 1 --check-steps 1 --batches 1 --out logs/precompile.json > logs/precompile.log 2>&1
+    --modes graphed --iters 1 --warmup 1 --check-steps 1 --batches 1 --loader-workers 0 --states-on-device \
+    --out logs/precompile.json > logs/precompile.log 2>&1  # rows in the stage's format, bf16 on the device, as train's
 }
 
 # The first run's outputs in a variant's folder: the folders of data/ and models/ as hard links (the stages write
