@@ -248,14 +248,14 @@ def heaviest_calls(profiler: cProfile.Profile, count: int) -> dict[str, list]:
     return {"own": ranked(2), "with_callees": ranked(3)}
 
 
-def verifier_shape(folder: Path) -> DraftConfig:
+def verifier_shape(folder: Path, draft_vocab_size: int) -> DraftConfig:
     """The drafter ``train`` builds for the verifier in ``folder`` (``DraftConfig.from_verifier``, its config's own
-    floats: a compiled step bakes in such constants as the norms' epsilon), over a draft vocabulary of 32,000 tokens or
-    the verifier's whole one; the taps, which change no shape, are placeholders."""
+    floats: a compiled step bakes in such constants as the norms' epsilon) over ``draft_vocab_size`` tokens (capped at
+    the verifier's vocabulary, as merge caps it); the taps, which change no shape, are placeholders."""
     from eagle3.lm.loading import verifier_parts
 
     config = verifier_parts(folder)[0]
-    return DraftConfig.from_verifier(config, min(32000, config.vocab_size), (0, 1, 2))
+    return DraftConfig.from_verifier(config, min(draft_vocab_size, config.vocab_size), (0, 1, 2))
 
 
 def mode_config(cfg: TrainConfig, mode: str) -> TrainConfig:
@@ -388,6 +388,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--verifier", type=Path, help="the drafter shape train builds for this verifier folder instead of "
                         "--preset's (e.g. models/verifier), with its own constants, such as the norms' epsilon, which a "
                         "compiled step bakes in: a compile here is one train's compile can find in the caches")
+    parser.add_argument("--draft-vocab", type=int, default=32000, help="with --verifier: merge.draft_vocab_size (default 32000)")
     parser.add_argument("--recipe", default="10k", help="conf/train/<recipe>.yaml: K, decay, optimizer, row length (default 10k)")
     parser.add_argument("--modes", nargs="+", choices=["eager", "compiled", "graphed"],
                         help="default: eager and compiled (--smoke: eager)")
@@ -432,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
     world = init_world(args.device)
     gpu = world.device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
-    draft = verifier_shape(args.verifier) if args.verifier else DraftConfig.create(SMOKE_SHAPE if args.smoke else DRAFTER_SHAPES[args.preset], {})
+    draft = verifier_shape(args.verifier, args.draft_vocab) if args.verifier else DraftConfig.create(SMOKE_SHAPE if args.smoke else DRAFTER_SHAPES[args.preset], {})
     rows = args.batch
     base = recipe(args.recipe, rows)
     seq, ttt_steps = args.seq or base.pack_tokens, args.ttt_steps or base.ttt_steps

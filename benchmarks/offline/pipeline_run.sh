@@ -73,9 +73,10 @@ pipeline() {
 
 # PRECOMPILE's compile of train's step (logs/precompile.wanted), from the run folder; it ends after its first two steps.
 ahead_compile() {
-  local recipe
-  recipe=$(python3 -c 'import yaml; print(yaml.safe_load(open("params.yaml"))["train"]["name"])')
-  python3 "$here/benchmarks/train_throughput.py" --device cuda --verifier models/verifier --recipe "$recipe" \
+  local recipe vocab
+  read -r recipe vocab < <(python3 -c 'import yaml; p = yaml.safe_load(open("params.yaml"))
+print(p["train"]["name"], p["merge"]["draft_vocab_size"])')
+  python3 "$here/benchmarks/train_throughput.py" --device cuda --verifier models/verifier --recipe "$recipe" --draft-vocab "$vocab" \
     --modes graphed --iters 1 --warmup 1 --check-steps 1 --batches 1 --loader-workers 0 --states-on-device \
     --out logs/precompile.json > logs/precompile.log 2>&1  # rows in the stage's format, bf16 on the device, as train's
 }
