@@ -11,7 +11,7 @@ replayed as CUDA graphs (graphed: ``train.cuda_graphs``, the selection padded to
     python benchmarks/train_throughput.py --device cuda --modes graphed --iters 20 --kernel-builds 15 --out ...  # which kernels
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python benchmarks/train_throughput.py --device cuda --modes graphed --iters 20 \
         --profile-first-step 40 --out ...   # where a cold compile's seconds go in this process
-    python benchmarks/train_throughput.py --device cuda --verifier models/verifier --modes graphed --iters 1 --out ...
+    python benchmarks/train_throughput.py --device cuda --verifier models/verifier --params params.yaml --modes graphed --iters 1 --out ...
         # the step of train's drafter for that verifier, compiled into the compile caches before the stage runs
     torchrun --nproc-per-node 2 benchmarks/train_throughput.py --device cuda --out ...   # DDP (--fsdp: FSDP2)
 
@@ -82,14 +82,23 @@ SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                    max_position_embeddings=1024, aux_layers=(0, 1, 2))
 
 
-def recipe(name: str, rows: int, **keys) -> TrainConfig:
-    """conf/train/<name>.yaml over its ``defaults`` chain, the layout's ``micro_batch_rows`` = ``rows``, then ``keys``."""
+def train_section(args: argparse.Namespace):
+    """The ``train`` params to run: ``--params``' own section where given (the stage's settings, overrides included),
+    else conf/train/<--recipe>.yaml over its ``defaults`` chain."""
+    if args.params:
+        return OmegaConf.load(args.params).train
+
     def load(stem: str):
         section = OmegaConf.load(ROOT / "conf" / "train" / f"{stem}.yaml")
         parents = [load(parent) for parent in section.pop("defaults", []) if parent != "_self_"]
         return OmegaConf.merge(*parents, section)
 
-    return TrainConfig.from_params(OmegaConf.merge(load(name), {"micro_batch_rows": rows}, keys))
+    return load(args.recipe)
+
+
+def recipe(section, rows: int, **keys) -> TrainConfig:
+    """The ``train`` params ``section`` with the layout's ``micro_batch_rows`` = ``rows``, then ``keys``."""
+    return TrainConfig.from_params(OmegaConf.merge(section, {"micro_batch_rows": rows}, keys))
 
 
 def random_draft_vocab(cfg: DraftConfig, generator: torch.Generator) -> torch.Tensor:
@@ -248,14 +257,18 @@ def heaviest_calls(profiler: cProfile.Profile, count: int) -> dict[str, list]:
     return {"own": ranked(2), "with_callees": ranked(3)}
 
 
-def verifier_shape(folder: Path, draft_vocab_size: int) -> DraftConfig:
-    """The drafter ``train`` builds for the verifier in ``folder`` (``DraftConfig.from_verifier``, its config's own
-    floats: a compiled step bakes in such constants as the norms' epsilon) over ``draft_vocab_size`` tokens (capped at
-    the verifier's vocabulary, as merge caps it); the taps, which change no shape, are placeholders."""
+def verifier_shape(folder: Path, params: Path) -> DraftConfig:
+    """The drafter ``train`` builds for the verifier in ``folder`` with the ``params`` file's taps and
+    ``model.draft_head`` (``DraftConfig.from_verifier``, the verifier config's own floats: a compiled step bakes in such
+    constants as the norms' epsilon), over ``merge.draft_vocab_size`` tokens capped at the verifier's vocabulary, as
+    merge caps it."""
     from eagle3.lm.loading import verifier_parts
+    from eagle3.lm.spec import VerifierSpec
 
-    config = verifier_parts(folder)[0]
-    return DraftConfig.from_verifier(config, min(draft_vocab_size, config.vocab_size), (0, 1, 2))
+    config, values = verifier_parts(folder)[0], OmegaConf.load(params)
+    spec = VerifierSpec.from_params(values.model)
+    draft_vocab = min(int(values.merge.draft_vocab_size), config.vocab_size)
+    return DraftConfig.from_verifier(config, draft_vocab, spec.aux_layers, spec.draft_head)
 
 
 def mode_config(cfg: TrainConfig, mode: str) -> TrainConfig:
@@ -385,10 +398,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.set_defaults(preset="smollm2-135m", batch=1, ttt_steps=None, doc_tokens=320, answer=0.4, iters=100, warmup=10)
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON figures")
     parser.add_argument("--smoke", action="store_true", help="a tiny drafter on the CPU, a few steps: seconds (tests run it)")
-    parser.add_argument("--verifier", type=Path, help="the drafter shape train builds for this verifier folder instead of "
-                        "--preset's (e.g. models/verifier), with its own constants, such as the norms' epsilon, which a "
-                        "compiled step bakes in: a compile here is one train's compile can find in the caches")
-    parser.add_argument("--draft-vocab", type=int, default=32000, help="with --verifier: merge.draft_vocab_size (default 32000)")
+    parser.add_argument("--verifier", type=Path, help="with --params: the drafter train builds for this verifier folder "
+                        "instead of --preset's (e.g. models/verifier), with its own constants, such as the norms' epsilon, "
+                        "which a compiled step bakes in: a compile here is one train's compile can find in the caches")
+    parser.add_argument("--params", type=Path, help="with --verifier: a project's params.yaml, whose train section is the "
+                        "recipe (instead of --recipe's) and whose merge.draft_vocab_size and model (taps, draft_head) "
+                        "shape the drafter as train shapes it")
     parser.add_argument("--recipe", default="10k", help="conf/train/<recipe>.yaml: K, decay, optimizer, row length (default 10k)")
     parser.add_argument("--modes", nargs="+", choices=["eager", "compiled", "graphed"],
                         help="default: eager and compiled (--smoke: eager)")
@@ -413,6 +428,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "time in this process, timing each; the figures keep this many of the longest (first_step_s "
                         "is then serial: compare it with a run without)")
     args = parser.parse_args(argv)
+    if bool(args.verifier) != bool(args.params):
+        parser.error("--verifier and --params go together: the verifier's shape and the project's settings")
     if (args.states_on_device or args.validate) and args.loader_workers is None:
         parser.error("--states-on-device and --validate read the stage's format on disk: give --loader-workers N")
     if args.smoke:
@@ -433,11 +450,12 @@ def main(argv: list[str] | None = None) -> None:
     world = init_world(args.device)
     gpu = world.device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
-    draft = verifier_shape(args.verifier, args.draft_vocab) if args.verifier else DraftConfig.create(SMOKE_SHAPE if args.smoke else DRAFTER_SHAPES[args.preset], {})
+    draft = verifier_shape(args.verifier, args.params) if args.verifier else DraftConfig.create(SMOKE_SHAPE if args.smoke else DRAFTER_SHAPES[args.preset], {})
     rows = args.batch
-    base = recipe(args.recipe, rows)
+    section = train_section(args)
+    base = recipe(section, rows)
     seq, ttt_steps = args.seq or base.pack_tokens, args.ttt_steps or base.ttt_steps
-    cfg = recipe(args.recipe, rows, pack_tokens=seq, batch_tokens=rows * seq * world.size, ttt_steps=ttt_steps, fsdp=args.fsdp)
+    cfg = recipe(section, rows, pack_tokens=seq, batch_tokens=rows * seq * world.size, ttt_steps=ttt_steps, fsdp=args.fsdp)
     batching = cfg.batching(world.size)
     args.loader = args.dataset = None
     if args.loader_workers is not None:  # items of the stage's own format on disk, read as the stage reads them
@@ -462,7 +480,7 @@ def main(argv: list[str] | None = None) -> None:
     shape = {"device": torch.cuda.get_device_name(world.device) if gpu else f"cpu x{torch.get_num_threads()} threads",
              "torch": torch.__version__, "processes": world.size, "parallel": ("fsdp" if args.fsdp else "ddp") if world.size > 1 else "none",
              "preset": str(args.verifier) if args.verifier else "smoke" if args.smoke else args.preset, "H": draft.hidden_size, "V": draft.vocab_size, "Vd": draft.draft_vocab_size,
-             "recipe": args.recipe, "rows": rows, "seq": seq, "ttt_steps": cfg.ttt_steps, "optimizer": cfg.optimizer,
+             "recipe": section.name, "rows": rows, "seq": seq, "ttt_steps": cfg.ttt_steps, "optimizer": cfg.optimizer,
              "data": (f"random, the stage's format{', held on the device,' if args.states_on_device else ''} through "
                       f"{args.loader_workers} loader workers" if args.loader else args.merged
                       or f"random, doc_tokens {args.doc_tokens}, answer {args.answer}"),

@@ -8,7 +8,7 @@ import pstats
 import subprocess
 import sys
 
-from support.repo import ROOT
+from support.repo import ROOT, project_params
 
 
 def test_the_train_benchmark_smoke_mode_writes_its_figures(tmp_path):
@@ -46,11 +46,17 @@ def test_rows_held_on_the_device_take_the_loaders_losses(tmp_path):
     assert losses[True] == losses[False]
 
 
-def test_the_drafter_shape_can_come_from_a_verifier_folder(tmp_path, tiny_verifier_dir):
-    """--verifier: the drafter train builds for that verifier (its hidden size and vocabulary), not a preset's."""
-    out = tmp_path / "figures.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--smoke", "--verifier",
-                    str(tiny_verifier_dir), "--out", str(out)], check=True, capture_output=True, text=True, timeout=300)
+def test_the_drafter_and_recipe_can_come_from_a_verifier_and_a_project(tmp_path, tiny_verifier_dir):
+    """--verifier with --params: the drafter train builds for that verifier (its hidden size and vocabulary, the
+    project's draft vocabulary) and the project's own train section, not a preset and a conf/ recipe; either alone is
+    refused."""
+    out, script = tmp_path / "figures.json", str(ROOT / "benchmarks" / "train_throughput.py")
+    subprocess.run([sys.executable, script, "--smoke", "--verifier", str(tiny_verifier_dir), "--params", str(ROOT / "params.yaml"),
+                    "--out", str(out)], check=True, capture_output=True, text=True, timeout=300)
     shape = json.loads(out.read_text())["figures"]["shape"]
-    config = json.loads((tiny_verifier_dir / "config.json").read_text())
+    config, params = json.loads((tiny_verifier_dir / "config.json").read_text()), project_params()
     assert (shape["H"], shape["V"], shape["preset"]) == (config["hidden_size"], config["vocab_size"], str(tiny_verifier_dir))
+    assert (shape["Vd"], shape["recipe"]) == (params.merge.draft_vocab_size, params.train.name)
+    alone = subprocess.run([sys.executable, script, "--smoke", "--verifier", str(tiny_verifier_dir), "--out", str(out)],
+                           capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 2 and "--verifier and --params go together" in alone.stderr

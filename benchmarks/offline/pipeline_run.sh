@@ -27,7 +27,7 @@
 #
 # PRECOMPILE=1 (the first run; or "precompile" in a VARIANTS entry, after "fresh" if both): once the verifier is
 # imported, train's step compiled ahead in the background while generate and extract hold the GPU (the drafter of
-# models/verifier at the params' train recipe, on random rows: benchmarks/train_throughput.py --verifier, its figures
+# models/verifier and the run's params, on random rows: benchmarks/train_throughput.py --verifier --params, its figures
 # in logs/precompile.json), into the compile caches train reads: whether train then finds them warm (its log's
 # torch.compile timers) and what it costs the stages beside it.
 #
@@ -73,10 +73,7 @@ pipeline() {
 
 # PRECOMPILE's compile of train's step (logs/precompile.wanted), from the run folder; it ends after its first two steps.
 ahead_compile() {
-  local recipe vocab
-  read -r recipe vocab < <(python3 -c 'import yaml; p = yaml.safe_load(open("params.yaml"))
-print(p["train"]["name"], p["merge"]["draft_vocab_size"])')
-  python3 "$here/benchmarks/train_throughput.py" --device cuda --verifier models/verifier --recipe "$recipe" --draft-vocab "$vocab" \
+  python3 "$here/benchmarks/train_throughput.py" --device cuda --verifier models/verifier --params params.yaml \
     --modes graphed --iters 1 --warmup 1 --check-steps 1 --batches 1 --loader-workers 0 --states-on-device \
     --out logs/precompile.json > logs/precompile.log 2>&1  # rows in the stage's format, bf16 on the device, as train's
 }
@@ -174,7 +171,6 @@ if [ ! -d "$run/.dvc" ]; then  # a fresh run folder
   # the job runs from its own copy: a device call re-copies the repository while the job runs
   mkdir -p "$run/tools/benchmarks" && cp "$here/pipeline_run.sh" "$here/stamp.py" "$here/gpu_sampler.py" "$run/tools/"
   cp "$here"/../*.py "$run/tools/benchmarks/" && cp -r "$here" "$run/tools/benchmarks/offline"  # peer_tau.py and its imports
-  cp -r "$repo/conf" "$run/tools/"  # train_throughput.py's recipes (its ROOT is tools/ there)
   [ -z "${PEER_RATE:-}" ] || echo "${PEER_STEPS:-1000}" > "$run/logs/peer_rate.wanted"
   [ -z "${PRECOMPILE:-}" ] || touch "$run/logs/precompile.wanted"
   if [ -n "$prompts" ]; then
