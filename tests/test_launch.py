@@ -24,10 +24,11 @@ LOG_RECORD = re.compile(r"\d\d:\d\d:\d\d [A-Z]+ [\w.]+: ")  # common.setup_loggi
 STOPS = {  # (training processes, how the stop is signalled) -> what the processes say as they stop (stop_lines)
     # `kill` of dvc alone: one process is killed with its parent, the kernel's guard, where DVC's shell (bash, the
     # user's $SHELL) execs it (nothing to say), and stops in the watcher's line where the shell (dash, /bin/sh when
-    # $SHELL is unset, as in CI) stays and is orphaned; two, torchrun's workers, each stop in one line, whether its
-    # watcher saw DVC gone or its collective failed first
+    # $SHELL is unset, as in CI) stays and is orphaned; two, torchrun's workers: the first to see DVC gone stops in
+    # one line, and the other either says the same (its watcher or its failed collective came first) or is stopped
+    # without a word by torchrun's agent, which terminates a failed worker's peers (CI saw both)
     (1, "SIGTERM to dvc"): (lambda pid: os.kill(pid, signal.SIGTERM), [], [GONE]),
-    (2, "SIGTERM to dvc"): (lambda pid: os.kill(pid, signal.SIGTERM), [GONE] * 2),
+    (2, "SIGTERM to dvc"): (lambda pid: os.kill(pid, signal.SIGTERM), [GONE] * 2, [GONE]),
     # SIGINT to dvc's process group: one process runs in the launcher's, which stops as any stage does; two run under
     # torchrun's agent, which stops them. DVC reports 130 where its shell (bash) execs the launcher, -2 where the
     # shell (dash, CI's /bin/sh) stays and is stopped by the same Ctrl-C.
