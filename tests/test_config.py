@@ -168,10 +168,24 @@ def test_a_stage_refuses_a_bad_param_in_one_line_before_anything(tmp_path, argv,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]  # nothing written
 
 
+def test_a_refusal_names_the_params_file_a_command_was_given(tmp_path):
+    """`--params FILE` (a stage run by hand) and `eagle3 params --output FILE`: the line names FILE, not params.yaml."""
+    params = OmegaConf.load(ROOT / "params.yaml")
+    OmegaConf.update(params, "generate.temperature", -1)
+    OmegaConf.save(params, tmp_path / "experiment.yaml")
+    stage = subprocess.run([sys.executable, "-m", "eagle3.generate", "verifier", "prompts.jsonl", "out", "--params=experiment.yaml"],
+                           cwd=tmp_path, capture_output=True, text=True)
+    assert stage.stderr.splitlines() == ["error: experiment.yaml: generate.temperature = -1: must be a number >= 0"]
+    composed = subprocess.run([sys.executable, "-m", "eagle3.cli", "params", "-S", "train.lr=-1", "--conf", str(CONF),
+                               "--output", "conf-test.yaml"], cwd=tmp_path, capture_output=True, text=True)
+    assert composed.stderr.splitlines() == ["error: conf-test.yaml: train.lr = -1: must be a number > 0"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["experiment.yaml"]  # nothing written
+
+
 def test_params_command_refuses_in_one_line_with_the_status_of_every_eagle3_command(tmp_path):
     """README (What you can rely on): exit status 1 from `eagle3 params`, as from the other commands."""
     result = subprocess.run([sys.executable, "-m", "eagle3.cli", "params", "-S", "train.lr=-1", "--conf", str(CONF),
-                             "--output", str(tmp_path / "params.yaml")], capture_output=True, text=True)
+                             "--output", "params.yaml"], cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 1 and result.stderr.splitlines() == ["error: params.yaml: train.lr = -1: must be a number > 0"]
     assert "1 from `eagle3 params` as from every `eagle3` command" in " ".join((ROOT / "README.md").read_text().split())
 

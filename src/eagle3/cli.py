@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from eagle3 import report
-from eagle3.common import UserError, check_lock_file, setup_logging
+from eagle3.common import UserError, check_lock_file, naming_params_file, setup_logging
 from eagle3.lifecycle import gc, s3
 
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         check_lock_file()  # every command: the damage a kill of DVC leaves stops every dvc command too
         args.func(args)
     except UserError as err:
-        parser_exit = f"error: {err}"
+        parser_exit = f"error: {naming_params_file(str(err), getattr(args, 'output', None))}"  # eagle3 params --output
         raise SystemExit(parser_exit) from None
 
 

@@ -33,6 +33,26 @@ class UserError(Exception):
     """Bad input or environment: printed as one line, exit status USER_ERROR, no traceback."""
 
 
+REFUSED_PARAM = "params.yaml: "  # how the line of a refused params value starts: the file DVC's stages read
+
+
+def naming_params_file(message: str, path: str | None) -> str:
+    """``message`` naming the params file a command was given (``--params FILE``) where it is not params.yaml."""
+    if path and path != "params.yaml" and message.startswith(REFUSED_PARAM):
+        return f"{path}: {message[len(REFUSED_PARAM):]}"
+    return message
+
+
+def params_argument(argv: list[str]) -> str | None:
+    """The value of ``--params`` in a stage's arguments (``--params FILE`` or ``--params=FILE``), or None."""
+    for index, arg in enumerate(argv):
+        if arg == "--params" and index + 1 < len(argv):
+            return argv[index + 1]
+        if arg.startswith("--params="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def setup_logging(level: int = logging.INFO) -> None:
     """Structured one-line logs on stderr (progress bars also go to stderr)."""
     logging.basicConfig(
@@ -65,7 +85,7 @@ def stage_main(fn: Callable[[list[str]], None]) -> None:
         for check in FINISH_CHECKS:
             check()
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {naming_params_file(str(err), params_argument(sys.argv[1:]))}", file=sys.stderr)
         sys.exit(USER_ERROR)
     except KeyboardInterrupt:  # outputs are written atomically: nothing half-written is left
         if "TORCHELASTIC_RUN_ID" not in os.environ:  # a torchrun worker: eagle3.launch says it once
