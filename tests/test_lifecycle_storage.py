@@ -272,7 +272,8 @@ Path("drafter").mkdir()
 
 def test_gc_removes_the_checkpoints_of_exported_runs_the_workspace_does_not_use(blob_repo, local_s3):
     """Training runs r1 and r2 exported (the workspace's export is r2's); r0 stopped before its export (resumable);
-    r3 exported but held by a trainer (``dvc repro -f``): only r1's checkpoint folder goes."""
+    r3 exported but held by a trainer (``dvc repro -f``): only r1's checkpoint folder goes, and r0 is listed as kept;
+    ``--stopped-runs`` then removes r0 as well."""
     from eagle3.training.checkpoints import lock_run
 
     repo = blob_repo
@@ -297,9 +298,17 @@ def test_gc_removes_the_checkpoints_of_exported_runs_the_workspace_does_not_use(
     listed = gc(repo, "--dry-run")
     assert listed.returncode == 0, listed.stderr
     assert "would remove .eagle3/checkpoints/train/r1 (0.2 MB), an exported training run the workspace does not use" in listed.stdout
-    assert not any(f"train/{name} " in listed.stdout for name in ("r0", "r2", "r3")) and (runs / "r1").is_dir()
+    assert not any(f"remove .eagle3/checkpoints/train/{name} " in listed.stdout for name in ("r0", "r2", "r3"))
+    assert (runs / "r1").is_dir()
+    kept = ("keeping .eagle3/checkpoints/train/r0 (0.0 MB), a training run stopped before its export: a `dvc repro` with "
+            "the same params, data and code resumes it; `eagle3 gc --stopped-runs` removes it")
+    assert kept in listed.stdout.splitlines()
     removed = gc(repo)
     assert removed.returncode == 0 and "removing .eagle3/checkpoints/train/r1" in removed.stdout, removed.stderr
     assert sorted(p.name for p in runs.iterdir()) == ["r0", "r2", "r3"]
+    stopped = gc(repo, "--stopped-runs")
+    assert stopped.returncode == 0, stopped.stderr
+    assert "removing .eagle3/checkpoints/train/r0 (0.0 MB), a training run stopped before its export (--stopped-runs)" in stopped.stdout
+    assert sorted(p.name for p in runs.iterdir()) == ["r2", "r3"]
     os.close(trainer)
     assert "up to date" in run(["dvc", "status"], repo).stdout

@@ -1,6 +1,6 @@
 """``eagle3 gc``: reclaim cache disk with ``dvc gc -w``, but only once every kept revision is in the remote.
 
-    eagle3 gc [--rev REV ...] [--all-commits] [--remote NAME] [--dry-run]
+    eagle3 gc [--rev REV ...] [--all-commits] [--remote NAME] [--dry-run] [--stopped-runs]
 
 ``dvc gc -w`` deletes every cached object the workspace does not reference, including the only
 copy of an old run's hidden states if nobody pushed them. This command first lists every object
@@ -15,7 +15,9 @@ First it removes what killed stages left beside their outputs (``atomic_dir``'s 
 ``.<output>.tmp-<pid>-*`` whose process is gone: partial hidden-state parts, gigabytes at scale),
 which no hash includes, so neither ``dvc status`` nor ``dvc gc`` ever sees them; and the checkpoint folders of
 training runs that ended and were exported (``train --checkpoints``: weights, optimizer state and the best weights,
-gigabytes a run at 8B), but the one whose export the workspace holds and any a trainer has locked.
+gigabytes a run at 8B), but the one whose export the workspace holds and any a trainer has locked. A run stopped
+before its export is kept, since a ``dvc repro`` with the same params, data and code resumes it, and listed with its
+size; ``--stopped-runs`` removes such runs too (a rerun of their params then trains from its first step).
 """
 
 from __future__ import annotations
@@ -278,9 +280,12 @@ def remove_temporaries(repo: Repo, dry_run: bool) -> None:
         remove_folder(repo, tmp, "left by a killed run (its process is gone)", dry_run)
 
 
+def folder_size(folder: Path) -> int:
+    return sum(file.stat().st_size for file in folder.rglob("*") if file.is_file())
+
+
 def remove_folder(repo: Repo, folder: Path, why: str, dry_run: bool) -> None:
-    size = sum(file.stat().st_size for file in folder.rglob("*") if file.is_file())
-    print(f"{'would remove' if dry_run else 'removing'} {folder.relative_to(repo.root_dir)} ({size / 1e6:.1f} MB), {why}")
+    print(f"{'would remove' if dry_run else 'removing'} {folder.relative_to(repo.root_dir)} ({folder_size(folder) / 1e6:.1f} MB), {why}")
     if not dry_run:
         shutil.rmtree(folder)
 
@@ -296,19 +301,26 @@ def training_runs(repo: Repo) -> Iterator[tuple[Path, set[str]]]:
             yield Path(stage.wdir) / args[args.index("--checkpoints") + 1], used
 
 
-def remove_exported_runs(repo: Repo, dry_run: bool) -> None:
-    """Remove (``dry_run``: only list) the checkpoint folders of exported training runs the workspace does not use.
-    Each is locked while it goes (``try_lock_run``, as a trainer locks its run): one that a trainer holds is skipped."""
+def remove_training_runs(repo: Repo, dry_run: bool, stopped: bool) -> None:
+    """Remove (``dry_run``: only list) the checkpoint folders of exported training runs the workspace does not use, and
+    with ``stopped`` those of runs stopped before their export too; without it, say which stopped runs are kept and how
+    large they are (a run killed and never resumed, its params since changed, stays until a user asks). Each run is
+    locked while it goes (``try_lock_run``, as a trainer locks its run): one that a trainer holds is left alone."""
     for checkpoints, used in training_runs(repo):
-        for run_dir in sorted(checkpoints.glob(f"*/{RUN_EXPORTED}")):
-            run_dir = run_dir.parent
-            if run_dir.name in used:
-                continue
+        for run_dir in sorted(folder for folder in checkpoints.glob("*") if folder.is_dir() and folder.name not in used):
+            exported = (run_dir / RUN_EXPORTED).is_file()
             fd = try_lock_run(run_dir)
             if fd is None:
-                continue  # a trainer runs it again (`dvc repro -f`)
+                continue  # a trainer runs it (`dvc repro`, or `-f` of an exported run)
             try:
-                remove_folder(repo, run_dir, "an exported training run the workspace does not use", dry_run)
+                if exported:
+                    remove_folder(repo, run_dir, "an exported training run the workspace does not use", dry_run)
+                elif stopped:
+                    remove_folder(repo, run_dir, "a training run stopped before its export (--stopped-runs)", dry_run)
+                else:
+                    print(f"keeping {run_dir.relative_to(repo.root_dir)} ({folder_size(run_dir) / 1e6:.1f} MB), a training "
+                          f"run stopped before its export: a `dvc repro` with the same params, data and code resumes it; "
+                          f"`eagle3 gc --stopped-runs` removes it")
             finally:
                 os.close(fd)
 
@@ -321,7 +333,7 @@ def run_gc(args: argparse.Namespace) -> None:
     logging.getLogger("aiobotocore").setLevel(logging.WARNING)  # "Found credentials in ..." on every run
     with Repo() as repo, lock_repo(repo):  # held from the check to the deletion: no dvc command in between
         remove_temporaries(repo, args.dry_run)
-        remove_exported_runs(repo, args.dry_run)
+        remove_training_runs(repo, args.dry_run, args.stopped_runs)
         verdict = check(repo, expand_ranges(repo, args.rev), args.all_commits, args.remote)
         problem = refusal(repo, verdict, args.remote)
         if problem:
@@ -344,4 +356,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--remote", help="remote to check (default: core.remote)")
     parser.add_argument("--dry-run", action="store_true", help="check, then list what `dvc gc -w` would remove, the "
                         "temporaries of killed runs and the checkpoints of exported training runs (removing nothing)")
+    parser.add_argument("--stopped-runs", action="store_true", help="also remove the checkpoints of training runs stopped "
+                        "before their export (kept by default: a `dvc repro` with the same params, data and code resumes them)")
     parser.set_defaults(func=run_gc)
