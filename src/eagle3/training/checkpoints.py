@@ -202,7 +202,7 @@ class TrainState:
     step: int = 0  # optimizer steps done; also the data position
     best: dict | None = None  # best validation summary so far, with its "step"
     history: list = field(default_factory=list)  # every logged (step, prefix, metrics), replayed on resume
-    best_weights: dict | None = None  # the model state dict of the best validation (parallel.model_copy)
+    best_weights: dict | None = None  # the model state dict of the best validation (parallel.model_copy; main process)
 
 
 def save_checkpoint(run_dir: Path, model, optimizers: list, schedulers: list, state: TrainState, world: World) -> None:

@@ -136,7 +136,7 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
             if state.best is None or metrics["sim_accept_len"] > state.best["sim_accept_len"]:
                 state.best = {**metrics, "step": state.step}
                 with spent.on("keeping the best weights"):
-                    state.best_weights = parallel.model_copy(model)
+                    state.best_weights = parallel.model_copy(model, world)
         if saving:
             with spent.on("checkpointing"):
                 save_checkpoint(run_dir, model, optimizers, schedulers, state, world)

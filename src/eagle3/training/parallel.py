@@ -138,14 +138,16 @@ def full_state(model: nn.Module, optimizers: list[torch.optim.Optimizer] | None 
     return dcp.get_state_dict(model, optimizers, options=options)
 
 
-def model_copy(model: nn.Module) -> dict:
-    """A copy of the unsharded model state dict on the model's device, keyed by plain names, on every process (a
-    collective under FSDP). Why on the device: the copy queues behind the steps as any kernel does, where a copy to the
-    host (``full_state``) waits for them and leaves the GPU idle while it is written out."""
+def model_copy(model: nn.Module, world: World) -> dict | None:
+    """A copy of the unsharded model state dict on the model's device, keyed by plain names, in the main process (every
+    process calls it: a collective under FSDP); None in the others, which never read it (the main process alone
+    checkpoints and exports), so that they do not hold a whole model beside their shard for the rest of the run.
+    Why on the device: the copy queues behind the steps as any kernel does, where a copy to the host (``full_state``)
+    waits for them and leaves the GPU idle while it is written out."""
     from torch.distributed.checkpoint import state_dict as dcp  # slow import: only here
 
     state = dcp.get_model_state_dict(model, options=dcp.StateDictOptions(full_state_dict=True))
-    return {name: tensor.detach().clone() for name, tensor in state.items()}
+    return {name: tensor.detach().clone() for name, tensor in state.items()} if world.main else None
 
 
 def load_full_state(model: nn.Module, optimizers: list[torch.optim.Optimizer], model_state: dict, optim_state: dict) -> None:
