@@ -512,34 +512,37 @@ def test_sigkill_of_the_launcher_ends_torchrun_workers(tiny_data, tiny_verifier_
     assert not left, f"processes left running after the launcher was killed: {left}"
 
 
-def test_two_processes_equal_one(tiny_data, tiny_verifier_dir):
-    """torchrun --nproc-per-node 2 (gloo, batch 2 each) == one process (batch 4), same global batches."""
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_two_processes_equal_one(tiny_data, tiny_verifier_dir, fsdp):
+    """torchrun --nproc-per-node 2 (gloo, batch 2 each; DDP, or FSDP sharding the draft layer and head) == one process
+    (batch 4), same global batches."""
     env = with_sources(OMP_NUM_THREADS="1")
+    one_name, two_name = (f"{n}-{'fsdp' if fsdp else 'ddp'}" for n in ("one", "two"))  # the module's data: a folder each run
     head = {"lm_head_init": "verifier", "freeze_lm_head": True}
-    one = stage_params(tiny_data / "one.yaml", batch_tokens=4 * 128, micro_batch_rows=4, max_steps=3, **head)
-    two = stage_params(tiny_data / "two.yaml", batch_tokens=4 * 128, micro_batch_rows=4, max_steps=3, **head)
+    one = stage_params(tiny_data / f"{one_name}.yaml", batch_tokens=4 * 128, micro_batch_rows=4, max_steps=3, **head)
+    two = stage_params(tiny_data / f"{two_name}.yaml", batch_tokens=4 * 128, micro_batch_rows=4, max_steps=3, fsdp=fsdp, **head)
     run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eagle3.train",
-                            *stage_args(tiny_data, tiny_verifier_dir, "two", two), "--threads", "1"],
+                            *stage_args(tiny_data, tiny_verifier_dir, two_name, two), "--threads", "1"],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        train_with(train_paths(stage_args(tiny_data, tiny_verifier_dir, "one", one)), one)  # meanwhile, one process in this one
+        train_with(train_paths(stage_args(tiny_data, tiny_verifier_dir, one_name, one)), one)  # meanwhile, one process in this one
     finally:
         output = run.communicate()[0]
     assert run.returncode == 0, output[-3000:]
-    a, b = final_weights(tiny_data, "one"), final_weights(tiny_data, "two")
+    a, b = final_weights(tiny_data, one_name), final_weights(tiny_data, two_name)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
-    meta_one, meta_two = (read_json(tiny_data / n / "drafter" / "meta.json")["training"] for n in ("one", "two"))
+    meta_one, meta_two = (read_json(tiny_data / n / "drafter" / "meta.json")["training"] for n in (one_name, two_name))
     assert meta_two["processes"] == 2 and meta_one["best"]["sim_accept_len"] == pytest.approx(meta_two["best"]["sim_accept_len"], rel=1e-4)
-    assert check_drafter(tiny_data / "two" / "drafter", tiny_verifier_dir) == []
+    assert check_drafter(tiny_data / two_name / "drafter", tiny_verifier_dir) == []
     # The head started from the verifier's and stayed there (train.freeze_lm_head), without optimizer state.
     d2t = load_file(tiny_data / "merged" / "vocab.safetensors")["d2t"]
     verifier = verifier_parts(tiny_verifier_dir)[1]
     assert torch.equal(a["drafter.lm_head.weight"], verifier["head"][torch.arange(len(d2t)) + d2t].float())
-    (run,) = [p for p in (tiny_data / "one" / "checkpoints").iterdir() if p.is_dir()]
+    (run,) = [p for p in (tiny_data / one_name / "checkpoints").iterdir() if p.is_dir()]
     optimizer = torch.load(run / "latest.pt", weights_only=False)["optimizer"]["state"]
     assert "drafter.lm_head.weight" not in optimizer and "drafter.fc.weight" in optimizer
-    exported = load_file(tiny_data / "one" / "drafter" / "model.safetensors")
+    exported = load_file(tiny_data / one_name / "drafter" / "model.safetensors")
     assert torch.equal(exported["lm_head.weight"].float(), a["drafter.lm_head.weight"].to(exported["lm_head.weight"].dtype).float())
 
 

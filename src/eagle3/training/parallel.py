@@ -79,10 +79,16 @@ def barrier(world: World) -> None:
 def wrap(module: nn.Module, world: World, fsdp: bool) -> nn.Module:
     """Data parallelism around the TTT module, applied last so it wraps everything else.
 
-    Order: (1) FSDP shards the draft layer and the lm_head as their own units, then the root
-    (fc and norms), so at most one large unit is gathered at a time; or (2) DDP replicates the
+    Order: (1) FSDP shards the lm_head (the draft vocabulary's rows: the largest matrix) as its own unit, gathered for
+    each step's logits and freed after, then the root: fc, the norms and the draft layer; or (2) DDP replicates the
     whole module. The frozen verifier embedding is a buffer: never sharded, reduced or broadcast.
     In a world of one, neither is applied.
+
+    Why the draft layer is not a unit of its own: training-time test calls it once per step, and each call's attention
+    reads the keys and values the earlier calls left in the KV cache, so gradients reach a call's parameters from the
+    later calls' backward. FSDP's per-call hooks then reduced part of them at the wrong time: on two CPU processes its
+    gradients were 0.6-3 % off one process's, where the root and the lm_head as units give the same bits
+    (tests/test_train.py, two processes equal one).
     """
     if world.size == 1:
         return module
@@ -90,11 +96,10 @@ def wrap(module: nn.Module, world: World, fsdp: bool) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         gpu = world.device.type == "cuda"
-        # bf16 compute copies, fp32 gradient reduction on GPUs. Only the root casts its inputs: the
-        # draft layer is passed the KVCache it fills in place, which input casting would copy.
+        # bf16 compute copies, fp32 gradient reduction on GPUs. Only the root casts its inputs: the lm_head's
+        # come from the root's own compute, already in its dtype.
         root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if gpu else MixedPrecisionPolicy()
         inner = MixedPrecisionPolicy(param_dtype=root.param_dtype, reduce_dtype=root.reduce_dtype, cast_forward_inputs=False)
-        fully_shard(module.drafter.midlayer, mp_policy=inner)
         fully_shard(module.drafter.lm_head, mp_policy=inner)
         fully_shard(module, mp_policy=root)
         return module
