@@ -514,8 +514,8 @@ def test_sigkill_of_the_launcher_ends_torchrun_workers(tiny_data, tiny_verifier_
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
 def test_two_processes_equal_one(tiny_data, tiny_verifier_dir, fsdp):
-    """torchrun --nproc-per-node 2 (gloo, batch 2 each; DDP, or FSDP sharding the draft layer and head) == one process
-    (batch 4), same global batches."""
+    """torchrun --nproc-per-node 2 (gloo, batch 2 each; DDP, or FSDP: the lm_head a unit, the rest the root) == one
+    process (batch 4), same global batches."""
     env = with_sources(OMP_NUM_THREADS="1")
     one_name, two_name = (f"{n}-{'fsdp' if fsdp else 'ddp'}" for n in ("one", "two"))  # the module's data: a folder each run
     head = {"lm_head_init": "verifier", "freeze_lm_head": True}

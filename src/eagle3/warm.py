@@ -33,6 +33,7 @@ from pathlib import Path
 
 import yaml
 
+from eagle3.common import params_argument
 from eagle3.launch import LAUNCHER_GONE, exit_with_launcher
 
 WARM_ENV = "EAGLE3_WARM_SECONDS"
@@ -52,7 +53,7 @@ def warm_seconds(args: list[str]) -> float:
     refuses its params itself)."""
     if os.environ.get(WARM_ENV):
         return float(os.environ[WARM_ENV])
-    path = args[args.index("--params") + 1] if "--params" in args[:-1] else "params.yaml"
+    path = params_argument(args) or "params.yaml"
     try:
         return float(((yaml.safe_load(Path(path).read_text()) or {}).get("layout") or {}).get("warm_seconds") or 0)
     except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
