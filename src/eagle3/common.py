@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -72,12 +73,31 @@ def at_finish(check: Callable[[], None]) -> None:
     FINISH_CHECKS.append(check)
 
 
+SIGINTS: list[int] = []  # the Ctrl-Cs this process received (note_interrupt)
+
+
+def note_interrupt(signum: int, frame) -> None:
+    """SIGINT as Python answers it (KeyboardInterrupt), remembered: a library call it lands in may turn the
+    KeyboardInterrupt into an error of its own (safetensors' slicing raised a ValueError), which is still a Ctrl-C."""
+    SIGINTS.append(signum)
+    signal.default_int_handler(signum, frame)
+
+
+def stop_interrupted() -> None:
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # a torchrun worker: eagle3.launch says it once
+        print(f"eagle3: interrupted; stopping (pid {os.getpid()})", file=sys.stderr)
+    sys.exit(INTERRUPTED)  # outputs are written atomically: nothing half-written is left
+
+
 def stage_main(fn: Callable[[list[str]], None]) -> None:
     """Run a stage's ``main(argv)`` and then its ``at_finish`` checks; turn a UserError into one line and
-    exit USER_ERROR. Run by hand, a stage first checks dvc.lock (``check_lock_file``); under DVC, DVC has."""
+    exit USER_ERROR, and a Ctrl-C into one line and exit INTERRUPTED. Run by hand, a stage first checks dvc.lock
+    (``check_lock_file``); under DVC, DVC has."""
     setup_logging()
     exit_with_launcher()
     FINISH_CHECKS.clear()  # only this run's (an in-process caller may have read params before)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the stage was started with it ignored
+        signal.signal(signal.SIGINT, note_interrupt)
     try:
         if "DVC_STAGE" not in os.environ:
             check_lock_file()
@@ -87,11 +107,11 @@ def stage_main(fn: Callable[[list[str]], None]) -> None:
     except UserError as err:
         print(f"error: {naming_params_file(str(err), params_argument(sys.argv[1:]))}", file=sys.stderr)
         sys.exit(USER_ERROR)
-    except KeyboardInterrupt:  # outputs are written atomically: nothing half-written is left
-        if "TORCHELASTIC_RUN_ID" not in os.environ:  # a torchrun worker: eagle3.launch says it once
-            print(f"eagle3: interrupted; stopping (pid {os.getpid()})", file=sys.stderr)
-        sys.exit(INTERRUPTED)
+    except KeyboardInterrupt:
+        stop_interrupted()
     except Exception:
+        if SIGINTS:  # a Ctrl-C a library call turned into its own error
+            stop_interrupted()
         stop_if_launcher_gone()  # the failure is the launcher's going (a collective with stopped peers): one line
         raise
 
