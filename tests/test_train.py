@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import pickle
 import shutil
 import signal
@@ -27,6 +28,7 @@ from eagle3.drafter.export import check_drafter
 from eagle3.hidden_states.loader import HiddenStates
 from eagle3.lm.loading import verifier_parts
 from eagle3.train import TrainPaths, main, train
+from eagle3.training.ahead import ahead_key
 from eagle3.training.checkpoints import lock_run
 from eagle3.training.config import Batching, TrainConfig
 from eagle3.training.data import DataPlan, InOrder, ValidationSampler, collate, pack
@@ -732,3 +734,37 @@ def test_the_graphed_step_matches_the_compiled_one():
     assert graphed_metrics == pytest.approx(compiled_metrics, rel=2e-2, abs=2e-2)
     for name in compiled_weights:
         torch.testing.assert_close(graphed_weights[name], compiled_weights[name], rtol=2e-2, atol=1e-3, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="train compiles its step on GPUs")
+def test_the_step_compiled_ahead_is_the_one_train_reads(tiny_data, tiny_verifier_dir, tiny_model_params, tmp_path):
+    """``eagle3.training.ahead`` (what the warm server starts beside extract) on an empty compile cache, and the train
+    stage started while it runs: train waits for it, then finds every graph of its step in the caches (no compile of
+    its own), and trains the weights a cold compile trains."""
+    params = OmegaConf.load(stage_params(tmp_path / "p.yaml", max_steps=3, batch_tokens=2 * 128, micro_batch_rows=2))
+    params.model, params.merge.draft_vocab_size = tiny_model_params, 256  # tiny_data's taps and draft vocabulary
+    params.layout.device, params.layout.compile_ahead = "cuda", True
+    OmegaConf.save(params, tmp_path / "p.yaml")
+    folder = tmp_path / ".eagle3" / "compile-ahead" / ahead_key(tiny_verifier_dir, params)
+    env = with_sources(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    ahead = subprocess.Popen([sys.executable, "-m", "eagle3.training.ahead", str(tiny_verifier_dir), "--params", "p.yaml"],
+                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while not (folder / "lock").exists():
+        assert ahead.poll() is None, ahead.stdout.read()
+        time.sleep(0.1)
+
+    def train_stage(name: str, env: dict) -> str:
+        stage = subprocess.run([sys.executable, "-m", "eagle3.train", *stage_args(tiny_data, tiny_verifier_dir, name, tmp_path / "p.yaml"),
+                                "--device", "cuda"], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert stage.returncode == 0, stage.stderr[-3000:]
+        return stage.stderr
+
+    warm = train_stage("ahead-warm", env)
+    assert ahead.wait() == 0 and (folder / "done").exists(), ahead.stdout.read()
+    assert "waiting for the compile ahead of train's step" in warm
+    assert re.search(r"AOT autograd cache [1-9]\d* hits, 0 misses", warm), warm[-2000:]
+    cold = train_stage("ahead-cold", with_sources(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cold-cache")))
+    assert re.search(r"AOT autograd cache 0 hits, [1-9]\d* misses", cold), cold[-2000:]
+    warm_weights, cold_weights = (load_file(tiny_data / name / "drafter" / "model.safetensors") for name in ("ahead-warm", "ahead-cold"))
+    for name in cold_weights:
+        torch.testing.assert_close(warm_weights[name], cold_weights[name], rtol=0, atol=0, msg=name)

@@ -138,11 +138,16 @@ def test_warm_shards_write_the_bytes_of_cold_processes(make_project):
     repo = make_project(*FAST[1:])
     add_dataset(repo, {"name": "two", "shards": ["000000-000006", "000006-000010"], **LOCAL_SOURCE})
     write_local_prompts(repo)
-    run(["eagle3", "params", *overrides(*FAST, "dataset=two", "layout.warm_seconds=30")], repo)
+    run(["eagle3", "params", *overrides(*FAST, "dataset=two", "layout.warm_seconds=30", "layout.compile_ahead=true")], repo)
     stages = [f"{stage}@{shard}" for stage in ("generate", "extract") for shard in ("000000-000006", "000006-000010")]
     run(["dvc", "repro", *stages], repo)
     logs = list((repo / ".eagle3" / "warm").glob("*.log"))
     assert len(logs) == 1 and logs[0].read_text().count("ready") == 1, [log.read_text() for log in logs]
+    # The first extract command started the compile ahead of train's step, once, which found nothing to compile on the CPU.
+    ahead, deadline = repo / ".eagle3" / "compile-ahead" / "log", time.monotonic() + 60
+    while "compiles no step ahead" not in (ahead.read_text() if ahead.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ahead.read_text().count("params.yaml: train compiles no step ahead on this layout") == 1, ahead.read_text()
     warm_outputs = outputs(repo)
 
     second = [stage for stage in stages if stage.endswith("000006-000010")]  # served warm, as the first shard was

@@ -25,12 +25,6 @@
 # train's rate with. A failure there is logged (RUN/logs/peer_tau.log) and the variants go on. Its work folder (RUN/peer:
 # the hidden states again, in the peer's format) is removed once the rate is measured.
 #
-# PRECOMPILE=1 (the first run; or "precompile" in a VARIANTS entry, after "fresh" if both): once the verifier is
-# imported, train's step compiled ahead in the background while generate and extract hold the GPU (the drafter of
-# models/verifier and the run's params, on random rows: benchmarks/train_throughput.py --verifier --params, its figures
-# in logs/precompile.json), into the compile caches train reads: whether train then finds them warm (its log's
-# torch.compile timers) and what it costs the stages beside it.
-#
 # VARIANTS: more runs after the first in the same job, '|'-separated override sets added to OVERRIDES, e.g.
 #   VARIANTS="-S train.epochs=7|-S generate.max_new_tokens=256"
 # each a run folder of its own, RUN/variants/<n> (its logs, report and metrics as RUN's), started once the first
@@ -58,10 +52,6 @@ pipeline() {
         && touch logs/prompts.committed && echo "=== prompts committed"; } 2>&1 | stamp
     code=${PIPESTATUS[0]}
   fi
-  if [ "$code" = 0 ] && [ -f logs/precompile.wanted ] && [ ! -f logs/precompile.started ]; then
-    touch logs/precompile.started
-    ahead_compile &
-  fi
   if [ "$code" = 0 ]; then
     python -m dvc repro 2>&1 | stamp
     code=${PIPESTATUS[0]}
@@ -69,13 +59,6 @@ pipeline() {
   echo "=== exit $code" | stamp
   echo "$code" > logs/pipeline.rc
   return "$code"
-}
-
-# PRECOMPILE's compile of train's step (logs/precompile.wanted), from the run folder; it ends after its first two steps.
-ahead_compile() {
-  python3 "$here/benchmarks/train_throughput.py" --device cuda --verifier models/verifier --params params.yaml \
-    --modes graphed --iters 1 --warmup 1 --check-steps 1 --batches 1 --loader-workers 0 --states-on-device \
-    --out logs/precompile.json > logs/precompile.log 2>&1  # rows in the stage's format, bf16 on the device, as train's
 }
 
 # The first run's outputs in a variant's folder: the folders of data/ and models/ as hard links (the stages write
@@ -172,7 +155,6 @@ if [ ! -d "$run/.dvc" ]; then  # a fresh run folder
   mkdir -p "$run/tools/benchmarks" && cp "$here/pipeline_run.sh" "$here/stamp.py" "$here/gpu_sampler.py" "$run/tools/"
   cp "$here"/../*.py "$run/tools/benchmarks/" && cp -r "$here" "$run/tools/benchmarks/offline"  # peer_tau.py and its imports
   [ -z "${PEER_RATE:-}" ] || echo "${PEER_STEPS:-1000}" > "$run/logs/peer_rate.wanted"
-  [ -z "${PRECOMPILE:-}" ] || touch "$run/logs/precompile.wanted"
   if [ -n "$prompts" ]; then
     tar -xzf "$prompts" -O params.yaml | cmp -s - "$run/params.yaml" \
       || { echo "error: $prompts holds another params.yaml than $run/params.yaml: compose both with the same OVERRIDES"; exit 2; }
@@ -181,11 +163,8 @@ if [ ! -d "$run/.dvc" ]; then  # a fresh run folder
   IFS='|' read -ra variants <<< "${VARIANTS:-}"
   for variant in "${variants[@]}"; do
     n=$((n + 1)) dir=$run/variants/$n cache=$run/.dvc/cache
-    ahead=
     case "$variant" in fresh*) variant=${variant#fresh} cache= ;; esac
-    case "${variant# }" in precompile*) variant=${variant#*precompile} ahead=1 ;; esac
     prepare "$dir" "$overrides $variant" "$cache"
-    [ -z "$ahead" ] || touch "$dir/logs/precompile.wanted"
     ln -s ../../../logs/gpu.tsv "$dir/logs/gpu.tsv"  # the job's one sampler
     [ "$(dataset_of "$dir/params.yaml")" = "$(dataset_of "$run/params.yaml")" ] \
       || { echo "error: VARIANTS entry $n ($variant) changes dataset: the carried prompts are the first run's"; rm -rf "$run/variants" "$run/.dvc"; exit 2; }

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from eagle3.schema import ABSENT, NON_NEGATIVE_NUMBER, POSITIVE, Lookup, one_of, refuse, setting
+from eagle3.schema import ABSENT, BOOL, NON_NEGATIVE_NUMBER, POSITIVE, Lookup, one_of, refuse, setting
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class LayoutSettings:
     rdzv_endpoint: str = setting()  # torchrun rendezvous host:port
     threads: int = setting(POSITIVE)  # torch threads per process
     warm_seconds: float = setting(NON_NEGATIVE_NUMBER)  # generate, extract, evaluate through a warm server idle this long (eagle3.warm); 0: none
+    compile_ahead: bool = setting(BOOL)  # train's compiled step built while extract runs (eagle3.training.ahead; one CUDA training process)
     batch: dict = setting()  # the batch sizes this hardware holds, read by the stage groups' keys
 
     @staticmethod

@@ -35,16 +35,16 @@ from torch.utils.data import Dataset
 
 from eagle3.common import RUN_EXPORTED, UserError, stage_main
 from eagle3.config import stage_params
-from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.hidden_states.loader import HiddenStates
 from eagle3.lm.loading import verifier_fingerprint, verifier_parts
 from eagle3.lm.spec import FINAL_STATES, VerifierSpec, require_verifier
 import eagle3.training.parallel as parallel
+from eagle3.training.ahead import wait_for_compile_ahead
 from eagle3.training.checkpoints import Trained, export, run_folder, run_id
 from eagle3.training.config import TrainConfig
+from eagle3.training.drafter import Verifier, make_drafter
 from eagle3.training.data import DataPlan
 from eagle3.training.loop import Run, Splits, fit
-from eagle3.training.loss import TrainingTimeTest, VerifierHead
 from eagle3.training.parallel import World
 from eagle3.training.reporting import log_summary
 from eagle3.training.step import compiles, start_compile_workers
@@ -91,18 +91,9 @@ def train(paths: TrainPaths, cfg: TrainConfig, seed: int, draft_head: dict[str, 
     fingerprint = verifier_fingerprint(paths.verifier)
     train_set, val_set, meta, d2t = open_data(paths.merged, paths.hidden_states, fingerprint)
     config, tensors = verifier_parts(paths.verifier)
-    try:
-        draft = DraftConfig.from_verifier(config, len(d2t), meta["aux_layers"], draft_head)
-    except ValueError as err:
-        raise UserError(f"params.yaml: model.draft_head: {err}") from None
-    dtype = torch.bfloat16 if world.device.type == "cuda" else torch.float32
     torch.manual_seed(seed)  # the same initial weights on every process
-    drafter = Eagle3Drafter(draft, tensors["embed"].to(world.device, dtype)).to(world.device)
-    drafter.set_draft_vocab(d2t.to(world.device))
-    if cfg.lm_head_init == "verifier":
-        drafter.init_head(tensors["head"].to(world.device), tensors["norm"].to(world.device))
-    drafter.lm_head.requires_grad_(not cfg.freeze_lm_head)  # frozen: no gradient, no optimizer state
-    head = VerifierHead(tensors["head"].to(world.device, dtype), d2t.to(world.device)).to(world.device)
+    ttt, head = make_drafter(Verifier(config, tensors, d2t, meta["aux_layers"]), draft_head, cfg, world)
+    draft = ttt.drafter.config
     shards = sorted({row["shard"] for row in train_set.rows + val_set.rows})
     make_id = partial(run_id, asdict(cfg), draft.to_dict(), fingerprint=fingerprint, seed=seed, processes=world.size)
     with run_folder(paths.checkpoints, paths.merged, paths.hidden_states, shards, make_id, world) as run_dir:
@@ -111,7 +102,6 @@ def train(paths: TrainPaths, cfg: TrainConfig, seed: int, draft_head: dict[str, 
             from dvclive import Live
 
             live = Live(str(paths.live), dvcyaml=False, save_dvc_exp=False)  # a fresh record; fit replays a resumed history
-        ttt = TrainingTimeTest(drafter, cfg.ttt_steps, cfg.loss_normalisation)
         summary, best_weights = fit(ttt, head, Splits(train_set, val_set), cfg, Run(run_dir, seed, live), world)
         if world.main:
             training = {**summary, "train": {k: v for k, v in summary["train"].items() if k not in CLOCK_METRICS},
@@ -144,6 +134,8 @@ def main(argv: list[str]) -> None:
                        checkpoints=args.checkpoints, live=args.live)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        wait_for_compile_ahead()
     world = parallel.init_world(args.device)
     try:
         train(paths, cfg, seed, draft_head, world)

@@ -180,21 +180,24 @@ def serve(key: str, idle: float) -> None:
     listener.listen(64)  # clients queue here during the imports below
     preload()
     print(f"eagle3.warm: server {os.getpid()} ready", flush=True)
-    running: dict[int, socket.socket] = {}
-    last, folder = time.monotonic(), os.getcwd()
+    running: dict[int, socket.socket | None] = {}  # None: a compile ahead, no client's
+    last, folder, ahead = time.monotonic(), os.getcwd(), False
     while running or (time.monotonic() - last < idle and os.path.isdir(folder)):
         ready, _, _ = select.select([listener], [], [], 0.2)
         if ready:
             conn, _ = listener.accept()
-            pid = fork_command(conn, listener)
-            if pid is not None:
-                running[pid] = conn
+            request = fork_command(conn, listener, running)
+            if request is not None and request["module"] == "eagle3.extract" and not ahead:
+                ahead = True  # once a server (one folder): a later server's finds its work done, or running
+                compile_ahead(request, listener, running)
         for pid, status in reaped(running):
-            with running.pop(pid) as conn:
-                try:
-                    conn.send(f"exit {status}".encode())
-                except OSError:  # the client is gone (its command's process saw it and stopped)
-                    pass
+            conn = running.pop(pid)
+            if conn is not None:
+                with conn:
+                    try:
+                        conn.send(f"exit {status}".encode())
+                    except OSError:  # the client is gone (its command's process saw it and stopped)
+                        pass
             last = time.monotonic()
 
 
@@ -218,8 +221,9 @@ def reaped(running: dict[int, socket.socket]) -> list[tuple[int, int]]:
     return done
 
 
-def fork_command(conn: socket.socket, listener: socket.socket) -> int | None:
-    """Fork the process of one client's command; its pid (None: not our user's client, or a broken request)."""
+def fork_command(conn: socket.socket, listener: socket.socket, running: dict) -> dict | None:
+    """Fork the process of one client's command, noted in ``running``; its request (None: not our user's client, or a
+    broken request)."""
     uid = peer_uid(conn)
     try:
         data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
@@ -230,6 +234,14 @@ def fork_command(conn: socket.socket, listener: socket.socket) -> int | None:
     if uid != os.getuid() or len(fds) != 3:
         conn.close()
         return None
+    pid = fork_process(conn, request, fds, listener)
+    running[pid] = conn
+    conn.send(f"started {pid}".encode())
+    return request
+
+
+def fork_process(conn: socket.socket | None, request: dict, fds: list[int], listener: socket.socket) -> int:
+    """Fork a process that runs ``request`` (``run_command``) on the streams ``fds`` (closed here); its pid."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -238,12 +250,25 @@ def fork_command(conn: socket.socket, listener: socket.socket) -> int | None:
         run_command(conn, request, fds)  # never returns
     for fd in fds:
         os.close(fd)
-    conn.send(f"started {pid}".encode())
     return pid
 
 
-def run_command(conn: socket.socket, request: dict, fds: list[int]) -> None:
-    """In the forked process: become the client's process (streams, folder, environment, argv) and run its module."""
+def compile_ahead(extract: dict, listener: socket.socket, running: dict) -> None:
+    """Beside an ``extract`` command, train's compiled step built ahead (``eagle3.training.ahead``, which decides from
+    the params whether train compiles at all), for the same verifier and params, in the command's folder and
+    environment; what it prints goes to ``.eagle3/compile-ahead/log``. Why here: the server lives from the first stage
+    to the last, and extract's GPU work leaves the host's cores free for a compile."""
+    args = [extract["args"][0], "--params", params_argument(extract["args"]) or "params.yaml"]
+    log = Path(extract["cwd"]) / ".eagle3" / "compile-ahead" / "log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    streams = [os.open(os.devnull, os.O_RDONLY), out, os.dup(out)]
+    running[fork_process(None, {**extract, "module": "eagle3.training.ahead", "args": args}, streams, listener)] = None
+
+
+def run_command(conn: socket.socket | None, request: dict, fds: list[int]) -> None:
+    """In the forked process: become the client's process (streams, folder, environment, argv) and run its module
+    (``conn`` None: a process of the server's own, no client to watch)."""
     import atexit
     import runpy
     import signal
@@ -259,7 +284,8 @@ def run_command(conn: socket.socket, request: dict, fds: list[int]) -> None:
     os.environ.update(request["env"])
     sys.argv = [request["module"], *request["args"]]
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even where the server was started with it ignored (&)
-    threading.Thread(target=stop_when_client_goes, args=(conn,), daemon=True).start()
+    if conn is not None:  # a client's command
+        threading.Thread(target=stop_when_client_goes, args=(conn,), daemon=True).start()
     # runpy's note that the module was imported before (by preload) is no news here: it runs afresh as __main__
     warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package", category=RuntimeWarning)
     status = 0

@@ -45,6 +45,14 @@ def largest_compile_timers(count: int = 12) -> str:
     return ", ".join(f"{name} {value:.1f}" for value, name in largest)
 
 
+def compile_cache_counts() -> str:
+    """Where this process's compiled graphs came from: torch.compile's caches (hits: a compile ahead's,
+    ``training.ahead``, or an earlier run's on this host) or a compile here (misses; bypass: not cacheable)."""
+    inductor, aot = torch._dynamo.utils.counters["inductor"], torch._dynamo.utils.counters["aot_autograd"]
+    return "; ".join(f"{name} {counts[f'{key}_hit']} hits, {counts[f'{key}_miss']} misses, {counts[f'{key}_bypass']} bypassed"
+                     for name, counts, key in (("AOT autograd cache", aot, "autograd_cache"), ("FX graph cache", inductor, "fxgraph_cache")))
+
+
 def warn_if_undertrained(total: int, cfg: TrainConfig) -> None:
     """A loud warning for a run of fewer than ``MIN_STEPS`` steps, with what to change: train.max_steps
     when it caps the run, else the global batch or the epochs."""
@@ -144,5 +152,6 @@ def fit(ttt: TrainingTimeTest, head: VerifierHead, splits: Splits, cfg: TrainCon
         log.info("fit's wall time: %s", spent.summary())
         if compiled:
             log.info("torch.compile's largest timers (nested, workers summed; seconds): %s", largest_compile_timers())
+            log.info("compiled graphs: %s", compile_cache_counts())
     last = next((metrics for _, prefix, metrics in reversed(state.history) if prefix == "train"), {})
     return {"steps": total, "train": last, "best": state.best}, state.best_weights
