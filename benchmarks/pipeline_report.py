@@ -13,7 +13,8 @@ tokens: ``train.tokens_per_s`` is those tokens over train's wall, start-up and v
 ``logged_tokens_per_s`` the median of the rates train logged, its steps alone; ``train.after_first_sync``: the
 steps after the first metric lines reached the host, which follow the compilation and the first steps: their
 ``wall_s``, ``steps``, ``gpu_busy`` and ``tokens_per_s`` (at the run's mean tokens a step), what a GPU kept busy by
-the training loop shows) and dvclive/evaluate/metrics.json
+the training loop shows; ``first_step_s`` and ``compiled_graphs``: train's log of its first step and of its compile
+caches' hits and misses) and dvclive/evaluate/metrics.json
 with params.yaml (each set's prompts, τ of the chain, the tree and prompt lookup, and max_new_tokens).
 ``--peer FILE``: benchmarks/peer_train.py's record or benchmarks/peer_tau.py's JSON (its longest peer run):
 ``peer.tokens_per_s`` is its rate at its median step, ``train_over_peer`` ours over it (``over``); without it
@@ -169,6 +170,23 @@ def steps_after_first_sync(log: RunLog, samples: list[tuple[float, float, float]
             "tokens_per_s": round(steps * tokens_per_step / wall) if tokens_per_step else None}
 
 
+# train's own lines about its compiled step (training.loop): the first step's seconds, and where its graphs came from
+FIRST_STEP_LINE = re.compile(r"fit's wall time: .*?the first step \(compiling\) ([\d.]+) s")
+GRAPHS_LINE = re.compile(r"compiled graphs: (.*)$")
+
+
+def compiled_step(log: RunLog) -> dict:
+    """``first_step_s`` (its compilation, or its lookup in torch.compile's caches) and ``compiled_graphs`` (their hits
+    and misses: a step compiled ahead, ``eagle3.training.ahead``, is all hits) from train's log; null where absent."""
+    found = {"first_step_s": None, "compiled_graphs": None}
+    for _, text in log.lines:
+        if m := FIRST_STEP_LINE.search(text):
+            found["first_step_s"] = float(m[1])
+        elif m := GRAPHS_LINE.search(text):
+            found["compiled_graphs"] = m[1].strip()
+    return found
+
+
 def peer_rate(path: Path | None) -> dict:
     """The peer trainer's tokens/s, from peer_train.py's record or the longest peer run of a peer_tau.py JSON:
     ``tokens_per_s`` over its steps after the first at its median step (its start-up, compilation and
@@ -225,6 +243,7 @@ def report(run: Path, commit: str, command: str, peer: Path | None, now: float |
     train = train_rates(run, stages.get("train", {}).get("wall_s"))
     tokens_per_step = train["tokens"] / train["steps"] if train.get("steps") else None
     train["after_first_sync"] = steps_after_first_sync(log, samples, tokens_per_step)
+    train.update(compiled_step(log))
     peer = peer_rate(peer)
     sessions = [(a, b if b is not None else now) for a, b in log.sessions]
     return {

@@ -33,7 +33,11 @@ LOG = [
     (60, "Running stage 'extract@000032-001000':"), (70, "Updating lock file 'dvc.lock'"),
     (70, "Running stage 'train':"), (120, "12:00:50 INFO eagle3.training.reporting: step 10 loss 9.1 acc_0 0.1"),
     (120, "12:00:50 INFO eagle3.training.reporting: step 20 loss 8.1 acc_0 0.2"),
-    (165, "12:01:35 INFO eagle3.training.reporting: step 60 loss 4.1 acc_0 0.6"), (170, "Updating lock file 'dvc.lock'"),
+    (165, "12:01:35 INFO eagle3.training.reporting: step 60 loss 4.1 acc_0 0.6"),
+    (169, "12:01:39 INFO eagle3.training.loop: fit's wall time: 98.0 s; setting up the step 0.1 s (0%), "
+          "the first step (compiling) 4.6 s (5%), queueing steps 90.0 s (92%)"),
+    (169, "12:01:39 INFO eagle3.training.loop: compiled graphs: AOT autograd cache 2 hits, 0 misses, 0 bypassed; "
+          "FX graph cache 4 hits, 0 misses, 0 bypassed"), (170, "Updating lock file 'dvc.lock'"),
     (170, "Running stage 'evaluate':"), (200, "Updating lock file 'dvc.lock'"),
     (200, "Running stage 'summary':"), (201, "Updating lock file 'dvc.lock'"), (202, "=== exit 0"),
 ]
@@ -77,7 +81,9 @@ def test_the_report_times_each_stage_and_reads_the_stages_metrics(tmp_path):
     assert generate["items"] == {"000000-000032": {"wall_s": 8.0, "gpu_busy": 0.1}, "000032-001000": {"wall_s": 12.0, "gpu_busy": 0.1}}
     # 40 steps at the run's 500,000 / 60 tokens a step in 45 s
     assert result["train"] == {"tokens_per_s": 5000, "tokens": 500_000, "steps": 60, "logged_tokens_per_s": 6000,
-                               "after_first_sync": {"wall_s": 45.0, "steps": 40, "gpu_busy": 0.8, "tokens_per_s": 7407}}
+                               "after_first_sync": {"wall_s": 45.0, "steps": 40, "gpu_busy": 0.8, "tokens_per_s": 7407},
+                               "first_step_s": 4.6, "compiled_graphs": "AOT autograd cache 2 hits, 0 misses, 0 bypassed; "
+                               "FX graph cache 4 hits, 0 misses, 0 bypassed"}
     # the peer at its median step: 7,500 tokens a step in 1.25 s; over its wall 5,000
     assert result["peer"] == {"tokens_per_s": 6000, "whole_run_tokens_per_s": 5000, "tokens": 300_000, "steps": 40,
                               "seconds": 60.0, "step_median_s": 1.25, "source": "peer.json"}
