@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -23,12 +24,12 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset
 
-from eagle3.common import UserError, read_json, read_jsonl, sha256_file, stage_main, write_json
+from eagle3.common import UserError, read_json, read_jsonl, sha256_file, stage_main, try_lock_run, write_json
 from eagle3.drafter.export import check_drafter
 from eagle3.hidden_states.loader import HiddenStates
 from eagle3.lm.loading import verifier_parts
 from eagle3.train import TrainPaths, main, train
-from eagle3.training.ahead import ahead_key
+from eagle3.training.ahead import FOLDER, ahead_key, wait_for_compile_ahead
 from eagle3.training.checkpoints import lock_run
 from eagle3.training.config import Batching, TrainConfig
 from eagle3.training.data import DataPlan, InOrder, ValidationSampler, collate, pack
@@ -768,3 +769,20 @@ def test_the_step_compiled_ahead_is_the_one_train_reads(tiny_data, tiny_verifier
     warm_weights, cold_weights = (load_file(tiny_data / name / "drafter" / "model.safetensors") for name in ("ahead-warm", "ahead-cold"))
     for name in cold_weights:
         torch.testing.assert_close(warm_weights[name], cold_weights[name], rtol=0, atol=0, msg=name)
+
+
+def test_train_waits_once_for_a_running_compile_ahead(tmp_path, monkeypatch, caplog):
+    """``wait_for_compile_ahead`` beside the compile ahead's log: a finished one and an unlocked one (a failed
+    run) are not waited for; a running one (its lock held) is, until it lets go, with one line said."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("finished", "failed", "running"):
+        (FOLDER / name).mkdir(parents=True)
+    (FOLDER / "log").write_text("its output\n")
+    (FOLDER / "finished" / "done").write_text("")
+    held = try_lock_run(FOLDER / "running")
+    threading.Timer(1.0, os.close, [held]).start()
+    start = time.monotonic()
+    with caplog.at_level("INFO", logger="eagle3"):
+        wait_for_compile_ahead()
+    assert 0.9 < time.monotonic() - start < 10
+    assert caplog.text.count("waiting for the compile ahead") == 1

@@ -61,13 +61,14 @@ def ahead_key(verifier: Path, values) -> str | None:
 def wait_for_compile_ahead() -> None:
     """Wait (at most ``WAIT_S``) for a compile ahead still running in this folder: compiling beside it, train would
     repeat its work instead of reading its caches."""
-    running = [folder for folder in FOLDER.glob("*/") if not (folder / "done").exists()]
+    unfinished = [f for f in FOLDER.iterdir() if f.is_dir() and not (f / "done").exists()] if FOLDER.is_dir() else []
     deadline = time.monotonic() + WAIT_S
-    for folder in running:
-        while (fd := try_lock_run(folder)) is None and time.monotonic() < deadline:
-            if folder == running[0]:
-                log.info("waiting for the compile ahead of train's step to finish (its log: %s)", FOLDER / "log")
-            time.sleep(0.5)
+    for folder in unfinished:
+        fd = try_lock_run(folder)
+        if fd is None:  # running
+            log.info("waiting for the compile ahead of train's step to finish (its log: %s)", FOLDER / "log")
+            while (fd := try_lock_run(folder)) is None and time.monotonic() < deadline:
+                time.sleep(0.5)
         if fd is not None:
             os.close(fd)
 
@@ -76,18 +77,21 @@ def random_rows(config, values, batching, generator: torch.Generator) -> dict:
     """One micro-batch as train's loader makes it for the verifier of LM ``config`` and the params ``values``
     (``collate_ttt``, the selection padded for CUDA graphs): documents of random tokens and states, the second half of
     each under the loss mask, filling the rows."""
+    from eagle3.hidden_states.storage import encode_states, training_states
     from eagle3.lm.spec import VerifierSpec
     from eagle3.training.step import collate_ttt
 
-    width = config.hidden_size
     taps = len(VerifierSpec.from_params(values.model).aux_layers)
-    states = torch.float32 if str(values.extract.dtype).startswith("float8") else torch.bfloat16  # as storage decodes them
     count = batching.batch_size * max(1, batching.pack_tokens // DOCUMENT_TOKENS)
     length = min(DOCUMENT_TOKENS, batching.pack_tokens)
+
+    def states(name: str, groups: int) -> torch.Tensor:  # stored as extract stores them, read as training reads them
+        random = torch.randn(length, groups * config.hidden_size, generator=generator)
+        return training_states(encode_states(name, random, values.extract.dtype, groups), name)
+
     items = [{"input_ids": torch.randint(0, config.vocab_size, (length,), generator=generator),
-              "loss_mask": torch.arange(length) >= length // 2,
-              "aux": torch.randn(length, taps * width, generator=generator).to(states),
-              "final": torch.randn(length, width, generator=generator).to(states)} for _ in range(count)]
+              "loss_mask": torch.arange(length) >= length // 2, "aux": states("aux", taps), "final": states("final", 1)}
+             for _ in range(count)]
     return collate_ttt(items, batching, int(values.train.ttt_steps), static=True)
 
 
