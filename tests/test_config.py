@@ -140,8 +140,6 @@ def test_the_committed_params_are_valid():
     validate(OmegaConf.load(ROOT / "params.yaml"))
 
 
-LAUNCH = ["-m", "eagle3.launch", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-          "--rdzv-endpoint", "localhost:0"]
 STAGES = [  # what `dvc exp run -S key=value` hands a stage: params.yaml with the bad value, unchecked
     (["-m", "eagle3.prompts", "verifier", "out", "--sources", "sources"], "dataset.shards", ["000000-000032", "000040-001000"],
      "dataset.shards = ['000000-000032', '000040-001000']: must be contiguous ranges (one ends at 000032, the next "
@@ -150,7 +148,8 @@ STAGES = [  # what `dvc exp run -S key=value` hands a stage: params.yaml with th
      "generate.temperature = -1: must be a number >= 0"),
     (["-m", "eagle3.extract", "verifier", "generated", "out"], "model.aux_layers", [2, 27, 15],
      "model.aux_layers [2, 27, 15] must be 3 ascending layer ids >= 1 (and below the verifier's layer count)"),
-    ([*LAUNCH, "-m", "eagle3.train", "verifier", "merged", "hidden", "out", "--checkpoints", "ckpt", "--live", "live"],
+    (["-m", "eagle3.train", "verifier", "merged", "hidden", "out", "--checkpoints", "ckpt", "--live", "live", "--nnodes", "1",
+      "--nproc-per-node", "1", "--rdzv-endpoint", "localhost:0"],
      "train.lr", -1, "train.lr = -1: must be a number > 0"),
     (["-m", "eagle3.evaluate", "verifier", "drafter", "prompts", "out"], "evaluate.draft_tokens", 0,
      "evaluate.draft_tokens = 0: must be an integer >= 1"),

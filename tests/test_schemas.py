@@ -1,6 +1,6 @@
 """A setting is declared once: every conf/ group has a schema (``config.SCHEMAS``) with exactly the keys
 its conf/ files declare (the union over the group's options), and no value of its own; the keys of no
-group are checked by ``config.TOP_LEVEL``."""
+group are checked by ``settings.TOP_LEVEL``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from eagle3.common import UserError
-from eagle3.config import SCHEMAS, TOP_LEVEL, conf_schema, validate
+from eagle3.config import SCHEMAS, conf_schema, validate
+from eagle3.settings import TOP_LEVEL
 from eagle3.schema import ABSENT, POSITIVE, check_schema, setting
 from support.repo import ROOT
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 
 from eagle3 import report
-from eagle3.common import UserError, check_lock_file, naming_params_file, setup_logging
+from eagle3.common import UserError, check_lock_file, naming_params_file
 from eagle3.lifecycle import gc, s3
+from eagle3.runner import setup_logging
 
 
 def _params(args: argparse.Namespace) -> None:

@@ -1,7 +1,7 @@
 """Helpers every stage shares: user-facing errors, atomic outputs, JSONL, params, hashing, logs.
 
 A stage must never leave a half-written output for DVC to cache, and bad input must end in one
-clear line naming the file and what to do. ``stage_main`` and ``atomic_dir`` give both.
+clear line naming the file and what to do. ``UserError`` (one line, by ``eagle3.runner``) and ``atomic_dir`` give both.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import json
 import logging
 import os
 import shutil
-import signal
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -25,9 +23,15 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from eagle3.launch import INTERRUPTED, USER_ERROR, exit_with_launcher, stop_if_launcher_gone
-
 log = logging.getLogger("eagle3")
+
+USER_ERROR = 2  # exit status of a stage stopped by a UserError (already reported in one line)
+LAUNCHER_GONE = 143  # exit status of a stage whose launcher died (128 + SIGTERM, as if terminated)
+INTERRUPTED = 130  # exit status of a stage stopped by Ctrl-C (128 + SIGINT; reported in one line)
+
+# The modules that run a stage's process and compute none of its outputs (eagle3.runner says what each does): no
+# stage's dep, and not followed in its import graph (tests/test_dvc_deps.py, training.checkpoints.training_code).
+PLUMBING = ("eagle3.runner", "eagle3.warm", "eagle3.launch", "eagle3.training.ahead")
 
 
 class UserError(Exception):
@@ -54,66 +58,13 @@ def params_argument(argv: list[str]) -> str | None:
     return None
 
 
-def setup_logging(level: int = logging.INFO) -> None:
-    """Structured one-line logs on stderr (progress bars also go to stderr)."""
-    logging.basicConfig(
-        level=level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
-
-
-FINISH_CHECKS: list[Callable[[], None]] = []  # run by stage_main once the stage's main returns (at_finish)
+FINISH_CHECKS: list[Callable[[], None]] = []  # run by runner.stage_main once the stage's main returns (at_finish)
 
 
 def at_finish(check: Callable[[], None]) -> None:
-    """Have ``stage_main`` run ``check`` after the stage's main returns: a UserError it raises fails the
+    """Have ``runner.stage_main`` run ``check`` after the stage's main returns: a UserError it raises fails the
     stage (one line, exit USER_ERROR), so DVC records nothing for outputs that no longer match."""
     FINISH_CHECKS.append(check)
-
-
-SIGINTS: list[int] = []  # the Ctrl-Cs this process received (note_interrupt)
-
-
-def note_interrupt(signum: int, frame) -> None:
-    """SIGINT as Python answers it (KeyboardInterrupt), remembered: a library call it lands in may turn the
-    KeyboardInterrupt into an error of its own (safetensors' slicing raised a ValueError), which is still a Ctrl-C."""
-    SIGINTS.append(signum)
-    signal.default_int_handler(signum, frame)
-
-
-def stop_interrupted() -> None:
-    if "TORCHELASTIC_RUN_ID" not in os.environ:  # a torchrun worker: eagle3.launch says it once
-        print(f"eagle3: interrupted; stopping (pid {os.getpid()})", file=sys.stderr)
-    sys.exit(INTERRUPTED)  # outputs are written atomically: nothing half-written is left
-
-
-def stage_main(fn: Callable[[list[str]], None]) -> None:
-    """Run a stage's ``main(argv)`` and then its ``at_finish`` checks; turn a UserError into one line and
-    exit USER_ERROR, and a Ctrl-C into one line and exit INTERRUPTED. Run by hand, a stage first checks dvc.lock
-    (``check_lock_file``); under DVC, DVC has."""
-    setup_logging()
-    exit_with_launcher()
-    FINISH_CHECKS.clear()  # only this run's (an in-process caller may have read params before)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the stage was started with it ignored
-        signal.signal(signal.SIGINT, note_interrupt)
-    try:
-        if "DVC_STAGE" not in os.environ:
-            check_lock_file()
-        fn(sys.argv[1:])
-        for check in FINISH_CHECKS:
-            check()
-    except UserError as err:
-        print(f"error: {naming_params_file(str(err), params_argument(sys.argv[1:]))}", file=sys.stderr)
-        sys.exit(USER_ERROR)
-    except KeyboardInterrupt:
-        stop_interrupted()
-    except Exception:
-        if SIGINTS:  # a Ctrl-C a library call turned into its own error
-            stop_interrupted()
-        stop_if_launcher_gone()  # the failure is the launcher's going (a collective with stopped peers): one line
-        raise
 
 
 # In a training run's checkpoint folder (``train --checkpoints``): the run ended and its best weights were exported, so

@@ -15,12 +15,19 @@ for every valid params.yaml, so a valid change reruns only the stages that decla
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # how this command's process runs (the layout's warm server, torchrun): eagle3.runner
+    from eagle3.runner import run_laid_out
+
+    run_laid_out("eagle3.params")
+
 import argparse
+from functools import partial
 from pathlib import Path
 
-from eagle3.common import UserError, stage_main
-from eagle3.config import stage_params
+from eagle3.common import UserError
+from eagle3.config import SCHEMAS, check_known_keys
 from eagle3.prompt_sources.sources import check_local_sources, configured_sources, source_weights
+from eagle3.settings import stage_params
 
 PARAMS = ("seed", "model", "dataset", "layout", "backend", "generate", "extract", "merge", "train", "evaluate")  # = dvc.yaml
 VALID = "params.yaml: valid (checked by the params stage: python -m eagle3.params)\n"
@@ -35,7 +42,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     try:
-        params = stage_params(PARAMS, args.params, schema=args.conf)
+        known_keys = partial(check_known_keys, conf_dir=args.conf, name=Path(args.params).name)
+        params = stage_params(PARAMS, SCHEMAS, args.params, whole=known_keys)
         sources = configured_sources(params.dataset)
         check_local_sources(sources, args.sources)
         source_weights(sources)
@@ -44,7 +52,3 @@ def main(argv: list[str]) -> None:
     if not args.out.is_file() or args.out.read_text() != VALID:  # persistent: DVC leaves it, rewritten only if damaged
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(VALID)
-
-
-if __name__ == "__main__":
-    stage_main(main)

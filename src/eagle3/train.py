@@ -22,6 +22,11 @@ exported and checked (``training.checkpoints.export``, in the format of ``eagle3
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # how this command's process runs (the layout's warm server, torchrun): eagle3.runner
+    from eagle3.runner import run_laid_out
+
+    run_laid_out("eagle3.train")
+
 import argparse
 import logging
 from dataclasses import asdict, dataclass
@@ -33,13 +38,12 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from eagle3.common import RUN_EXPORTED, UserError, stage_main
-from eagle3.config import stage_params
+from eagle3.common import RUN_EXPORTED, UserError
 from eagle3.hidden_states.loader import HiddenStates
 from eagle3.lm.loading import verifier_fingerprint, verifier_parts
-from eagle3.lm.spec import FINAL_STATES, VerifierSpec, require_verifier
+from eagle3.lm.spec import FINAL_STATES, ModelSettings, VerifierSpec, require_verifier
+from eagle3.settings import stage_params
 import eagle3.training.parallel as parallel
-from eagle3.training.ahead import wait_for_compile_ahead
 from eagle3.training.checkpoints import Trained, export, run_folder, run_id
 from eagle3.training.config import TrainConfig
 from eagle3.training.drafter import Verifier, make_drafter
@@ -52,6 +56,7 @@ from eagle3.training.step import compiles, start_compile_workers
 log = logging.getLogger(__name__)
 
 PARAMS = ("seed", "train", "model.draft_head")  # = dvc.yaml
+SCHEMAS = (TrainConfig, ModelSettings)  # the groups PARAMS reads: their checks
 CLOCK_METRICS = ("tokens_per_s",)  # logged to dvclive and the log, never written into models/drafter
 
 
@@ -127,21 +132,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads per process (0: torch's default)")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
-    params = stage_params(PARAMS, args.params)  # before anything starts
+    params = stage_params(PARAMS, SCHEMAS, args.params)  # before anything starts
     cfg, seed = TrainConfig.from_params(params.train), int(params.seed)
     draft_head = VerifierSpec.from_params(params.model).draft_head
     paths = TrainPaths(verifier=args.verifier, merged=args.merged, hidden_states=args.hidden_states, out=args.out,
                        checkpoints=args.checkpoints, live=args.live)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.device == "cuda":
-        wait_for_compile_ahead()
     world = parallel.init_world(args.device)
     try:
         train(paths, cfg, seed, draft_head, world)
     finally:
         parallel.close_world(world)
-
-
-if __name__ == "__main__":
-    stage_main(main)

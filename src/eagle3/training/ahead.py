@@ -29,7 +29,8 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle3.common import sha256_file, stable_hash, to_plain, try_lock_run
-from eagle3.config import stage_params
+from eagle3.config import SCHEMAS
+from eagle3.settings import stage_params
 from eagle3.training.checkpoints import PACKAGE, training_code
 from eagle3.training.config import TrainConfig
 from eagle3.training.parallel import World
@@ -130,7 +131,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    values = stage_params(PARAMS, args.params)
+    values = stage_params(PARAMS, SCHEMAS, args.params)
     key = ahead_key(args.verifier, values)
     if key is None:
         log.info("%s: train compiles no step ahead on this layout", args.params)

@@ -1,0 +1,137 @@
+"""A stage's settings: the keys of params.yaml it declares, read and checked by its own groups' schemas.
+
+    PARAMS = ("extract", "model.aux_layers", "layout.device", ...)   # = dvc.yaml's params: of the stage
+    params = stage_params(PARAMS, (ExtractSettings, ModelSettings, LayoutSettings), args.params)
+    params.extract.max_length                                          # params.model.name raises: not declared
+
+Only the keys a stage declares, validated before it does anything else, so a stage cannot depend on a param DVC does
+not track, and a bad value set with ``dvc exp run -S`` stops the stage in one line. Why the stage names its schemas:
+its code then depends on the schemas of what it reads, not on every group's (``eagle3.config``, the params stage's,
+composes and checks them all, the rules across groups included: a stage's view holds no other group's keys, so those
+rules skip there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from eagle3.common import USER_ERROR, UserError, at_finish
+from eagle3.schema import ABSENT, NON_NEGATIVE, Check, check_schema, refuse
+
+TOP_LEVEL: dict[str, Check] = {"seed": NON_NEGATIVE}  # conf/config.yaml's keys of no group
+
+
+def stage_params(keys: Iterable[str], schemas: Iterable[type], path: str | os.PathLike = "params.yaml",
+                 whole: Callable[[DictConfig], None] | None = None) -> DictConfig:
+    """The declared ``keys`` of the params file, validated by ``schemas``, one for each group the keys name; reading any
+    other key raises. ``whole``: a check of the whole file (the params stage's: every key one that conf/ declares).
+
+    When the stage finishes (``runner.stage_main``), the file must still hold these values, else the stage
+    fails (``_require_unchanged``). Under torchrun every process validates the same values: only
+    rank 0 prints the error.
+    """
+    path, keys = Path(path), tuple(keys)
+    if not path.is_file():
+        raise UserError(f"{path}: not found; run from the repository root or compose it with `eagle3 params`")
+    params, view = OmegaConf.load(path), OmegaConf.create()
+    for key in keys:
+        value = OmegaConf.select(params, key, default=ABSENT)
+        if value is ABSENT:
+            raise UserError(f"{path}: {key} is missing; recompose it with `eagle3 params`")
+        OmegaConf.update(view, key, value, force_add=True)
+    with _reported_by_rank0():
+        if whole is not None:
+            whole(params)
+        check_values(view, stage_schemas(keys, schemas))
+    started = _declared_values(params, keys)
+    at_finish(lambda: _require_unchanged(path, keys, started))
+    OmegaConf.set_struct(view, True)
+    return view
+
+
+@contextlib.contextmanager
+def _reported_by_rank0() -> Iterator[None]:
+    """A UserError inside is printed by rank 0 only; the other torchrun processes exit USER_ERROR silently."""
+    try:
+        yield
+    except UserError:
+        if os.environ.get("RANK", "0") != "0":
+            raise SystemExit(USER_ERROR) from None
+        raise
+
+
+def _declared_values(params: DictConfig, keys: Iterable[str]) -> dict[str, Any]:
+    """The leaves of the declared ``keys``, by dotted name: ``{"evaluate.tree.topk": 4, ...}``."""
+    leaves: dict[str, Any] = {}
+
+    def add(name: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for child, item in value.items():
+                add(f"{name}.{child}", item)
+        else:
+            leaves[name] = value
+
+    for key in keys:
+        add(key, _get(params, key))
+    return leaves
+
+
+def _require_unchanged(path: Path, keys: Iterable[str], started: dict[str, Any]) -> None:
+    """Refuse to finish when the params file no longer holds the declared values the stage started with.
+
+    A `dvc exp run -S` refused by DVC's lock while this stage ran has already rewritten params.yaml
+    (DVC releases its lock while a stage's command runs), and DVC would record the new values
+    for outputs made with the old ones: a stage failing here gets no dvc.lock entry.
+    """
+    try:
+        now = _declared_values(OmegaConf.load(path), keys)
+    except (OSError, yaml.YAMLError):
+        now = {}
+    changed = [key for key in sorted(started.keys() | now.keys()) if started.get(key, ABSENT) != now.get(key, ABSENT)]
+    if changed:
+        shown = ", ".join(f"{key} {_shown(started.get(key, ABSENT))} -> {_shown(now.get(key, ABSENT))}" for key in changed[:3])
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        with _reported_by_rank0():
+            raise UserError(f"{path}: changed while this stage ran ({shown}{more}): its outputs are of the values it "
+                            f"started with, so nothing is recorded; run `dvc repro` again for the new values, or first "
+                            f"`git checkout {path}` for the old ones")
+
+
+def _shown(value: Any) -> str:
+    return "(missing)" if value is ABSENT else repr(value)
+
+
+def stage_schemas(keys: Iterable[str], schemas: Iterable[type]) -> tuple[type, ...]:
+    """``schemas``, checked to hold one for each group ``keys`` name (a key of no group: ``TOP_LEVEL``)."""
+    schemas = tuple(schemas)
+    groups = {key.split(".")[0] for key in keys} - set(TOP_LEVEL)
+    missing = groups - {schema.GROUP for schema in schemas}
+    if missing:
+        raise ValueError(f"no schema given for the params group(s) {sorted(missing)}")
+    return schemas
+
+
+def _get(params: DictConfig, key: str) -> Any:
+    value = OmegaConf.select(params, key, default=ABSENT)
+    return OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value
+
+
+def check_values(params: DictConfig, schemas: Iterable[type]) -> None:
+    """Reject values and combinations that would fail hours later: one line with key, value, what is allowed.
+
+    Checks only the keys present, so a stage validates exactly the keys it declares.
+    """
+    for key, (ok, allowed) in TOP_LEVEL.items():
+        value = _get(params, key)
+        if value is not ABSENT and not ok(value):
+            raise refuse(key, value, allowed)
+    for schema in schemas:
+        check_schema(schema, partial(_get, params))
