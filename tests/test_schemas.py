@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from eagle3.common import UserError
-from eagle3.config import SCHEMAS, conf_schema, validate
+from eagle3.config import REFERENCE_COMMAND, SCHEMAS, conf_schema, field_notes, params_reference, validate
 from eagle3.settings import TOP_LEVEL
 from eagle3.schema import ABSENT, POSITIVE, check_schema, setting
 from support.repo import ROOT
@@ -32,6 +32,17 @@ def test_a_schema_has_exactly_the_keys_its_conf_files_declare(schema):
     named = {item.name for item in fields(schema)}
     assert not declared - named, f"conf/{schema.GROUP}/ keys without a schema field: {sorted(declared - named)}"
     assert not named - declared, f"{schema.__name__} fields without a conf/{schema.GROUP}/ key: {sorted(named - declared)}"
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=lambda schema: schema.GROUP)
+def test_every_key_has_its_line_of_description(schema):
+    """The comment after a field's declaration: what docs/params.md says of the key."""
+    notes = field_notes(schema)
+    assert not [item.name for item in fields(schema) if not notes.get(item.name)]
+
+
+def test_docs_params_md_is_generated_from_the_schemas():
+    assert (ROOT / "docs" / "params.md").read_text() == params_reference(), f"regenerate it: {REFERENCE_COMMAND}"
 
 
 @pytest.mark.parametrize("schema", SCHEMAS, ids=lambda schema: schema.GROUP)

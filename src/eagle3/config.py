@@ -14,8 +14,11 @@ way (through DVC's own function) without running anything, and writes it only on
 from __future__ import annotations
 
 import difflib
+import inspect
 import os
+import re
 import tempfile
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,7 @@ from eagle3.layout import LayoutSettings
 from eagle3.hidden_states.config import ExtractSettings
 from eagle3.lm.spec import ModelSettings
 from eagle3.prompt_sources.config import DatasetSettings
-from eagle3.settings import check_values
+from eagle3.settings import TOP_LEVEL, check_values
 from eagle3.training.config import TrainConfig
 from eagle3.training.mixture import MixtureSettings
 
@@ -140,3 +143,40 @@ def validate(params: DictConfig) -> None:
     """Every group's checks over ``params`` (the keys present), the rules across groups included."""
     check_values(params, SCHEMAS)
 
+
+# --- the reference of every key: docs/params.md ------------------------------------------------------------------
+
+REFERENCE_COMMAND = "python -m eagle3.config > docs/params.md"
+
+
+def field_notes(schema: type) -> dict[str, str]:
+    """Each field's one line of description: the comment after its declaration in the schema's source
+    (``lr: float = setting(POSITIVE_NUMBER)  # peak learning rate ...``)."""
+    declarations = (re.match(r"    (\w+): .*= setting\(.*?  # (.*)$", line) for line in inspect.getsource(schema).splitlines())
+    return {found.group(1): found.group(2).strip() for found in declarations if found}
+
+
+def params_reference() -> str:
+    """docs/params.md: every key of params.yaml, by group, with its type, what its check allows and its description,
+    all read from the schemas (``SCHEMAS``, ``settings.TOP_LEVEL``): the page is generated, never edited."""
+    lines = ["# Params", "",
+             f"Every key of `params.yaml`, generated from the groups' schemas (`{REFERENCE_COMMAND}`; `tests/test_schemas.py`",
+             "fails when this page differs from them). The values live in `conf/`; a stage reads the keys its module's `PARAMS`",
+             "names (= its `params:` in dvc.yaml), checked by its groups' schemas; the `params` stage checks them all, the rules",
+             "across groups included.", "",
+             "| key | allowed |", "|---|---|",
+             *(f"| `{key}` | {check.allowed} |" for key, check in TOP_LEVEL.items())]
+    for schema in SCHEMAS:
+        notes = field_notes(schema)
+        lines += ["", f"## `{schema.GROUP}`", "", f"`{schema.__name__}` in `{schema.__module__}`, values in `conf/{schema.GROUP}/`.", "",
+                  "| key | type | allowed | what it is |", "|---|---|---|---|"]
+        for item in fields(schema):
+            check = item.metadata.get("check")
+            allowed = check.allowed if check else "(checked where it is read)"
+            cells = [f"`{schema.GROUP}.{item.name}`", f"`{item.type}`", allowed, notes.get(item.name, "")]
+            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(params_reference(), end="")

@@ -23,6 +23,8 @@ SOURCE_KEYS = {  # dataset.sources: the keys of an entry, by kind (docs/data.md)
     "hf": ("name", "subset", "split"),
 }
 SOURCE_KINDS = tuple(SOURCE_KEYS)
+SHARE_OR_COUNT = Check(lambda v: integer(0)(v) or (isinstance(v, float) and 0 <= v < 1),
+                       "a share of each evals source's folders in [0, 1) or a count per source (an int >= 0)")
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,7 @@ class DatasetSettings:
     sources: list = setting()  # the weighted prompt sources, by kind (relations)
     extra_sources: list = setting()  # sources added to `sources` (relations)
     heldout_fraction: float = setting(FRACTION)  # share of prompts kept out of training (eval set heldout)
-    unseen_folders: float | int = setting(Check(lambda v: integer(0)(v) or (isinstance(v, float) and 0 <= v < 1),
-                                                "a share of each evals source's folders in [0, 1) or a count per source "
-                                                "(an int >= 0)"))  # folders kept out of training and held out
+    unseen_folders: float | int = setting(SHARE_OR_COUNT)  # folders kept out of training and held out
     max_prompt_tokens: int = setting(POSITIVE)  # longer prompts (chat-templated) are dropped
 
     @staticmethod
