@@ -36,10 +36,11 @@ class Check(NamedTuple):
     allowed: str
 
 
-def setting(check: Check | None = None) -> Any:
+def setting(check: Check | None = None, read: Callable[[Any], Any] | None = None) -> Any:
     """A schema field without a default (a key missing from params.yaml is an error, never a silent
-    second value) and with the check of its values; None: any value of the field's type passes."""
-    return field(metadata={"check": check})
+    second value) and with the check of its values; None: any value of the field's type passes. ``read``:
+    how the code takes the value (e.g. a list as a tuple; ``lm.spec.VerifierSpec``), None: as it is."""
+    return field(metadata={"check": check, "read": read})
 
 
 def integer(low: int) -> Callable[[Any], bool]:
