@@ -397,27 +397,29 @@ def pipeline_report(*args: str) -> str:
                           capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip()
 
 
-def readme_section(heading: str) -> str:
-    """The README's section under ``heading`` (a `### ` line), up to the next heading."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index(f"### {heading}\n"):]
-    return section[:re.search(r"^#+ ", section[4:], re.M).start() + 4]
+def page_section(heading: str, page: str = "README.md") -> str:
+    """The section of ``page`` under the heading ``heading`` (any level), up to the next heading."""
+    text = (ROOT / page).read_text()
+    start = re.search(rf"^#+ {re.escape(heading)}\n", text, re.M)
+    rest = text[start.end():]
+    after = re.search(r"^#+ ", rest, re.M)
+    return start[0] + (rest[:after.start()] if after else rest)
 
 
-def test_the_readme_timing_table_is_the_pipeline_json():
-    """The README's table of the whole run is benchmarks/pipeline_report.py --readme-table of its JSON."""
+def test_the_timing_table_is_the_pipeline_json():
+    """docs/benchmarks.md's table of the whole run is benchmarks/pipeline_report.py --readme-table of its JSON."""
     table = pipeline_report("--readme-table", str(PIPELINE_JSON.relative_to(ROOT)))
-    section = readme_section("The whole run, timed")
+    section = page_section("The whole run, timed", "docs/benchmarks.md")
     assert "\n".join(line for line in section.splitlines() if line.startswith("|")) == table
 
 
 def test_the_readme_headline_is_the_pipeline_json():
-    """The README's headline τ is pipeline_report.py --readme-results of the committed pipeline JSON, and nothing
-    beside it in that section is a hand-written figure (a decimal: a τ, a speedup)."""
-    section = readme_section("Where a real drafter stands, on one GPU")
+    """The README's results are pipeline_report.py --readme-results of the committed pipeline JSON (τ) and the evaluate
+    metrics beside it (speedups), and nothing beside them in that section is a hand-written figure (a decimal)."""
+    section = page_section("Results")
     (generated,) = GENERATED.findall(section)
     assert generated == pipeline_report("--readme-results", str(PIPELINE_JSON.relative_to(ROOT)))
-    assert not re.findall(r"\d\.\d", GENERATED.sub("", section))
+    assert "batch 64" in generated and not re.findall(r"\d\.\d", GENERATED.sub("", section))
 
 
 def test_the_readme_headline_says_whether_the_run_finished(tmp_path):
@@ -431,3 +433,37 @@ def test_the_readme_headline_says_whether_the_run_finished(tmp_path):
     finished.write_text(json.dumps({**result, "finished": True, "sets": sets}))
     text = pipeline_report("--readme-results", str(finished))
     assert "Unfinished" not in text and "| `heldout` | 200 |" in text
+
+
+def test_the_readme_headline_says_where_drafting_is_slower(tmp_path):
+    """The speedups come from the evaluate metrics beside the run's JSON; every one below 1× is named, a set whose
+    timings disagreed is flagged, and a run without evaluate's metrics shows no speedup rather than a stale one."""
+    metrics = json.loads(PIPELINE_JSON.with_name("pipeline_10k_evaluate_metrics.json").read_text())
+    metrics["math"]["batch"]["64"]["tree"]["speedup"] = 1.5  # one batch-64 speedup above 1x: the others are listed
+    (tmp_path / "run.json").write_text(PIPELINE_JSON.read_text())
+    (tmp_path / "run_evaluate_metrics.json").write_text(json.dumps(metrics))
+    text = pipeline_report("--readme-results", str(tmp_path / "run.json"))
+    assert "| `math` | 200 | 256 | **2.60** | **3.25** | 1.95 | 1.21× | 1.33× | 0.46× | 1.50× |" in text
+    assert "Below 1× (slower than plain decoding): at batch 64: `heldout`'s chain, `heldout`'s tree, `humaneval`'s chain" in text
+    assert "`math`'s chain, `mtbench`'s chain" in text and "`math`'s tree" not in text
+    assert "(`unstable`): `humaneval`, `mtbench`, `unseen`." in text
+    (tmp_path / "run_evaluate_metrics.json").unlink()
+    text = pipeline_report("--readme-results", str(tmp_path / "run.json"))
+    assert "| `math` | 200 | 256 | **2.60** | **3.25** | 1.95 |\n" in text and "×" not in text
+
+
+README_MAX_LINES = 150  # a front page: what it is, the commands, serving, one table of results, links
+FRONT_PAGE = ("Two commands", "Your own verifier on a GPU", "Serve", "Results", "Documentation")
+
+
+def test_the_readme_is_a_front_page():
+    """At most 150 lines with the sections a newcomer looks for; the GPU commands train at a real scale, not the demo's,
+    and the serving commands load the exported drafter."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES
+    assert [h for h in HEADING.findall(prose(text)) if h in FRONT_PAGE] == list(FRONT_PAGE)
+    gpu = [c for c in COMMANDS if c.where.startswith("README.md") and "layout=gpu1" in overrides(c)]
+    assert gpu and all(any(o.startswith("dataset=") and o != "dataset=demo" for o in overrides(c)) for c in gpu)
+    serve = page_section("Serve")
+    assert "vllm serve" in serve and "sglang.launch_server" in serve and serve.count("models/drafter") >= 3
+
