@@ -467,3 +467,127 @@ def test_the_readme_is_a_front_page():
     serve = page_section("Serve")
     assert "vllm serve" in serve and "sglang.launch_server" in serve and serve.count("models/drafter") >= 3
 
+
+# A figure as the README prints it: a number not glued to a word (H100, 08a55a2, SmolLM2-135M and x1 are names), with
+# its thousands commas, an optional k/M multiplier and unit. Ranges (1.30-1.33×) print two figures.
+FIGURE = re.compile(r"(?<![\w.\-/])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(k|M)?(?:\s?(×|%|s|ms|tokens/s)(?![\w/]))?(?![\w.]\d)")
+MULTIPLIERS = {"k": 1e3, "M": 1e6, None: 1.0}
+MEASURE_UNITS = {"×", "%", "s", "ms", "tokens/s"}  # a number with one of these is a measurement, never a setting
+# A JSON a sentence quotes: a path (metrics/summary.json, benchmarks/results/X.json), or a bare name as benchmarks/results/
+# names its records (pipeline_10k_fa0beff.json); a bare identity.json or meta.json describes an output, not a source.
+NAMED_FILE = re.compile(r"(?<![\w.-])((?:[\w.-]+/)+[\w.-]+\.json|[a-z]\w*_[\w.-]+\.json)\b")
+SENTENCE_END = re.compile(r"(?<=[.;:])\s+(?=[A-Z`*(\[])")  # where a sentence (or a clause after ; or :) ends
+
+
+@dataclass(frozen=True)
+class Figure:
+    text: str  # as printed
+    value: float  # the multiplier (k, M) applied
+    places: int  # decimals printed
+    multiplier: float
+    unit: str | None
+
+
+def figures(text: str) -> list[Figure]:
+    """The figures of a piece of prose, code spans and link targets left out (commands, keys and paths are not figures)."""
+    plain = LINK.sub(lambda m: m[0][: m[0].index("](")], CODE_SPAN.sub(" ", text))
+    found = []
+    for m in FIGURE.finditer(plain):
+        whole, decimals, multiplier = m[1].replace(",", ""), m[2] or "", MULTIPLIERS[m[3]]
+        found.append(Figure(m[0], float(whole + decimals) * multiplier, max(len(decimals) - 1, 0), multiplier, m[4]))
+    return found
+
+
+def json_numbers(path: Path) -> list[float]:
+    """Every number a JSON holds: its numeric values, and the figures in its strings (a run's note, its log lines)."""
+    numbers: list[float] = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, list):
+            for value in node:
+                walk(value)
+        elif isinstance(node, str):
+            numbers.extend(figure.value for figure in figures(node))
+        elif isinstance(node, (int, float)) and not isinstance(node, bool):
+            numbers.append(float(node))
+    walk(json.loads(path.read_text()))
+    return numbers
+
+
+def holds(numbers: list[float], figure: Figure) -> bool:
+    """Some number rounds to the figure as printed (to its decimals, scaled by its k or M); a percentage may be
+    stored as a share (0.79 for 79 %)."""
+    tolerance = 0.5 * 10 ** -figure.places * figure.multiplier * (1 + 1e-9)
+    scales = (1, 100) if figure.unit == "%" else (1,)
+    return any(abs(number * scale - figure.value) <= tolerance for number in numbers for scale in scales)
+
+
+def named_file(name: str) -> Path | None:
+    """A JSON a sentence names: a repository path, or a bare name in benchmarks/results/; None where neither exists."""
+    for candidate in (ROOT / name, ROOT / "benchmarks/results" / name):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def figure_units(text: str) -> list[tuple[str, list[str]]]:
+    """(sentence or table row, the JSON files it names) of a page's prose, outside fences and generated blocks (their
+    own tests check those): a list item is a paragraph, and a table row also counts the files its caption (the
+    sentence before the table) names."""
+    units: list[tuple[str, list[str]]] = []
+    for block in re.split(r"\n\s*\n", prose(GENERATED.sub("", text))):
+        lines = block.strip().splitlines()
+        if lines and all(line.startswith("|") for line in lines):
+            caption = NAMED_FILE.findall(units[-1][0]) if units else []
+            units += [(row, NAMED_FILE.findall(row) + caption) for row in lines]
+            continue
+        for item in re.split(r"\n(?=\s*- )", block):
+            units += [(sentence, NAMED_FILE.findall(sentence)) for sentence in SENTENCE_END.split(" ".join(item.split()))]
+    return units
+
+
+def unsupported_figures(text: str) -> list[str]:
+    """What a page states against its files: a figure in a sentence naming JSON files that none of them holds
+    (rounded as printed), a named JSON that does not exist, and a measurement (×, %, s, tokens/s) in a sentence that
+    names no file at all."""
+    wrong = []
+    for unit, names in figure_units(text):
+        files = [named_file(name) for name in names]
+        wrong += [f"{name}: no such file, in: {unit[:120]}" for name, file in zip(names, files) if file is None]
+        numbers = [number for file in files if file for number in json_numbers(file)]
+        for figure in figures(unit):
+            if names and not holds(numbers, figure):
+                wrong.append(f"{figure.text!r} is in none of {names}: {unit[:120]}")
+            elif not names and figure.unit in MEASURE_UNITS:
+                wrong.append(f"{figure.text!r} names no file it comes from: {unit[:120]}")
+    return wrong
+
+
+def test_every_readme_figure_is_in_the_file_it_names():
+    """A figure in a README sentence (or table row) that names a JSON is in that JSON, rounded as printed; a
+    measurement names its file. The README checked has figures of its own to check (the demo's τ at least)."""
+    text = (ROOT / "README.md").read_text()
+    assert sum(len(figures(unit)) for unit, names in figure_units(text) if names) >= 4
+    assert unsupported_figures(text) == []
+
+
+def test_a_figure_its_file_does_not_hold_is_caught():
+    """The README's demo figure changed by one in its last place fails; so do a figure quoted from a file that does
+    not hold it or does not exist, and a measurement that names no file; the figures as recorded pass."""
+    text = (ROOT / "README.md").read_text()
+    demo = "**1.28** for the drafter's chain"
+    assert demo in text
+    (wrong,) = unsupported_figures(text.replace(demo, "**1.29** for the drafter's chain"))
+    assert wrong.startswith("'1.29' is in none of ['metrics/summary.json']: ")
+    record = "At a9a86d0 `train` trained 55.8M tokens at 634.6k tokens/s, 79 % busy, in 88 s (`benchmarks/results/pipeline_10k.json`)."
+    assert unsupported_figures(record) == []
+    assert unsupported_figures(record.replace("634.6k", "643.6k")) == [
+        f"'643.6k tokens/s' is in none of ['benchmarks/results/pipeline_10k.json']: {record.replace('634.6k', '643.6k')[:120]}"]
+    assert unsupported_figures(record.replace("pipeline_10k.json", "pipeline_10k_fa0beff.json"))  # another run's file
+    assert unsupported_figures(record.replace("pipeline_10k.json", "pipeline_10k_a9a86d0.json"))[0].startswith(
+        "benchmarks/results/pipeline_10k_a9a86d0.json: no such file")
+    table = "Chain τ by set (`pipeline_10k.json`):\n\n| set | chain τ |\n|---|---|\n| `heldout` | 3.18 |\n| `math` | 2.61 |\n"
+    assert unsupported_figures(table) == ["'2.61' is in none of ['pipeline_10k.json']: | `math` | 2.61 |"]
+    assert unsupported_figures("`train` took 88 s.") == ["'88 s' names no file it comes from: `train` took 88 s."]
