@@ -470,9 +470,9 @@ def test_the_readme_is_a_front_page():
 
 # A figure as the README prints it: a number not glued to a word (H100, 08a55a2, SmolLM2-135M and x1 are names), with
 # its thousands commas, an optional k/M multiplier and unit. Ranges (1.30-1.33×) print two figures.
-FIGURE = re.compile(r"(?<![\w.\-/])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(k|M)?(?:\s?(×|%|s|ms|tokens/s)(?![\w/]))?(?![\w.]\d)")
+FIGURE = re.compile(r"(?<![\w.\-/])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(k|M)?(?:\s?(×|%|s|ms|min|tokens/s)(?![\w/]))?(?![\w.]\d)")
 MULTIPLIERS = {"k": 1e3, "M": 1e6, None: 1.0}
-MEASURE_UNITS = {"×", "%", "s", "ms", "tokens/s"}  # a number with one of these is a measurement, never a setting
+MEASURE_UNITS = {"×", "%", "s", "ms", "min", "tokens/s"}  # a number with one of these is a measurement, never a setting
 # A JSON a sentence quotes: a path (metrics/summary.json, benchmarks/results/X.json), or a bare name as benchmarks/results/
 # names its records (pipeline_10k_fa0beff.json); a bare identity.json or meta.json describes an output, not a source.
 NAMED_FILE = re.compile(r"(?<![\w.-])((?:[\w.-]+/)+[\w.-]+\.json|[a-z]\w*_[\w.-]+\.json)\b")
@@ -524,12 +524,18 @@ def holds(numbers: list[float], figure: Figure) -> bool:
     return any(abs(number * scale - figure.value) <= tolerance for number in numbers for scale in scales)
 
 
-def named_file(name: str) -> Path | None:
-    """A JSON a sentence names: a repository path, or a bare name in benchmarks/results/; None where neither exists."""
-    for candidate in (ROOT / name, ROOT / "benchmarks/results" / name):
-        if candidate.is_file():
-            return candidate
-    return None
+def source_files(names: list[str]) -> tuple[list[Path], list[str]]:
+    """(the committed JSONs among the names a sentence gives, the records it names that benchmarks/results/ lacks). A
+    path to a file git does not hold (data/prompts/meta.json: a stage's output) is no source."""
+    found, missing = [], []
+    for name in names:
+        candidates = [ROOT / name, ROOT / "benchmarks/results" / name.removeprefix("benchmarks/results/")]
+        file = next((candidate for candidate in candidates if candidate.is_file()), None)
+        if file:
+            found.append(file)
+        elif "/" not in name or name.startswith("benchmarks/results/"):
+            missing.append(name)
+    return found, missing
 
 
 def figure_units(text: str) -> list[tuple[str, list[str]]]:
@@ -539,7 +545,7 @@ def figure_units(text: str) -> list[tuple[str, list[str]]]:
     units: list[tuple[str, list[str]]] = []
     for block in re.split(r"\n\s*\n", prose(GENERATED.sub("", text))):
         lines = block.strip().splitlines()
-        if lines and all(line.startswith("|") for line in lines):
+        if lines and all(line.strip().startswith("|") for line in lines):
             caption = NAMED_FILE.findall(units[-1][0]) if units else []
             units += [(row, NAMED_FILE.findall(row) + caption) for row in lines]
             continue
@@ -554,13 +560,13 @@ def unsupported_figures(text: str) -> list[str]:
     names no file at all."""
     wrong = []
     for unit, names in figure_units(text):
-        files = [named_file(name) for name in names]
-        wrong += [f"{name}: no such file, in: {unit[:120]}" for name, file in zip(names, files) if file is None]
-        numbers = [number for file in files if file for number in json_numbers(file)]
+        files, missing = source_files(names)
+        wrong += [f"{name}: no such file in benchmarks/results/, in: {unit[:120]}" for name in missing]
+        numbers = [number for file in files for number in json_numbers(file)]
         for figure in figures(unit):
-            if names and not holds(numbers, figure):
-                wrong.append(f"{figure.text!r} is in none of {names}: {unit[:120]}")
-            elif not names and figure.unit in MEASURE_UNITS:
+            if files and not holds(numbers, figure):
+                wrong.append(f"{figure.text!r} is in none of {[str(file.relative_to(ROOT)) for file in files]}: {unit[:120]}")
+            elif not files and not missing and figure.unit in MEASURE_UNITS:
                 wrong.append(f"{figure.text!r} names no file it comes from: {unit[:120]}")
     return wrong
 
@@ -587,7 +593,13 @@ def test_a_figure_its_file_does_not_hold_is_caught():
         f"'643.6k tokens/s' is in none of ['benchmarks/results/pipeline_10k.json']: {record.replace('634.6k', '643.6k')[:120]}"]
     assert unsupported_figures(record.replace("pipeline_10k.json", "pipeline_10k_fa0beff.json"))  # another run's file
     assert unsupported_figures(record.replace("pipeline_10k.json", "pipeline_10k_a9a86d0.json"))[0].startswith(
-        "benchmarks/results/pipeline_10k_a9a86d0.json: no such file")
+        "benchmarks/results/pipeline_10k_a9a86d0.json: no such file in benchmarks/results/")
     table = "Chain τ by set (`pipeline_10k.json`):\n\n| set | chain τ |\n|---|---|\n| `heldout` | 3.18 |\n| `math` | 2.61 |\n"
-    assert unsupported_figures(table) == ["'2.61' is in none of ['pipeline_10k.json']: | `math` | 2.61 |"]
+    assert unsupported_figures(table) == ["'2.61' is in none of ['benchmarks/results/pipeline_10k.json']: | `math` | 2.61 |"]
     assert unsupported_figures("`train` took 88 s.") == ["'88 s' names no file it comes from: `train` took 88 s."]
+    # the audit of issue 63: the README's recipe row "the defaults (the headline)" held 42c77ec's figures
+    recipes = "Chain τ (`benchmarks/results/pipeline_10k.json`):\n\n| recipe | held-out | HumanEval |\n|---|---|---|\n" \
+              "| the defaults (the headline) | 3.23 | 2.50 |\n"
+    assert unsupported_figures(recipes) == [
+        "'3.23' is in none of ['benchmarks/results/pipeline_10k.json']: | the defaults (the headline) | 3.23 | 2.50 |"]
+    assert unsupported_figures(recipes.replace("pipeline_10k.json", "pipeline_10k_42c77ec.json")) == []
