@@ -3,7 +3,7 @@ stage's wall time and GPU busy share, the whole run's wall, training's tokens/s,
 
     python benchmarks/pipeline_report.py RUN --out benchmarks/results/pipeline_10k.json --commit SHA --command "..."
     python benchmarks/pipeline_report.py RUN --poll                      # the run's progress, one screen
-    python benchmarks/pipeline_report.py --readme-table benchmarks/results/pipeline_10k.json   # the README's table
+    python benchmarks/pipeline_report.py --readme-table benchmarks/results/pipeline_10k.json   # docs/benchmarks.md's table
     python benchmarks/pipeline_report.py --readme-results benchmarks/results/pipeline_10k.json # the README's τ and speedups
 
 It reads RUN/logs/dvc.log (every line of ``dvc repro`` after its time: a stage's window runs from DVC's
@@ -16,6 +16,8 @@ steps after the first metric lines reached the host, which follow the compilatio
 the training loop shows; ``first_step_s`` and ``compiled_graphs``: train's log of its first step and of its compile
 caches' hits and misses) and dvclive/evaluate/metrics.json
 with params.yaml (each set's prompts, τ of the chain, the tree and prompt lookup, and max_new_tokens).
+``--readme-results`` takes the speedups from the run's dvclive/evaluate/metrics.json committed beside its JSON as
+``<stem>_evaluate_metrics.json``.
 ``--peer FILE``: benchmarks/peer_train.py's record or benchmarks/peer_tau.py's JSON (its longest peer run):
 ``peer.tokens_per_s`` is its rate at its median step, ``train_over_peer`` ours over it (``over``); without it
 both are null. A per-shard stage (generate@*, extract@*) is
@@ -274,7 +276,7 @@ def percent(share: float | None) -> str:
 
 
 def readme_table(result: dict) -> str:
-    """The README's timing table: a row per stage (a group with its item count), then the whole run."""
+    """The timing table (docs/benchmarks.md, "The whole run, timed"): a row per stage (a group with its item count), then the whole run."""
     rows = ["| stage | wall | GPU busy |", "|---|---|---|"]
     for name, stage in result["stages"].items():
         label = f"`{name}` ×{len(stage['items'])}" if "items" in stage else f"`{name}`"
@@ -388,7 +390,7 @@ def main() -> None:
     parser.add_argument("--peer", type=Path, help="peer_train.py's record or peer_tau.py's JSON")
     parser.add_argument("--poll", action="store_true", help="print the run's progress instead")
     parser.add_argument("--lines", type=int, default=15, help="with --poll: the log's last lines shown")
-    parser.add_argument("--readme-table", type=Path, metavar="JSON", help="print the README's table of this JSON")
+    parser.add_argument("--readme-table", type=Path, metavar="JSON", help="print docs/benchmarks.md's timing table of this JSON")
     parser.add_argument("--readme-results", type=Path, metavar="JSON", help="print the README's results of this JSON")
     args = parser.parse_args()
     if args.readme_table:
