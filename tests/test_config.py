@@ -182,11 +182,11 @@ def test_a_refusal_names_the_params_file_a_command_was_given(tmp_path):
 
 
 def test_params_command_refuses_in_one_line_with_the_status_of_every_eagle3_command(tmp_path):
-    """README (What you can rely on): exit status 1 from `eagle3 params`, as from the other commands."""
+    """docs/guarantees.md: exit status 1 from `eagle3 params`, as from the other commands."""
     result = subprocess.run([sys.executable, "-m", "eagle3.cli", "params", "-S", "train.lr=-1", "--conf", str(CONF),
                              "--output", "params.yaml"], cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 1 and result.stderr.splitlines() == ["error: params.yaml: train.lr = -1: must be a number > 0"]
-    assert "1 from `eagle3 params` as from every `eagle3` command" in " ".join((ROOT / "README.md").read_text().split())
+    assert "1 from `eagle3 params` as from every `eagle3` command" in " ".join((ROOT / "docs/guarantees.md").read_text().split())
 
 
 def test_every_recipe_of_the_sweep_is_a_valid_change_of_the_gpu_scales(tmp_path):

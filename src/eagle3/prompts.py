@@ -163,7 +163,7 @@ def build_prompts(dataset: DictConfig, seed: int, count_tokens) -> tuple[dict[st
     train_needed = max(stop for _, stop in ranges.values())
     eval_sets = eval_set_specs(dataset.eval_sets)
     counts = {name: spec.prompts for name, spec in eval_sets.items()}
-    evals, eval_keys, eval_dropped = eval_set_prompts(eval_sets, seed, count_tokens)
+    evals, eval_keys, eval_dropped = eval_set_prompts(eval_sets, seed, count_tokens, int(dataset.max_prompt_tokens))
     places = configured_sources(dataset)
     sources = [spec for _, spec in places]
     weights = source_weights(places)
