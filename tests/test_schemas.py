@@ -4,7 +4,9 @@ group are checked by ``settings.TOP_LEVEL``."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -39,6 +41,34 @@ def test_every_key_has_its_line_of_description(schema):
     """The comment after a field's declaration: what docs/params.md says of the key."""
     notes = field_notes(schema)
     assert not [item.name for item in fields(schema) if not notes.get(item.name)]
+
+
+def restated(comment: str, description: str) -> bool:
+    """A conf comment that begins as its key's description does (four words, or all of a shorter one): the description
+    said twice. What a conf comment keeps is why this value (docs/params.md says what the key is)."""
+    said, declared = (re.sub(r"[^\w]+", " ", text.lower()).split() for text in (comment, description))
+    same = next((n for n, (a, b) in enumerate(zip(said, declared)) if a != b), min(len(said), len(declared)))
+    return same >= 4 or (same >= 2 and same == len(declared))
+
+
+def key_comments(path: Path) -> list[tuple[str, str]]:
+    """(key, comment) of each top-level ``key: value  # comment`` line of a conf file."""
+    found = (re.match(r"^(\w+):.*?\s#\s*(.*)$", line) for line in path.read_text().splitlines())
+    return [(match.group(1), match.group(2)) for match in found if match]
+
+
+def test_conf_holds_values_and_reasons_not_the_keys_descriptions():
+    notes = {schema.GROUP: field_notes(schema) for schema in SCHEMAS}
+    repeated = [f"{path.relative_to(ROOT)}: {key}: {comment!r}" for path in sorted((ROOT / "conf").glob("*/*.yaml"))
+                for key, comment in key_comments(path) if restated(comment, notes[path.parent.name].get(key, ""))]
+    assert not repeated, "conf comments restating the schema's description:\n" + "\n".join(repeated)
+
+
+def test_the_restatement_rule_sees_what_it_refuses():
+    assert restated("tokens per sequence; longer ones are truncated", "tokens per sequence; longer ones are truncated and counted")
+    assert restated("max global gradient norm", "max global gradient norm")
+    assert not restated("batches group similar lengths", "padded tokens per verifier forward")
+    assert not restated("a free port on this node", "torchrun rendezvous host:port")
 
 
 def test_docs_params_md_is_generated_from_the_schemas():
