@@ -8,9 +8,9 @@ Each of them must be a dep of the stage (a folder dep covers its files), and no
 ``src/`` dep may be stale, or editing it reruns the stage for nothing. A package ``__init__`` that
 holds only its docstring (and the version) runs nothing a stage uses: it is no dep.
 
-A stage reads params only through ``settings.stage_params(PARAMS, SCHEMAS)``, which hands it the keys of its
-module's ``PARAMS`` and nothing else, checked by its own groups' schemas; ``PARAMS`` must equal the stage's
-``params:`` in dvc.yaml. The composition of every group (``eagle3.config``) is the params stage's alone.
+A stage reads params only through ``settings.stage_params(PARAMS)``, which hands it the keys of its
+module's ``PARAMS`` (a ``settings.StageParams``: each key named through its group's schema) and nothing else, checked
+by those schemas; ``PARAMS`` must equal the stage's ``params:`` in dvc.yaml. The composition of every group (``eagle3.config``) is the params stage's alone.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from omegaconf.errors import ConfigAttributeError
 from support.repo import ROOT, git_dvc_repo, run
 from eagle3.common import PLUMBING
 from eagle3.prompt_sources.config import DatasetSettings
-from eagle3.settings import stage_params
+from eagle3.settings import StageParams, keys_of, stage_params
 
 SRC = ROOT / "src"
 
@@ -213,7 +213,7 @@ def test_every_stage_reads_exactly_its_declared_params():
 
 
 def test_a_stage_cannot_read_an_undeclared_param():
-    params = stage_params(["seed", "dataset.shards"], [DatasetSettings], ROOT / "params.yaml")
+    params = stage_params(StageParams("seed", keys_of(DatasetSettings, "shards")), ROOT / "params.yaml")
     assert params.seed == 0 and list(params.dataset.shards) == ["000000-000032"]
     with pytest.raises(ConfigAttributeError):
         params.dataset.sources  # noqa: B018 (the read itself must fail)

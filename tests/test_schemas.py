@@ -1,6 +1,7 @@
 """A setting is declared once: every conf/ group has a schema (``config.SCHEMAS``) with exactly the keys
 its conf/ files declare (the union over the group's options), and no value of its own; the keys of no
-group are checked by ``settings.TOP_LEVEL``."""
+group are checked by ``settings.TOP_LEVEL``. Each key's line of description is its schema field's (docs/params.md is
+generated from them), conf/ holds values and their reasons, and a stage names what it reads through the schemas."""
 
 from __future__ import annotations
 
@@ -14,12 +15,11 @@ from omegaconf import OmegaConf
 
 from eagle3.common import UserError
 from eagle3.config import REFERENCE_COMMAND, SCHEMAS, conf_schema, field_notes, params_reference, validate
-from eagle3.settings import TOP_LEVEL
+from eagle3.lm.spec import ModelSettings
 from eagle3.schema import ABSENT, POSITIVE, check_schema, setting
+from eagle3.settings import OPTION_NAME, TOP_LEVEL, StageParams, keys_of, section
+from eagle3.training.config import TrainConfig
 from support.repo import ROOT
-
-# Hydra's name of the chosen option: a key of every group, read by no schema (composition's own)
-OPTION_NAME = "name"
 
 
 def test_every_conf_group_has_one_schema_and_every_other_key_a_top_level_check():
@@ -69,6 +69,16 @@ def test_the_restatement_rule_sees_what_it_refuses():
     assert restated("max global gradient norm", "max global gradient norm")
     assert not restated("batches group similar lengths", "padded tokens per verifier forward")
     assert not restated("a free port on this node", "torchrun rendezvous host:port")
+
+
+def test_a_stage_names_only_keys_a_schema_declares():
+    """A stage's PARAMS names each key through its group's schema: a key no schema declares fails at import."""
+    with pytest.raises(ValueError, match=r"ModelSettings declares no \['aux_layer'\]"):
+        keys_of(ModelSettings, "aux_layer")
+    with pytest.raises(ValueError, match=r"no top-level key \['model'\]"):
+        StageParams("model")
+    params = StageParams("seed", section(TrainConfig), keys_of(ModelSettings, "name", "draft_head"))
+    assert list(params) == ["seed", "train", "model.name", "model.draft_head"] and params.schemas == (TrainConfig, ModelSettings)
 
 
 def test_docs_params_md_is_generated_from_the_schemas():

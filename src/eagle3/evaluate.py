@@ -73,11 +73,10 @@ from eagle3.lm.loading import (close_sharded, eos_token_ids, input_embedding, lo
                                shard_rank, text_config)
 from eagle3.lm.spec import ModelSettings, require_verifier
 from eagle3.lm.tokenizer_id import tokenizer_fingerprint
-from eagle3.settings import stage_params
+from eagle3.settings import StageParams, keys_of, section, stage_params
 
-PARAMS = ("evaluate", "layout.device", "layout.dtype", "layout.threads", "layout.verifier", "model.stop",
-          "model.trust_remote_code")  # = dvc.yaml
-SCHEMAS = (EvaluateConfig, LayoutSettings, ModelSettings)  # the groups PARAMS reads: their checks
+PARAMS = StageParams(section(EvaluateConfig), keys_of(LayoutSettings, "device", "dtype", "threads", "verifier"),  # = dvc.yaml
+                     keys_of(ModelSettings, "stop", "trust_remote_code"))
 
 
 # --- inputs ----------------------------------------------------------------------------------------
@@ -144,7 +143,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    settings = Settings.from_params(stage_params(PARAMS, SCHEMAS, args.params))
+    settings = Settings.from_params(stage_params(PARAMS, args.params))
     check_pair(args.verifier, args.drafter, args.prompts)
     records = load_eval_sets(args.prompts, settings.sets, settings.max_prompts)
     settings.placement.check(text_config(args.verifier, settings.trust_remote_code), settings.device)

@@ -51,16 +51,16 @@ from eagle3.layout import LayoutSettings
 from eagle3.lm.identity import note_other_build
 from eagle3.lm.loading import close_sharded, load_tokenizer, read_meta, shard_rank, text_config, verifier_build, verifier_fingerprint
 from eagle3.lm.spec import ModelSettings, VerifierSpec, require_verifier
-from eagle3.settings import stage_params
+from eagle3.settings import StageParams, keys_of, section, stage_params
 
 log = logging.getLogger(__name__)
 
 # = dvc.yaml. The layout too: device and dtype change the stored states, and so can the batch
 # composition that workers, threads and the verifier's sharding change (rounding); a layout change re-extracts.
-PARAMS = ("extract", "model.aux_layers", "model.final_state", "model.chat_template", "model.reasoning_format",
-          "model.end_of_turn", "model.trust_remote_code", "layout.device", "layout.dtype", "layout.extract_workers",
-          "layout.threads", "layout.verifier")
-SCHEMAS = (ExtractSettings, ModelSettings, LayoutSettings)  # the groups PARAMS reads: their checks
+PARAMS = StageParams(section(ExtractSettings),  # = dvc.yaml
+                     keys_of(ModelSettings, "aux_layers", "final_state", "chat_template", "reasoning_format", "end_of_turn",
+                             "trust_remote_code"),
+                     keys_of(LayoutSettings, "device", "dtype", "extract_workers", "threads", "verifier"))
 
 DISK_FREE_ENV = "EAGLE3_DISK_FREE_BYTES"  # overrides the measured free space (tests, quotas)
 INDEX_BYTES_PER_SAMPLE = 256  # index.jsonl line + share of a part header
@@ -189,7 +189,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("out", type=Path, help="output folder, e.g. data/hidden_states/000000-000032")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
-    settings, spec = stage_arguments(stage_params(PARAMS, SCHEMAS, args.params))
+    settings, spec = stage_arguments(stage_params(PARAMS, args.params))
     if settings.placement.sharded:  # refuse a placement the verifier cannot take before tp processes start
         verifier_shape(args.verifier, settings, spec)
     if settings.placement.launch("eagle3.extract", argv):

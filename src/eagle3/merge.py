@@ -39,16 +39,15 @@ import numpy as np
 from omegaconf import DictConfig
 
 from eagle3.common import UserError, atomic_dir, prompt_group, read_json, read_jsonl, to_plain, write_json, write_jsonl
-from eagle3.prompt_sources.config import DatasetSettings
 from eagle3.lm.loading import read_identity
 from eagle3.lm.spec import require_verifier
-from eagle3.settings import stage_params
+from eagle3.prompt_sources.config import DatasetSettings
+from eagle3.settings import StageParams, keys_of, section, stage_params
 from eagle3.training.mixture import MixtureSettings
 
 log = logging.getLogger(__name__)
 
-PARAMS = ("seed", "dataset.shards", "merge")  # = dvc.yaml
-SCHEMAS = (DatasetSettings, MixtureSettings)  # the groups PARAMS reads: their checks
+PARAMS = StageParams("seed", keys_of(DatasetSettings, "shards"), section(MixtureSettings))  # = dvc.yaml
 
 SHARD_KEYS = ("aux_layers", "hidden_size", "vocab_size", "layer_convention", "final_state")  # equal across shards
 
@@ -278,4 +277,4 @@ def main(argv: list[str]) -> None:
     parser.add_argument("metrics", type=Path, help="dvclive folder for the statistics, e.g. metrics/merge")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
-    merge(args.verifier, args.hidden_states, args.out, args.metrics, stage_params(PARAMS, SCHEMAS, args.params))
+    merge(args.verifier, args.hidden_states, args.out, args.metrics, stage_params(PARAMS, args.params))

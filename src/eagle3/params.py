@@ -27,9 +27,9 @@ from pathlib import Path
 from eagle3.common import UserError
 from eagle3.config import SCHEMAS, check_known_keys
 from eagle3.prompt_sources.sources import check_local_sources, configured_sources, source_weights
-from eagle3.settings import stage_params
+from eagle3.settings import StageParams, section, stage_params
 
-PARAMS = ("seed", "model", "dataset", "layout", "backend", "generate", "extract", "merge", "train", "evaluate")  # = dvc.yaml
+PARAMS = StageParams("seed", *map(section, SCHEMAS))  # = dvc.yaml: every section
 VALID = "params.yaml: valid (checked by the params stage: python -m eagle3.params)\n"
 RESTORE = "nothing was run or removed: correct it, or restore the committed params with `git checkout params.yaml`"
 
@@ -43,7 +43,7 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     try:
         known_keys = partial(check_known_keys, conf_dir=args.conf, name=Path(args.params).name)
-        params = stage_params(PARAMS, SCHEMAS, args.params, whole=known_keys)
+        params = stage_params(PARAMS, args.params, whole=known_keys)
         sources = configured_sources(params.dataset)
         check_local_sources(sources, args.sources)
         source_weights(sources)

@@ -51,14 +51,13 @@ from eagle3.prompt_sources.messages import NotAPrompt, conversation_key, to_mess
 from eagle3.prompt_sources.order import interleave, order_key
 from eagle3.prompt_sources.sources import (Candidate, check_local_sources, configured_sources, source_candidates,
                                            source_name, source_weights)
-from eagle3.settings import stage_params
+from eagle3.settings import StageParams, keys_of, stage_params
 
 log = logging.getLogger(__name__)
 
-PARAMS = ("seed", "dataset.shards", "dataset.sources", "dataset.extra_sources", "dataset.eval_sets",
-          "dataset.heldout_fraction", "dataset.unseen_folders", "dataset.max_prompt_tokens",
-          "model.trust_remote_code")  # = dvc.yaml
-SCHEMAS = (DatasetSettings, ModelSettings)  # the groups PARAMS reads: their checks
+PARAMS = StageParams("seed", keys_of(DatasetSettings, "shards", "sources", "extra_sources", "eval_sets", "heldout_fraction",  # = dvc.yaml
+                                     "unseen_folders", "max_prompt_tokens"),
+                     keys_of(ModelSettings, "trust_remote_code"))
 SIDES = ("train", "heldout", "unseen")
 
 
@@ -250,7 +249,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--metrics", type=Path, help="also write the statistics here (a DVC metric: source shares)")
     args = parser.parse_args(argv)
-    params = stage_params(PARAMS, SCHEMAS, args.params)
+    params = stage_params(PARAMS, args.params)
     check_local_sources(configured_sources(params.dataset), args.sources)
     count_tokens = PromptCounter(load_tokenizer(args.verifier, VerifierSpec.from_params(params.model).trust_remote_code))
     shards, evals, stats = build_prompts(params.dataset, int(params.seed), count_tokens)

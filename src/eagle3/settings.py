@@ -1,14 +1,16 @@
 """A stage's settings: the keys of params.yaml it declares, read and checked by its own groups' schemas.
 
-    PARAMS = ("extract", "model.aux_layers", "layout.device", ...)   # = dvc.yaml's params: of the stage
-    params = stage_params(PARAMS, (ExtractSettings, ModelSettings, LayoutSettings), args.params)
-    params.extract.max_length                                          # params.model.name raises: not declared
+    PARAMS = StageParams(section(ExtractSettings), keys_of(ModelSettings, "aux_layers"), keys_of(LayoutSettings, "device"))
+    list(PARAMS)              # ["extract", "model.aux_layers", "layout.device"]: = dvc.yaml's params: of the stage
+    params = stage_params(PARAMS, args.params)
+    params.extract.max_length                           # params.model.stop raises: not declared
 
-Only the keys a stage declares, validated before it does anything else, so a stage cannot depend on a param DVC does
-not track, and a bad value set with ``dvc exp run -S`` stops the stage in one line. Why the stage names its schemas:
-its code then depends on the schemas of what it reads, not on every group's (``eagle3.config``, the params stage's,
-composes and checks them all, the rules across groups included: a stage's view holds no other group's keys, so those
-rules skip there).
+A stage's ``PARAMS`` is the one list of what it reads, each key named through the schema that declares it (type,
+check, description: docs/params.md), so a key no schema declares fails at import. Only these keys, validated before the
+stage does anything else, so a stage cannot depend on a param DVC does not track, and a bad value set with
+``dvc exp run -S`` stops the stage in one line. Why through its schemas: the stage's code then depends on the schemas of
+what it reads, not on every group's (``eagle3.config``, the params stage's, composes and checks them all, the rules
+across groups included: a stage's view holds no other group's keys, so those rules skip there).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,22 +30,61 @@ from eagle3.common import USER_ERROR, UserError, at_finish
 from eagle3.schema import ABSENT, NON_NEGATIVE, Check, check_schema, refuse
 
 TOP_LEVEL: dict[str, Check] = {"seed": NON_NEGATIVE}  # conf/config.yaml's keys of no group
+OPTION_NAME = "name"  # Hydra's name of the chosen option: a key of every group, declared by no schema (composition's own)
 
 
-def stage_params(keys: Iterable[str], schemas: Iterable[type], path: str | os.PathLike = "params.yaml",
+@dataclass(frozen=True)
+class Reads:
+    """What a stage reads of one group: its whole section (``names`` None), or some of its keys."""
+
+    schema: type  # the group's schema, e.g. ExtractSettings
+    names: tuple[str, ...] | None
+
+    def keys(self) -> tuple[str, ...]:
+        return (self.schema.GROUP,) if self.names is None else tuple(f"{self.schema.GROUP}.{name}" for name in self.names)
+
+
+def section(schema: type) -> Reads:
+    return Reads(schema, None)
+
+
+def keys_of(schema: type, *names: str) -> Reads:
+    """Some keys of ``schema``'s group; a name its schema does not declare is refused at once (a stage's import)."""
+    unknown = sorted(set(names) - {item.name for item in fields(schema)} - {OPTION_NAME})
+    if unknown:
+        raise ValueError(f"{schema.__name__} declares no {unknown}")
+    return Reads(schema, names)
+
+
+class StageParams:
+    """The params one stage reads, in order: top-level keys by name (``TOP_LEVEL``), groups through their schemas.
+    Iterating it gives the dotted keys (what dvc.yaml's ``params:`` lists for the stage)."""
+
+    def __init__(self, *reads: Reads | str):
+        unknown = [read for read in reads if isinstance(read, str) and read not in TOP_LEVEL]
+        if unknown:
+            raise ValueError(f"no top-level key {unknown}: a group's keys are read through its schema")
+        self.keys = tuple(key for read in reads for key in ((read,) if isinstance(read, str) else read.keys()))
+        self.schemas = tuple(dict.fromkeys(read.schema for read in reads if isinstance(read, Reads)))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys)
+
+
+def stage_params(declared: StageParams, path: str | os.PathLike = "params.yaml",
                  whole: Callable[[DictConfig], None] | None = None) -> DictConfig:
-    """The declared ``keys`` of the params file, validated by ``schemas``, one for each group the keys name; reading any
-    other key raises. ``whole``: a check of the whole file (the params stage's: every key one that conf/ declares).
+    """The ``declared`` keys of the params file, validated by their schemas; reading any other key raises. ``whole``: a
+    check of the whole file (the params stage's: every key one that conf/ declares).
 
     When the stage finishes (``runner.stage_main``), the file must still hold these values, else the stage
     fails (``_require_unchanged``). Under torchrun every process validates the same values: only
     rank 0 prints the error.
     """
-    path, keys = Path(path), tuple(keys)
+    path, names = Path(path), declared.keys
     if not path.is_file():
         raise UserError(f"{path}: not found; run from the repository root or compose it with `eagle3 params`")
     params, view = OmegaConf.load(path), OmegaConf.create()
-    for key in keys:
+    for key in names:
         value = OmegaConf.select(params, key, default=ABSENT)
         if value is ABSENT:
             raise UserError(f"{path}: {key} is missing; recompose it with `eagle3 params`")
@@ -50,9 +92,9 @@ def stage_params(keys: Iterable[str], schemas: Iterable[type], path: str | os.Pa
     with _reported_by_rank0():
         if whole is not None:
             whole(params)
-        check_values(view, stage_schemas(keys, schemas))
-    started = _declared_values(params, keys)
-    at_finish(lambda: _require_unchanged(path, keys, started))
+        check_values(view, declared.schemas)
+    started = _declared_values(params, names)
+    at_finish(lambda: _require_unchanged(path, names, started))
     OmegaConf.set_struct(view, True)
     return view
 
@@ -107,16 +149,6 @@ def _require_unchanged(path: Path, keys: Iterable[str], started: dict[str, Any])
 
 def _shown(value: Any) -> str:
     return "(missing)" if value is ABSENT else repr(value)
-
-
-def stage_schemas(keys: Iterable[str], schemas: Iterable[type]) -> tuple[type, ...]:
-    """``schemas``, checked to hold one for each group ``keys`` name (a key of no group: ``TOP_LEVEL``)."""
-    schemas = tuple(schemas)
-    groups = {key.split(".")[0] for key in keys} - set(TOP_LEVEL)
-    missing = groups - {schema.GROUP for schema in schemas}
-    if missing:
-        raise ValueError(f"no schema given for the params group(s) {sorted(missing)}")
-    return schemas
 
 
 def _get(params: DictConfig, key: str) -> Any:

@@ -42,7 +42,7 @@ from eagle3.common import RUN_EXPORTED, UserError
 from eagle3.hidden_states.loader import HiddenStates
 from eagle3.lm.loading import verifier_fingerprint, verifier_parts
 from eagle3.lm.spec import FINAL_STATES, ModelSettings, VerifierSpec, require_verifier
-from eagle3.settings import stage_params
+from eagle3.settings import StageParams, keys_of, section, stage_params
 import eagle3.training.parallel as parallel
 from eagle3.training.checkpoints import Trained, export, run_folder, run_id
 from eagle3.training.config import TrainConfig
@@ -55,8 +55,7 @@ from eagle3.training.step import compiles, start_compile_workers
 
 log = logging.getLogger(__name__)
 
-PARAMS = ("seed", "train", "model.draft_head")  # = dvc.yaml
-SCHEMAS = (TrainConfig, ModelSettings)  # the groups PARAMS reads: their checks
+PARAMS = StageParams("seed", section(TrainConfig), keys_of(ModelSettings, "draft_head"))  # = dvc.yaml
 CLOCK_METRICS = ("tokens_per_s",)  # logged to dvclive and the log, never written into models/drafter
 
 
@@ -132,7 +131,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads per process (0: torch's default)")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
-    params = stage_params(PARAMS, SCHEMAS, args.params)  # before anything starts
+    params = stage_params(PARAMS, args.params)  # before anything starts
     cfg, seed = TrainConfig.from_params(params.train), int(params.seed)
     draft_head = VerifierSpec.from_params(params.model).draft_head
     paths = TrainPaths(verifier=args.verifier, merged=args.merged, hidden_states=args.hidden_states, out=args.out,

@@ -46,16 +46,15 @@ from eagle3.lm.identity import CHAT_IDENTITY_FILE, IDENTITY_FILE, identity_recor
 from eagle3.lm.loading import WEIGHT_SUFFIXES, load_tokenizer, text_config_dict
 from eagle3.lm.spec import ModelSettings, VerifierSpec
 from eagle3.lm.tokenizer_id import tokenizer_fingerprint
-from eagle3.settings import stage_params
+from eagle3.settings import StageParams, keys_of, stage_params
 from eagle3.verifier_sources.gguf import gguf_identity, import_pypi_gguf
 from eagle3.verifier_sources.hf import hf_identity, import_hf, resolve_hf, sampled_digest
 from eagle3.verifier_sources.random_weights import build_random, random_identity
 
 log = logging.getLogger(__name__)
 
-PARAMS = ("model.name", "model.source", "model.copy_weights", "model.chat_template",  # = dvc.yaml
-          "model.end_of_turn", "model.stop", "model.language_model", "model.trust_remote_code")
-SCHEMAS = (ModelSettings,)  # the groups PARAMS reads: their checks
+PARAMS = StageParams(keys_of(ModelSettings, "name", "source", "copy_weights", "chat_template", "end_of_turn", "stop",  # = dvc.yaml
+                             "language_model", "trust_remote_code"))
 
 
 def install_chat_template(folder: Path, configured: str | None, trust_remote_code: bool) -> None:
@@ -165,4 +164,4 @@ def main(argv: list[str]) -> None:
     parser.add_argument("out", type=Path, help="output folder, e.g. models/verifier")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
-    import_verifier(stage_params(PARAMS, SCHEMAS, args.params).model, args.out)
+    import_verifier(stage_params(PARAMS, args.params).model, args.out)
