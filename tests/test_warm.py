@@ -4,7 +4,9 @@ with the client's streams, folder, environment and exit status; a killed client 
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -134,11 +136,14 @@ def test_a_forked_process_starts_cuda(tmp_path):
 
 
 @pytest.mark.slow
-def test_warm_shards_write_the_bytes_of_cold_processes(make_project):
+def test_warm_stages_write_what_cold_processes_write(make_project):
+    """The warm server is plumbing (no stage's dep, docs/layout.md): through it generate and extract write the bytes of
+    cold processes, train the same drafter and evaluate the same τ."""
     repo = make_project(*FAST[1:])
     add_dataset(repo, {"name": "two", "shards": ["000000-000006", "000006-000010"], **LOCAL_SOURCE})
     write_local_prompts(repo)
-    run(["eagle3", "params", *overrides(*FAST, "dataset=two", "layout.warm_seconds=30", "layout.compile_ahead=true")], repo)
+    run(["eagle3", "params", *overrides(*FAST, "dataset=two", "evaluate=tau",
+                                        "layout.warm_seconds=30", "layout.compile_ahead=true")], repo)
     stages = [f"{stage}@{shard}" for stage in ("generate", "extract") for shard in ("000000-000006", "000006-000010")]
     run(["dvc", "repro", *stages], repo)
     logs = list((repo / ".eagle3" / "warm").glob("*.log"))
@@ -155,9 +160,26 @@ def test_warm_shards_write_the_bytes_of_cold_processes(make_project):
     assert cold.stdout.count("Running stage") == 2
     assert outputs(repo) == warm_outputs
 
+    run(["dvc", "repro"], repo)  # merge, then train and evaluate through a warm server
+    warm_drafter = drafter_and_tau(repo)
+    shutil.rmtree(repo / ".eagle3" / "checkpoints")  # else the cold train resumes the finished run and trains nothing
+    cold = run(["dvc", "repro", "-f", "-s", "train", "evaluate"], repo, env={**os.environ, "EAGLE3_WARM_SECONDS": "0"})
+    assert cold.stdout.count("Running stage") == 2
+    assert drafter_and_tau(repo) == warm_drafter
+
 
 def outputs(repo) -> dict[str, str]:
     """The md5 of each generate and extract output, as dvc.lock records it."""
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     return {out["path"]: out["md5"] for name, body in lock.items() if name.startswith(("generate@", "extract@"))
             for out in body["outs"]}
+
+
+def drafter_and_tau(repo) -> tuple[str, dict]:
+    """The md5 of train's drafter (dvc.lock) and evaluate's τ of every set and method (its timings differ run to run)."""
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    drafter = next(out["md5"] for out in lock["train"]["outs"] if out["path"] == "models/drafter")
+    metrics = json.loads((repo / "dvclive" / "evaluate" / "metrics.json").read_text())
+    tau = {name: {method: values["tau"] for method, values in [("chain", values), *values.items()] if isinstance(values, dict)
+                  and "tau" in values} for name, values in metrics.items() if isinstance(values, dict)}
+    return drafter, tau
