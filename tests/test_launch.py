@@ -20,7 +20,7 @@ LAYOUT = ["--nnodes", "1", "--rdzv-endpoint", "localhost:0"]  # dvc.yaml's, with
 
 FAILED = r"ERROR: failed to reproduce 'train': .* exited with (130|-2)"
 GONE = r"eagle3: process \d+ that launched this stage is gone; stopping \(pid \d+\)"
-LOG_RECORD = re.compile(r"\d\d:\d\d:\d\d [A-Z]+ [\w.]+: ")  # common.setup_logging's format
+LOG_RECORD = re.compile(r"\d\d:\d\d:\d\d [A-Z]+ [\w.]+: ")  # runner.setup_logging's format
 STOPS = {  # (training processes, how the stop is signalled) -> what the processes say as they stop (stop_lines)
     # `kill` of dvc alone: one process is killed with its parent, the kernel's guard, where DVC's shell (bash, the
     # user's $SHELL) execs it (nothing to say), and stops in the watcher's line where the shell (dash, /bin/sh when
