@@ -64,6 +64,32 @@ def test_conf_holds_values_and_reasons_not_the_keys_descriptions():
     assert not repeated, "conf comments restating the schema's description:\n" + "\n".join(repeated)
 
 
+def code_field_comments(path: Path) -> list[tuple[str, str, str]]:
+    """(class, field, comment) of each commented field line ``    name: type  # comment`` of a source file; a comment
+    naming its key first (``extract.dtype: ...``) without that name."""
+    found, owner = [], None
+    for line in path.read_text().splitlines():
+        owner = re.match(r"^class (\w+)", line).group(1) if line.startswith("class ") else owner
+        field = re.match(r"^    (\w+): [^#]*?\s#\s*(.*)$", line)
+        if field and owner:
+            found.append((owner, field.group(1), re.sub(r"^\w+\.\w+:\s*", "", field.group(2))))
+    return found
+
+
+def test_the_code_names_a_key_it_holds_without_describing_it_again():
+    """An object a stage's function receives (capture.Settings, backends.base.Generation, ...) names the key a field
+    comes from (``# extract.dtype``); what the key is, its schema says."""
+    described = {}
+    for schema in SCHEMAS:
+        for key, note in field_notes(schema).items():
+            described.setdefault(key, []).append(note)
+    schemas = {schema.__name__ for schema in SCHEMAS}
+    repeated = [f"{path.relative_to(ROOT)}: {owner}.{name}: {comment!r}" for path in sorted((ROOT / "src" / "eagle3").rglob("*.py"))
+                for owner, name, comment in code_field_comments(path)
+                if owner not in schemas and any(restated(comment, note) for note in described.get(name, []))]
+    assert not repeated, "field comments restating a key's description (its schema's line):\n" + "\n".join(repeated)
+
+
 def test_the_restatement_rule_sees_what_it_refuses():
     assert restated("tokens per sequence; longer ones are truncated", "tokens per sequence; longer ones are truncated and counted")
     assert restated("max global gradient norm", "max global gradient norm")
