@@ -79,15 +79,20 @@ def stand_in_vllm(folder: Path) -> Path:
 
 def test_a_stripped_wheel_lists_only_the_files_it_holds(tmp_path):
     wheel = stand_in_vllm(tmp_path)
-    done = subprocess.run([sys.executable, str(STRIP), str(wheel), "vllm/vllm_flash_attn/_vllm_fa2_C"], capture_output=True,
-                          text=True, check=True)
-    assert "1 files left out" in done.stdout
+    other = tmp_path / "other"
+    other.mkdir()
+    second = stand_in_vllm(other)  # each wheel named is stripped
+    done = subprocess.run([sys.executable, str(STRIP), str(wheel), str(second), "--drop", "vllm/vllm_flash_attn/_vllm_fa2_C",
+                           "--stored"], capture_output=True, text=True, check=True)
+    assert done.stdout.count("1 files left out") == 2
     with zipfile.ZipFile(wheel) as archive:
         names, record = archive.namelist(), archive.read("vllm-0.0.1.dist-info/RECORD").decode()
+        assert {info.compress_type for info in archive.infolist()} == {zipfile.ZIP_STORED}
     assert "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" not in names + [line.split(",")[0] for line in record.splitlines()]
     assert "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so" in names and "_vllm_fa3_C" in record
-    refused = subprocess.run([sys.executable, str(STRIP), str(wheel), "vllm/no_such_dir/"], capture_output=True, text=True)
-    assert refused.returncode != 0 and "has nothing under vllm/no_such_dir/" in refused.stderr
+    refused = subprocess.run([sys.executable, str(STRIP), str(wheel), "--drop", "vllm/no_such_dir/"], capture_output=True,
+                             text=True)
+    assert refused.returncode != 0 and "no wheel has anything under vllm/no_such_dir/" in refused.stderr
     with zipfile.ZipFile(wheel) as archive:
         assert archive.namelist() == names  # refused before anything was written
 
@@ -135,7 +140,8 @@ def test_pieces_of_two_kits_are_refused_and_nothing_is_installed(tmp_path):
 
 def test_a_pip_report_is_read_for_the_environment_it_was_resolved_in(tmp_path):
     """vllm_kit.sh's resolution: pip's installation report, its markers evaluated for the host's Python (3.12 there,
-    whatever runs wheels.py), the host's packages and a left-out requirement not followed."""
+    whatever runs wheels.py) and for the extras a requirement names, the host's packages and a left-out requirement
+    not followed."""
     def item(name: str, version: str, *requires: str) -> dict:
         return {"metadata": {"name": name, "version": version, "requires_dist": list(requires)}}
 
@@ -143,14 +149,15 @@ def test_a_pip_report_is_read_for_the_environment_it_was_resolved_in(tmp_path):
                               "platform_machine": "x86_64", "platform_system": "Linux", "os_name": "posix",
                               "implementation_name": "cpython", "platform_python_implementation": "CPython",
                               "platform_release": "", "platform_version": "", "implementation_version": "3.12.3"},
-              "install": [item("vllm", "0.26.0", "Mistral_Common>=1", "flashinfer-python==0.6.14", "numba==0.65.0",
+              "install": [item("vllm", "0.26.0", "Mistral_Common[image]>=1", "flashinfer-python==0.6.14", "numba==0.65.0",
                                'old-only; python_version < "3.12"', "tests-only; extra == 'test'"),
-                          item("mistral-common", "1.13.1", 'numpy<2.4; python_version <= "3.12"', "pycountry"),
-                          item("pycountry", "26.2.16"), item("numpy", "2.3.5"),
+                          item("mistral-common", "1.13.1", 'numpy<2.4; python_version <= "3.12"', "pycountry",
+                               'pillow-simd; extra == "image"', 'soundfile; extra == "audio"'),
+                          item("pycountry", "26.2.16"), item("numpy", "2.3.5"), item("pillow-simd", "9.0.0"),
                           item("flashinfer-python", "0.6.14", "cuda-tile", "pycountry"), item("cuda-tile", "1.7.0")]}
     (tmp_path / "report.json").write_text(json.dumps(report))
     need = needed(tmp_path, "numpy, numba", "vllm", "--report", str(tmp_path / "report.json"), "--leave", "flashinfer-python")
-    assert need == ["mistral-common==1.13.1", "pycountry==26.2.16", "vllm==0.26.0"]
+    assert need == ["mistral-common==1.13.1", "pillow-simd==9.0.0", "pycountry==26.2.16", "vllm==0.26.0"]  # the extra named
     (tmp_path / "have.txt").write_text("numpy")  # numba is the host's, but not named: it was no stub there either
     refused = subprocess.run([sys.executable, str(WHEELS), "--have", str(tmp_path / "have.txt"), "--report",
                               str(tmp_path / "report.json"), "vllm"], capture_output=True, text=True)

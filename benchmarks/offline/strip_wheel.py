@@ -1,10 +1,12 @@
-"""A wheel without some of its files: the entries under the given prefixes are left out of the archive and of its
+"""Wheels without some of their files: the entries under the given prefixes are left out of the archive and of its
 RECORD, so what pip installs matches what the RECORD lists. The vLLM kit strips kernels a Hopper host never loads
 (benchmarks/offline/vllm_kit.sh):
 
-    python benchmarks/offline/strip_wheel.py vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl vllm/vllm-rs ...
+    python benchmarks/offline/strip_wheel.py KIT/wheels/*.whl --drop vllm/vllm-rs ... --stored
 
-The wheel is rewritten in place (through a temporary file beside it: a failure leaves the original).
+``--stored``: every entry kept is stored uncompressed, for a kit compressed as a whole (xz finds far more in the raw
+kernels than in their deflate streams; pip installs either). Each wheel is rewritten in place (through a temporary
+file beside it: a failure leaves the original). A prefix that no wheel has is refused before any is rewritten.
 """
 
 from __future__ import annotations
@@ -23,19 +25,24 @@ def without_records(record: str, prefixes: list[str]) -> str:
     return "".join(line for line in record.splitlines(keepends=True) if kept(line.split(",", 1)[0], prefixes))
 
 
-def unmatched(wheel: Path, prefixes: list[str]) -> list[str]:
-    """The prefixes no entry of ``wheel`` starts with (a typo, or a wheel laid out otherwise)."""
-    with zipfile.ZipFile(wheel) as source:
-        names = source.namelist()
+def unmatched(wheels: list[Path], prefixes: list[str]) -> list[str]:
+    """The prefixes no entry of any of ``wheels`` starts with (a typo, or a wheel laid out otherwise)."""
+    names = []
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as source:
+            names += source.namelist()
     return [prefix for prefix in prefixes if all(kept(name, [prefix]) for name in names)]
 
 
-def strip(wheel: Path, prefixes: list[str]) -> list[str]:
-    """Rewrites ``wheel`` without the entries under ``prefixes``; returns the names it left out."""
+def strip(wheel: Path, prefixes: list[str], stored: bool = False) -> list[str]:
+    """Rewrites ``wheel`` without the entries under ``prefixes`` (with ``stored``, the others uncompressed); returns the
+    names it left out."""
     partial = wheel.with_name(wheel.name + ".partial")
     dropped = []
-    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as target:
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(partial, "w") as target:
         for info in source.infolist():
+            if stored:
+                info.compress_type = zipfile.ZIP_STORED
             if not kept(info.filename, prefixes):
                 dropped.append(info.filename)
             elif info.filename.endswith(".dist-info/RECORD"):
@@ -48,14 +55,17 @@ def strip(wheel: Path, prefixes: list[str]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("wheel", type=Path)
-    parser.add_argument("prefixes", nargs="+", help="paths inside the wheel: every entry that starts with one goes")
+    parser.add_argument("wheels", nargs="+", type=Path)
+    parser.add_argument("--drop", nargs="*", default=[], help="paths inside a wheel: every entry that starts with one goes")
+    parser.add_argument("--stored", action="store_true", help="store the entries kept uncompressed")
     args = parser.parse_args()
-    missing = unmatched(args.wheel, args.prefixes)
+    missing = unmatched(args.wheels, args.drop)
     if missing:
-        raise SystemExit(f"{args.wheel.name} has nothing under {', '.join(missing)}: check against the wheel's files")
-    dropped = strip(args.wheel, args.prefixes)
-    print(f"{args.wheel.name}: {len(dropped)} files left out")
+        raise SystemExit(f"no wheel has anything under {', '.join(missing)}: check against the wheels' files")
+    for wheel in args.wheels:
+        dropped = strip(wheel, args.drop, args.stored)
+        if dropped:
+            print(f"{wheel.name}: {len(dropped)} files left out")
 
 
 if __name__ == "__main__":

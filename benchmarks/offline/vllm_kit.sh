@@ -10,11 +10,12 @@
 # resolved by pip in a python3.12 venv where the host's packages that vLLM pins against are present as metadata
 # stubs at the host's versions (so pip keeps them instead of choosing its own), as PyPI stood on SNAPSHOT (the same
 # wheels on every run); benchmarks/offline/wheels.py then takes the resolution minus every package the host has
-# (HOST_PACKAGES: the "Packages:" line of the device's KINDS.md) and minus flashinfer (vLLM runs without it).
+# (HOST_PACKAGES: the "Packages:" line of the device's KINDS.md) and minus the optional kernel packages in `leave`.
 # vLLM's wheel is stripped of what a Hopper host never loads: FlashAttention-2's kernels (Hopper runs FA3), the
-# vllm-rs binary, DeepGEMM's and the SM100 FMHA's sources (benchmarks/offline/strip_wheel.py). The wheels travel as
-# one tar.xz cut into pieces of PART_MB (default 58) MB, KIT/part1, KIT/part2, ..., each with the whole file's
-# sha256 and the number of pieces, so the install knows when it has them all (benchmarks/offline/pack_parts.sh).
+# vllm-rs binary, DeepGEMM's and the SM100 FMHA's sources (benchmarks/offline/strip_wheel.py); every wheel is stored
+# uncompressed so that xz compresses the raw files. They travel as one tar.xz cut into pieces of PART_MB (default 58)
+# MB, KIT/part1, KIT/part2, ..., each with the whole file's sha256 and the number of pieces, so the install knows when
+# it has them all (benchmarks/offline/pack_parts.sh).
 set -euo pipefail
 kit=$1 have=$2 part_mb=${3:-58}
 here=$(cd "$(dirname "$0")/../.." && pwd)
@@ -29,6 +30,10 @@ host_stubs=(torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0 triton==3.6.0 t
 # xgrammar: a newer release than 0.2.7 fails to import with vLLM 0.26.0's pin of apache-tvm-ffi
 roots=(vllm==0.26.0 xgrammar==0.2.7 apache-tvm-ffi==0.1.10)
 strip=(vllm/vllm_flash_attn/_vllm_fa2_C vllm/vllm-rs vllm/third_party/deep_gemm/ vllm/third_party/fmha_sm100/)
+# Requirements vLLM imports only inside the functions that use them (flashinfer's attention, CUTLASS DSL and QuACK
+# kernels for Blackwell and MoE, TileLang and TokenSpeed's MLA, video decoding) or behind has_humming(): a Llama
+# verifier with its EAGLE-3 drafter on Hopper runs without them, 400 MB of wheels (with nvcc, humming's cu13 extra)
+leave=(flashinfer-python nvidia-cutlass-dsl quack-kernels tilelang tokenspeed-mla pynvvideocodec torchcodec humming-kernels)
 
 venv=$kit/resolve
 rm -rf "$venv" "$kit/wheels"
@@ -43,9 +48,9 @@ for pin in "${host_stubs[@]}"; do
 done
 "$venv/bin/python" -m pip install -q --dry-run --only-binary=:all: --uploaded-prior-to "$snapshot" \
   --report "$kit/report.json" "${roots[@]}"
-"$python" "$here/benchmarks/offline/wheels.py" --report "$kit/report.json" --have "$have" vllm --leave flashinfer-python \
+"$python" "$here/benchmarks/offline/wheels.py" --report "$kit/report.json" --have "$have" vllm --leave "${leave[@]}" \
   > "$kit/need.txt"
 "$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: -d "$kit/wheels" -r "$kit/need.txt"
-"$python" "$here/benchmarks/offline/strip_wheel.py" "$kit"/wheels/vllm-*.whl "${strip[@]}"
+"$python" "$here/benchmarks/offline/strip_wheel.py" "$kit"/wheels/*.whl --drop "${strip[@]}" --stored
 echo "$(wc -l < "$kit/need.txt") wheels, $(du -sb "$kit/wheels" | awk '{printf "%.0f MB", $1 / 1e6}') unpacked"
 bash "$here/benchmarks/offline/pack_parts.sh" "$kit" wheels "${part_mb}MB"

@@ -59,19 +59,26 @@ def reported(report: Path) -> tuple[Requires, dict[str, str]]:
 
 def closure(roots: list[str], stop: set[str] = frozenset(), requires: Requires = installed,
             environment: dict[str, str] | None = None) -> dict[str, str]:
-    """{normalised name: version} of ``roots`` and everything they require (no extras), not following the
-    names in ``stop`` (normalised); markers are evaluated for ``environment`` (this interpreter's if None)."""
+    """{normalised name: version} of ``roots`` and everything they require, with the extras each requirement names
+    (``mistral_common[image]``), not following the names in ``stop`` (normalised); markers are evaluated for
+    ``environment`` (this interpreter's if None)."""
     found: dict[str, str] = {}
-    todo = list(roots)
+    extras_of: dict[str, set[str]] = {}  # per package followed, the extras whose requirements were taken
+    todo = [Requirement(root) for root in roots]
     while todo:
-        name = todo.pop()
-        if normal(name) in found or normal(name) in stop:
+        requirement = todo.pop()
+        name = normal(requirement.name)
+        if name in stop or (name in extras_of and requirement.extras <= extras_of[name]):
             continue
-        found[normal(name)], lines = requires(name)
+        new = [""] * (name not in extras_of) + sorted(requirement.extras - extras_of.get(name, set()))  # "": no extra
+        extras_of[name] = extras_of.get(name, set()) | requirement.extras
+        found[name], lines = requires(requirement.name)
         for line in lines:
-            requirement = Requirement(line)
-            if requirement.marker is None or requirement.marker.evaluate({**(environment or {}), "extra": ""}):
-                todo.append(requirement.name)
+            needed = Requirement(line)
+            marker = needed.marker
+            if any((marker is None and extra == "") or (marker is not None and marker.evaluate({**(environment or {}), "extra": extra}))
+                   for extra in new):
+                todo.append(needed)
     return found
 
 
