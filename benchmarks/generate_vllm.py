@@ -12,7 +12,8 @@ RUN is a finished ``dvc repro`` (benchmarks/offline/pipeline_run.sh): ``models/v
 ``--work`` (default RUN/generate_vllm, emptied first):
 
 1. the server: ``--server``, by default ``vllm serve`` of the verifier on ``--port`` (vLLM's kit:
-   benchmarks/offline/vllm_kit.sh), its output in ``server.log``, waited for until ``/health`` answers;
+   benchmarks/offline/vllm_kit.sh), with ``--drafter-k K`` drafting with the run's drafter as docs/serving.md
+   serves it, its output in ``server.log``, waited for until ``/health`` answers;
 2. ``params.yaml``: the run's, its ``backend`` the ``openai`` group (conf/backend/openai.yaml) at that server;
    dvc.yaml's ``generate`` command on the shard into ``generated/<shard>``, timed, its output in ``generate.log``
    with the openai client's retries logged (its DEBUG lines: one per retry, with the reason);
@@ -28,6 +29,7 @@ The server is stopped at the end, also after a failure.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -65,10 +67,10 @@ def openai_params(run_params: Path, url: str):
     return params
 
 
-def start_server(command: str, log: Path) -> subprocess.Popen:
+def start_server(command: list[str], log: Path) -> subprocess.Popen:
     """The server in a session of its own (so that stopping it stops its workers too), its output in ``log``."""
     with log.open("w") as handle:
-        return subprocess.Popen(shlex.split(command), stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def stop_server(server: subprocess.Popen) -> None:
@@ -172,6 +174,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--work", type=Path, help="the openai run's folder (default RUN/generate_vllm; emptied first)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--server", default=VLLM_SERVE, help="the server's command ({python}, {verifier}, {port} filled)")
+    parser.add_argument("--drafter-k", type=int, help="serve with the run's drafter drafting K tokens (vLLM's flag)")
     parser.add_argument("--health-timeout", type=float, default=600.0, help="seconds the server may take to be ready")
     parser.add_argument("--commit", help="the commit measured (default: this checkout's)")
     args = parser.parse_args(argv)
@@ -188,8 +191,11 @@ def main(argv: list[str]) -> None:
     url = f"http://127.0.0.1:{args.port}/v1"
     OmegaConf.save(openai_params(run / "params.yaml", url), work / "params.yaml")
     facts = gpu_facts()  # before our server: the processes that share the GPU with it
-    server = start_server(args.server.format(python=sys.executable, verifier=run / "models" / "verifier", port=args.port),
-                          work / "server.log")
+    command = shlex.split(args.server.format(python=sys.executable, verifier=run / "models" / "verifier", port=args.port))
+    if args.drafter_k:  # as docs/serving.md serves the drafter
+        spec = {"method": "eagle3", "model": str(run / "models" / "drafter"), "num_speculative_tokens": args.drafter_k}
+        command += ["--speculative-config", json.dumps(spec)]
+    server = start_server(command, work / "server.log")
     try:
         ready = wait_healthy(url, server, work / "server.log", args.health_timeout)
         seconds = run_generate(run, shard, work)
@@ -201,7 +207,7 @@ def main(argv: list[str]) -> None:
     stats = read_json(work / "metrics.json")
     retries = retry_reasons((work / "generate.log").read_text(errors="replace"))
     results = {"commit": args.commit or commit(), "command": shlex.join(["python", "benchmarks/generate_vllm.py", *argv]),
-               "server": args.server, "vllm": vllm_version(), "server_ready_s": ready, **facts, "shard": shard, "prompts": stats["prompts"],
+               "server": shlex.join(command), "vllm": vllm_version(), "server_ready_s": ready, **facts, "shard": shard, "prompts": stats["prompts"],
                "answers": stats["answers"], "errors": stats["errors"], "retries": sum(retries.values()),
                "retry_reasons": dict(retries),
                **compare(answer_ids(work / "generated" / shard, tokenizer), answer_ids(local_dir, tokenizer)),

@@ -5,6 +5,7 @@ the scripted OpenAI stand-in (tests/support/openai_standin.py), answering "answe
 from __future__ import annotations
 
 import json
+import shlex
 import socket
 import subprocess
 import sys
@@ -56,10 +57,12 @@ def tiny_run(folder: Path, verifier: Path) -> Path:
 def test_generate_through_a_started_server_is_compared_with_the_local_answers(tmp_path, tiny_verifier_dir):
     run = tiny_run(tmp_path / "run", tiny_verifier_dir)
     out, port = tmp_path / "generate_vllm.json", free_port()
-    done = subprocess.run([sys.executable, str(SCRIPT), str(run), "--out", str(out), "--port", str(port), "--server", STANDIN],
-                          cwd=tmp_path, env=with_sources(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(SCRIPT), str(run), "--out", str(out), "--port", str(port), "--server", STANDIN,
+                           "--drafter-k", "7"], cwd=tmp_path, env=with_sources(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
+    spec = shlex.split(result["server"])[-1]  # the server's last argument: vLLM's speculative config, as the docs give it
+    assert json.loads(spec) == {"method": "eagle3", "model": str(run / "models" / "drafter"), "num_speculative_tokens": 7}
     assert (result["prompts"], result["answers"], result["errors"], result["compared"]) == (3, 3, 0, 3)
     assert result["retries"] == 1 and result["retry_reasons"] == {"HTTP 500": 1}
     assert result["equal_share"] == 0.6667 and result["prefix_share"] == 0.6667  # the third differs from its first token
