@@ -5,6 +5,7 @@ equal to plain decoding's.
     PYTHONPATH=src:/root/vllm-site:/root/site python benchmarks/serve_vllm.py /root/run \\
         --out benchmarks/results/serve_vllm_10k.json --commit <sha> [--sets mtbench heldout] [--ks 3 5 7] \\
         [--concurrency 1 16 64] [--repeats 3]
+    python benchmarks/serve_vllm.py --speedup-table benchmarks/results/serve_vllm_10k.json   # docs/serving.md's table
 
 RUN is a finished ``dvc repro`` (benchmarks/offline/pipeline_run.sh): ``models/verifier``, ``models/drafter``,
 ``data/prompts/eval/<set>.jsonl``, ``dvclive/evaluate/metrics.json`` and the ``params.yaml`` it ran with, whose
@@ -240,6 +241,34 @@ def answers_path(folder: Path, name: str, prompts: list[list[int]]) -> Path:
     return folder / f"{name}.{digest}.plain.json"
 
 
+def speedup_table(results: dict, source: str) -> str:
+    """docs/serving.md's engine speedups: where and how it was measured, then a row per set and K."""
+    engines = results.get("engines", {}).values()
+    gpus = sorted({str(e["gpu"]) for e in engines}) or ["an unknown GPU"]
+    alone = all(e["other_gpu_processes"] == 0 for e in engines)
+    concurrency = sorted({int(c) for row in results["sets"].values() for c in row["tokens_per_s"]})
+    lines = [f"vLLM {results['vllm']} on {' and '.join(gpus)} ({'alone' if alone else 'shared with other processes'}), "
+             f"at {results['commit']} (`{source}`):", f"`{results['command']}`.", "",
+             "| eval set | prompts | K | acceptance length | `evaluate`'s τ | answers equal to plain | "
+             + " | ".join(f"speedup, {c} at once" for c in concurrency) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(concurrency)]
+    for name, row in results["sets"].items():
+        for k in sorted(row["acceptance_length"], key=int):
+            tau = row["evaluate_tau"].get(k)
+            cells = [f"`{name}`", str(row["prompts"]), k, f"{row['acceptance_length'][k]:.2f}",
+                     f"{tau['tau']:.2f}" if tau else "–", f"{row['identical_share'][k]:.0%}"]
+            for c in concurrency:
+                ratio = row["speedup"].get(str(c), {}).get(k)
+                cells.append(f"{ratio['median']:.2f}× ({ratio['spread']:.0%})" if ratio and ratio["spread"] is not None
+                             else f"{ratio['median']:.2f}×" if ratio else "–")
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"Greedy, up to {results['max_new_tokens']} new tokens, {results['turns']}. Speedup: tokens/s with the "
+                  f"drafter over plain decoding's on the same prompts, the median of {results['repeats']} repeats (in "
+                  "brackets their spread, (max - min) / median); C requests submitted at once, over max(C, "
+                  f"{results['timed_prompts']}) prompts."]
+    return "\n".join(lines)
+
+
 # --- the engine (on the GPU host) --------------------------------------------------------------------------------------
 
 
@@ -338,8 +367,9 @@ def serve_engine(run: Run, k: int | None, prompts: dict[str, list[list[int]]], a
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", type=Path, help="a finished dvc repro's folder (models/, data/prompts, dvclive/evaluate)")
-    parser.add_argument("--out", type=Path, required=True, help="the results JSON (added to where it exists)")
+    parser.add_argument("run", type=Path, nargs="?", help="a finished dvc repro's folder (models/, data/prompts, dvclive/evaluate)")
+    parser.add_argument("--out", type=Path, help="the results JSON (added to where it exists)")
+    parser.add_argument("--speedup-table", type=Path, help="print docs/serving.md's table of this results JSON, and stop")
     parser.add_argument("--sets", nargs="+", help="eval sets (default: the run's evaluate.sets)")
     parser.add_argument("--ks", nargs="+", type=int, default=[3, 5, 7], help="drafted tokens per verifier forward")
     parser.add_argument("--concurrency", nargs="*", type=int, default=[1, 16, 64], help="requests in flight, timed")
@@ -349,6 +379,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--answers", type=Path, help="the plain engine's answers (default RUN/serve_vllm)")
     parser.add_argument("--commit", help="the commit measured (default: this checkout's)")
     args = parser.parse_args(argv)
+    if args.speedup_table:
+        print(speedup_table(read_json(args.speedup_table), str(args.speedup_table)))
+        return
+    if not (args.run and args.out):
+        raise UserError("give RUN and --out (or --speedup-table FILE)")
     if min([*args.ks, *args.concurrency, args.repeats, args.timed_prompts]) < 1:
         raise UserError("--ks, --concurrency, --repeats and --timed-prompts take positive numbers")
     args.answers = args.answers or args.run / "serve_vllm"

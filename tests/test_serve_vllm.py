@@ -6,6 +6,7 @@ Vector."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,40 @@ def test_without_vllm_the_script_says_so_in_one_line_and_keeps_the_results(tmp_p
     done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--out", str(out)], cwd=tmp_path, env=with_sources(),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and f"{tmp_path / 'params.yaml'}: not found" in done.stderr and "Traceback" not in done.stderr
+
+
+def served_results() -> dict:
+    """A results file as serve_vllm writes it: one set, K = 7, timed at 1 and 64 requests at once."""
+    results = {"commit": "abc1234", "command": "python benchmarks/serve_vllm.py /root/run --ks 7", "vllm": "0.26.0",
+               "max_new_tokens": 256, "turns": "the first user turn of each prompt", "repeats": 3, "timed_prompts": 8,
+               "engines": {"plain": {"gpu": "NVIDIA H100 80GB HBM3", "other_gpu_processes": 0, "ready_seconds": 100.0},
+                           "7": {"gpu": "NVIDIA H100 80GB HBM3", "other_gpu_processes": 0, "ready_seconds": 110.0}}}
+    row = serve_vllm.set_row(results, "mtbench", 80)
+    row["acceptance_length"]["7"], row["identical_share"]["7"] = 2.36, 0.9
+    row["evaluate_tau"]["7"] = {"tau": 2.42, "metric": "mtbench/turn1/tau"}
+    for c, plain, drafted in ((1, [500.0, 400.0, 450.0], [600.0, 500.0, 540.0]), (64, [9000.0] * 3, [4500.0] * 3)):
+        serve_vllm.record_timing(row, "plain", c, max(c, 8), plain)
+        serve_vllm.record_timing(row, "7", c, max(c, 8), drafted)
+    return results
+
+
+def test_the_speedup_table_has_a_row_per_set_and_k_and_a_column_per_concurrency():
+    table = serve_vllm.speedup_table(served_results(), "results.json").splitlines()
+    assert table[0] == "vLLM 0.26.0 on NVIDIA H100 80GB HBM3 (alone), at abc1234 (`results.json`):"
+    assert table[3].endswith("| speedup, 1 at once | speedup, 64 at once |")
+    assert table[5] == "| `mtbench` | 80 | 7 | 2.36 | 2.42 | 90% | 1.20× (4%) | 0.50× (0%) |"  # below 1× too
+
+
+GENERATED = re.compile(r"^<!-- generated: serve_vllm.py --speedup-table -->\n(.*?)\n<!-- end generated -->$", re.M | re.S)
+RESULTS = ROOT / "benchmarks" / "results" / "serve_vllm_10k.json"
+
+
+def test_the_docs_speedup_table_is_the_results_json():
+    """docs/serving.md's engine speedups are serve_vllm.py --speedup-table of the committed JSON; until a run has
+    been served, a marked gap with no figure in it."""
+    (section,) = GENERATED.findall((ROOT / "docs" / "serving.md").read_text())
+    if RESULTS.is_file():
+        source = str(RESULTS.relative_to(ROOT))
+        assert section == serve_vllm.speedup_table(json.loads(RESULTS.read_text()), source)
+    else:
+        assert section.startswith("TODO: not measured yet") and not re.search(r"\d", section.replace("10k", ""))
