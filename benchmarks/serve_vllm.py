@@ -42,8 +42,9 @@ The JSON: the commit, command, vLLM version, ``max_new_tokens``, ``ks``, ``engin
 
 The JSON is rewritten after every measurement, so a killed run keeps what it measured, and a later run with the same
 ``--out`` adds to it: an engine whose every requested measurement is there is not built again (the plain engine's
-answers are kept for that in ``--answers``, default RUN/serve_vllm). So a 10-minute call can hold the plain engine and
-K = 7, and the next ones K = 3 and K = 5.
+answers are kept for that in ``--answers``, default RUN/serve_vllm). An engine with every set timed at 1, 16 and 64
+takes about five minutes of a call (its start included), so the work splits into calls of ten minutes: ``--ks`` with no
+value (the plain engine alone), then ``--ks 7``, ``--ks 3`` and ``--ks 5``.
 """
 
 from __future__ import annotations
@@ -371,7 +372,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, help="the results JSON (added to where it exists)")
     parser.add_argument("--speedup-table", type=Path, help="print docs/serving.md's table of this results JSON, and stop")
     parser.add_argument("--sets", nargs="+", help="eval sets (default: the run's evaluate.sets)")
-    parser.add_argument("--ks", nargs="+", type=int, default=[3, 5, 7], help="drafted tokens per verifier forward")
+    parser.add_argument("--ks", nargs="*", type=int, default=[3, 5, 7],
+                        help="drafted tokens per verifier forward (none: the plain engine alone)")
     parser.add_argument("--concurrency", nargs="*", type=int, default=[1, 16, 64], help="requests in flight, timed")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per engine, set and concurrency")
     parser.add_argument("--timed-prompts", type=int, default=8, help="prompts timed at least (at concurrency 1 too)")

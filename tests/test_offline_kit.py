@@ -69,7 +69,7 @@ def stand_in_vllm(folder: Path) -> Path:
                      f"{len(data)}\n" for name, data in files.items())
     meta = {"vllm-0.0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: vllm\nVersion: 0.0.1\n",
             "vllm-0.0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: eagle3-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    with zipfile.ZipFile(wheel, "w") as archive:
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:  # as wheels come
         for name, data in {**files, **meta}.items():
             archive.writestr(name, data)
         archive.writestr("vllm-0.0.1.dist-info/RECORD", record + "".join(f"{name},,\n" for name in meta)

@@ -41,14 +41,14 @@ def strip(wheel: Path, prefixes: list[str], stored: bool = False) -> list[str]:
     dropped = []
     with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(partial, "w") as target:
         for info in source.infolist():
-            if stored:
-                info.compress_type = zipfile.ZIP_STORED
             if not kept(info.filename, prefixes):
                 dropped.append(info.filename)
-            elif info.filename.endswith(".dist-info/RECORD"):
-                target.writestr(info, without_records(source.read(info).decode(), prefixes))
-            else:
-                target.writestr(info, source.read(info))
+                continue
+            data = source.read(info)
+            if stored:  # after the read: the entry is read as it was written
+                info.compress_type = zipfile.ZIP_STORED
+            target.writestr(info, without_records(data.decode(), prefixes).encode()
+                            if info.filename.endswith(".dist-info/RECORD") else data)
     partial.replace(wheel)
     return dropped
 
