@@ -65,7 +65,7 @@ from eagle3.common import UserError, read_json, stage_main, write_json
 from eagle3.config import stage_params
 from eagle3.decoding.settings import Settings
 from eagle3.decoding.timing import median_spread
-from eagle3.evaluate import PARAMS, load_eval_sets
+from eagle3.evaluate import PARAMS, check_pair, load_eval_sets
 
 SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
                  "accepted": "vllm:spec_decode_num_accepted_tokens"}
@@ -95,11 +95,14 @@ class Run:
 
 
 def load_run(folder: Path, sets: list[str] | None) -> Run:
-    """The run's params, the eval sets (``sets``, else the run's ``evaluate.sets``) and ``evaluate``'s metrics."""
+    """The run's params, the eval sets (``sets``, else the run's ``evaluate.sets``) and ``evaluate``'s metrics; a
+    drafter export with a fault, or prompts of another verifier, refused as ``evaluate`` refuses them (before minutes
+    of engine start)."""
     for needed in ("params.yaml", "models/verifier", "models/drafter", "dvclive/evaluate/metrics.json"):
         if not (folder / needed).exists():
             raise UserError(f"{folder / needed}: not found; RUN must be a finished dvc repro (benchmarks/offline/pipeline_run.sh)")
     settings = Settings.from_params(stage_params(PARAMS, folder / "params.yaml"))
+    check_pair(folder / "models" / "verifier", folder / "models" / "drafter", folder / "data" / "prompts")  # as evaluate
     records = load_eval_sets(folder / "data" / "prompts", sets or settings.sets, settings.max_prompts)
     return Run(folder, settings, records, read_json(folder / "dvclive" / "evaluate" / "metrics.json"))
 

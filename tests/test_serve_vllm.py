@@ -16,8 +16,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from eagle3.common import UserError
-from eagle3.lm.loading import load_tokenizer
+from eagle3.drafter.export import verifier_facts, write_drafter
+from eagle3.lm.loading import load_tokenizer, load_verifier
+from eagle3.lm.tokenizer_id import tokenizer_fingerprint
 from support.repo import ROOT, project_params, with_sources
+from support.speculative import TINY_TAPS, random_drafter
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import serve_vllm  # noqa: E402  (a script beside the benchmarks it imports)
@@ -37,8 +40,11 @@ def tiny_run(folder: Path, verifier: Path, draft_tokens: int = 7) -> Path:
     OmegaConf.save(params, folder / "params.yaml")
     (folder / "models").mkdir()
     (folder / "models" / "verifier").symlink_to(verifier)
-    (folder / "models" / "drafter").mkdir()  # read by vLLM alone
+    drafter = folder / "models" / "drafter"
+    drafter.mkdir()
+    write_drafter(random_drafter(load_verifier(verifier), 512, TINY_TAPS), drafter, verifier_facts(verifier), {})
     (folder / "data" / "prompts" / "eval").mkdir(parents=True)
+    (folder / "data" / "prompts" / "meta.json").write_text(json.dumps({"tokenizer": tokenizer_fingerprint(verifier)}))
     rows = {"heldout": [{"id": f"h{i}", "source": "tests", "messages": [{"role": "user", "content": q}]}
                         for i, q in enumerate(HELDOUT)],
             "mtbench": [{"id": f"m{i}", "source": "tests", "messages": [{"role": "user", "content": q}], "followups": later}
@@ -119,7 +125,7 @@ def test_identical_share_compares_token_for_token():
 
 def test_without_vllm_the_script_says_so_in_one_line_and_keeps_the_results(tmp_path, tiny_verifier_dir):
     """serve_vllm.py's CPU check: where vLLM is not installed (here) it stops after reading the run, one line, and an
-    earlier results file stays as it was; a folder that is no run is named."""
+    earlier results file stays as it was; a folder that is no run is named, a broken drafter export refused."""
     run = tiny_run(tmp_path / "run", tiny_verifier_dir)
     out = tmp_path / "serve.json"
     out.write_text('{"sets": {}}\n')
@@ -130,6 +136,10 @@ def test_without_vllm_the_script_says_so_in_one_line_and_keeps_the_results(tmp_p
     done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--out", str(out)], cwd=tmp_path, env=with_sources(),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and f"{tmp_path / 'params.yaml'}: not found" in done.stderr and "Traceback" not in done.stderr
+    (run / "models" / "drafter" / "model.safetensors").unlink()  # a broken export: refused before vLLM is looked for
+    done = subprocess.run([sys.executable, str(SCRIPT), str(run), "--out", str(out)], cwd=tmp_path, env=with_sources(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "model.safetensors: not found" in done.stderr.strip().splitlines()[-1]
 
 
 def served_results() -> dict:
