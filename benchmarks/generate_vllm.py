@@ -207,8 +207,8 @@ def main(argv: list[str]) -> None:
     stats = read_json(work / "metrics.json")
     retries = retry_reasons((work / "generate.log").read_text(errors="replace"))
     results = {"commit": args.commit or commit(), "command": shlex.join(["python", "benchmarks/generate_vllm.py", *argv]),
-               "server": shlex.join(command), "vllm": vllm_version(), "server_ready_s": ready, **facts, "shard": shard, "prompts": stats["prompts"],
-               "answers": stats["answers"], "errors": stats["errors"], "retries": sum(retries.values()),
+               "server": shlex.join(command), "vllm": vllm_version(), "server_ready_s": ready, **facts, "shard": shard,
+               "prompts": stats["prompts"], "answers": stats["answers"], "errors": stats["errors"], "retries": sum(retries.values()),
                "retry_reasons": dict(retries),
                **compare(answer_ids(work / "generated" / shard, tokenizer), answer_ids(local_dir, tokenizer)),
                "tokens_per_s": {"openai": rate(stats["completion_tokens"], seconds), "local": local}}

@@ -28,10 +28,16 @@ if ! [ -d "$site" ]; then
   # transformers 5.17 fails to import MistralCommonBackend, which this module imports at its top only for an
   # isinstance check: with the guard no tokenizer is one (the project serves no Mistral tokenizer)
   guarded=$site.partial/vllm/v1/structured_output/backend_guidance.py
-  grep -qx 'from transformers import MistralCommonBackend' "$guarded" || { echo "error: $guarded: the import to guard is not there; check it against this vLLM" >&2; exit 1; }
-  sed -i 's/^from transformers import MistralCommonBackend$/try:\n    from transformers import MistralCommonBackend\nexcept ImportError:  # the host'"'"'s transformers (eagle3: vllm_install.sh)\n    MistralCommonBackend = type("MistralCommonBackend", (), {})/' "$guarded"
+  import='from transformers import MistralCommonBackend'
+  guard="try:\n    $import\nexcept ImportError:  # the host's transformers (eagle3: vllm_install.sh)\n"
+  guard+='    MistralCommonBackend = type("MistralCommonBackend", (), {})'
+  if ! grep -qx "$import" "$guarded"; then
+    echo "error: $guarded: no line '$import' to guard; check the guard against this vLLM" >&2
+    exit 1
+  fi
+  sed -i "s/^$import\$/$guard/" "$guarded"
   # bytecode compiled now, in parallel, rather than by the first import of a timed run
-  python3 -m compileall -q -j 0 "$site.partial" > /dev/null || echo "compileall: some files did not compile (pip skips them too)"
+  python3 -m compileall -q -j 0 "$site.partial" > /dev/null || echo "compileall: some files did not compile (as pip skips them)"
   mv "$site.partial" "$site"
   rm -rf "$store/wheels"
 fi
