@@ -47,7 +47,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from common import ROOT, commit
-from eagle3.common import UserError, read_json, read_jsonl, stage_main, write_json
+from eagle3.common import UserError, read_json, read_jsonl, write_json
+from eagle3.runner import stage_main
 from pipeline_report import read_log, stage_times
 from serve_vllm import gpu_facts
 

@@ -61,11 +61,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import commit
-from eagle3.common import UserError, read_json, stage_main, write_json
-from eagle3.config import stage_params
+from eagle3.common import UserError, read_json, write_json
 from eagle3.decoding.settings import Settings
 from eagle3.decoding.timing import median_spread
 from eagle3.evaluate import PARAMS, check_pair, load_eval_sets
+from eagle3.runner import stage_main
+from eagle3.settings import stage_params
 
 SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
                  "accepted": "vllm:spec_decode_num_accepted_tokens"}
