@@ -146,7 +146,7 @@ def validate(params: DictConfig) -> None:
 
 # --- the reference of every key: docs/params.md ------------------------------------------------------------------
 
-REFERENCE_COMMAND = "python -m eagle3.config > docs/params.md"
+REFERENCE_COMMAND = "python -m eagle3.config dvc.yaml > docs/params.md"
 
 
 def field_notes(schema: type) -> dict[str, str]:
@@ -156,27 +156,47 @@ def field_notes(schema: type) -> dict[str, str]:
     return {found.group(1): found.group(2).strip() for found in declarations if found}
 
 
-def params_reference() -> str:
-    """docs/params.md: every key of params.yaml, by group, with its type, what its check allows and its description,
-    all read from the schemas (``SCHEMAS``, ``settings.TOP_LEVEL``): the page is generated, never edited."""
+def stage_reads(pipeline: Path) -> dict[str, set[str]]:
+    """Each stage of a dvc.yaml and the params it reads: its ``params:`` (= its module's ``PARAMS``,
+    tests/test_dvc_deps.py) and those its command interpolates (train's ``${layout.nnodes}``). The stage that lists every
+    section (``params``, which checks them all) is left out: it would be every key's reader."""
+    stages = (yaml.safe_load(pipeline.read_text()) or {}).get("stages", {})
+    reads = {name: {str(key) for key in body.get("do", body).get("params", [])}
+             | set(re.findall(r"\$\{([\w.]+)\}", str(body.get("do", body).get("cmd", "")))) - {"item"}
+             for name, body in stages.items()}
+    return {name: keys for name, keys in reads.items() if not {schema.GROUP for schema in SCHEMAS} <= keys}
+
+
+def readers(key: str, reads: dict[str, set[str]]) -> str:
+    """The stages reading ``key`` (``train.lr``): those listing it or its section."""
+    return ", ".join(f"`{stage}`" for stage, keys in reads.items() if key in keys or key.split(".")[0] in keys)
+
+
+def params_reference(pipeline: Path) -> str:
+    """docs/params.md: every key of params.yaml, by group, with its type, what its check allows, its description (the
+    schemas: ``SCHEMAS``, ``settings.TOP_LEVEL``) and the stages of ``pipeline`` (dvc.yaml) that read it: the page is
+    generated, never edited."""
+    reads = stage_reads(pipeline)
     lines = ["# Params", "",
-             f"Every key of `params.yaml`, generated from the groups' schemas (`{REFERENCE_COMMAND}`; `tests/test_schemas.py`",
-             "fails when this page differs from them). The values live in `conf/`; a stage reads the keys its module's `PARAMS`",
-             "names (= its `params:` in dvc.yaml), checked by its groups' schemas; the `params` stage checks them all, the rules",
-             "across groups included.", "",
-             "| key | allowed |", "|---|---|",
-             *(f"| `{key}` | {check.allowed} |" for key, check in TOP_LEVEL.items())]
+             f"Every key of `params.yaml`, generated from the groups' schemas and dvc.yaml (`{REFERENCE_COMMAND}`;",
+             "`tests/test_schemas.py` fails when this page differs from them). The values live in `conf/`; a stage reads the",
+             "keys its module's `PARAMS` names (= its `params:` in dvc.yaml), checked by its groups' schemas; the `params` stage",
+             "checks them all, the rules across groups included (\"read by\": the other stages, by their params or command).", "",
+             "| key | allowed | read by |", "|---|---|---|",
+             *(f"| `{key}` | {check.allowed} | {readers(key, reads)} |" for key, check in TOP_LEVEL.items())]
     for schema in SCHEMAS:
         notes = field_notes(schema)
         lines += ["", f"## `{schema.GROUP}`", "", f"`{schema.__name__}` in `{schema.__module__}`, values in `conf/{schema.GROUP}/`.", "",
-                  "| key | type | allowed | what it is |", "|---|---|---|---|"]
+                  "| key | type | allowed | what it is | read by |", "|---|---|---|---|---|"]
         for item in fields(schema):
-            check = item.metadata.get("check")
+            check, key = item.metadata.get("check"), f"{schema.GROUP}.{item.name}"
             allowed = check.allowed if check else "(checked where it is read)"
-            cells = [f"`{schema.GROUP}.{item.name}`", f"`{item.type}`", allowed, notes.get(item.name, "")]
+            cells = [f"`{key}`", f"`{item.type}`", allowed, notes.get(item.name, ""), readers(key, reads)]
             lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
-    print(params_reference(), end="")
+    import sys
+
+    print(params_reference(Path(sys.argv[1])), end="")

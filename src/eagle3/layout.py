@@ -31,7 +31,7 @@ class LayoutSettings:
     nnodes: int = setting(POSITIVE)  # training nodes
     rdzv_endpoint: str = setting()  # torchrun rendezvous host:port
     threads: int = setting(POSITIVE)  # torch threads per process
-    warm_seconds: float = setting(NON_NEGATIVE_NUMBER)  # generate, extract, evaluate through a warm server idle this long (eagle3.warm); 0: none
+    warm_seconds: float = setting(NON_NEGATIVE_NUMBER)  # generate, extract, train, evaluate through a warm server idle this long (docs/layout.md); 0: none
     compile_ahead: bool = setting(BOOL)  # train's compiled step built while extract runs (eagle3.training.ahead; one CUDA training process)
     batch: dict = setting()  # the batch sizes this hardware holds, read by the stage groups' keys
 

@@ -76,7 +76,7 @@ class EvaluateConfig:
     cuda_graphs: bool = setting(BOOL)  # on a GPU, static caches and captured steps (``eagle3.decoding.graphed``); False: eager
     chain_sweep: tuple[int, ...] = setting(CHAINS)  # chain K also timed, on every set at the first batch size (the best K)
     max_new_tokens: int = setting(POSITIVE)  # tokens generated per prompt in the τ decode (fewer at EOS)
-    position_buckets: tuple[int, ...] = setting(EDGES)  # edges of the answer-position buckets of τ, e.g. (64, 256): 0-64, 64-256, 256+
+    position_buckets: tuple[int, ...] = setting(EDGES)  # edges of τ's answer-position buckets, e.g. (64, 256): 0-64, 64-256, 256+
     sets: tuple[str, ...] = setting(NAMES)  # eval sets: data/prompts/eval/<set>.jsonl
     max_prompts: int | None = setting(SOME_OR_ALL)  # at most this many prompts per set (file order); None: all
     baseline: bool = setting(BOOL)  # also replay the most-frequent-token and n-gram baselines
