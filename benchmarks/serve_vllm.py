@@ -35,10 +35,10 @@ The engines run one after another, so unlike ``evaluate``'s timings the methods 
 changes between engines shows in the spread of neither. ``engines.<plain|K>`` names the GPU, the processes on it as the
 engine started (``other_gpu_processes``, 0: the GPU was ours alone) and the seconds to a ready engine.
 
-The JSON: the commit, the commands of the calls that wrote it, vLLM version, ``max_new_tokens``, ``ks``, ``engines`` and per set ``sets.<set>``:
-``prompts``, per K ``acceptance_length``, ``evaluate_tau``, ``acceptance_by_position``, ``drafts``,
-``identical_share``; per concurrency ``tokens_per_s.<C>`` = {``prompts`` timed, ``without`` (the plain engine),
-``with.<K>``}, each {median, spread, runs}, and ``speedup.<C>.<K>``.
+The JSON: the commit, the ``commands`` of the calls that wrote it, the vLLM version, ``max_new_tokens``, ``ks``,
+``engines`` and per set ``sets.<set>``: ``prompts``, per K ``acceptance_length``, ``evaluate_tau``,
+``acceptance_by_position``, ``drafts``, ``identical_share``; per concurrency ``tokens_per_s.<C>`` = {``prompts`` timed,
+``without`` (the plain engine), ``with.<K>``}, each {median, spread, runs}, and ``speedup.<C>.<K>``.
 
 The JSON is rewritten after every measurement, so a killed run keeps what it measured, and a later run with the same
 ``--out`` adds to it: an engine whose every requested measurement is there is not built again (the plain engine's
