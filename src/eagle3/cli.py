@@ -4,6 +4,7 @@
     eagle3 check-drafter DIR [--verifier models/verifier] [--rewrite-config]
                                           validate an exported drafter for SGLang and vLLM; exit 1 on faults
     eagle3 s3 serve|status|stop           local S3 server for the DVC remote (rclone serve s3)
+    eagle3 push [-r REMOTE] [-a] [-T] [-A] `dvc push`, once every object it sends matches its hash
     eagle3 gc [--rev REV ...] [--dry-run] `dvc gc -w`, only once every kept revision is in the remote
     eagle3 report [REV ...] [--out report] dvc.yaml's plots as HTML and PNG files that need no network
 """
@@ -14,7 +15,7 @@ import argparse
 
 from eagle3 import report
 from eagle3.common import UserError, check_lock_file, naming_params_file, setup_logging
-from eagle3.lifecycle import gc, s3
+from eagle3.lifecycle import gc, push, s3
 
 
 def _params(args: argparse.Namespace) -> None:
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="first rewrite config.json from meta.json's taps and the verifier's token ids (exports of older versions)")
     check.set_defaults(func=_check_drafter)
     s3.add_parser(commands)
+    push.add_parser(commands)
     gc.add_parser(commands)
     report.add_parser(commands)
     return parser

@@ -7,7 +7,7 @@ copy of an old run's hidden states if nobody pushed them. This command first lis
 that the kept revisions reference (default: the workspace, every branch tip and every tag;
 ``--rev`` restricts to given revisions or ``A..B`` ranges, ``--all-commits`` takes every commit),
 directory outputs expanded to their ``.dir`` manifest and every file in it, and asks the remote
-for each one. It refuses, listing what is missing and the ``dvc push`` that uploads it, unless
+for each one. It refuses, listing what is missing and the ``eagle3 push`` that verifies and uploads it, unless
 all are there; then it runs DVC's own ``gc --workspace --force``, holding the repo lock from
 the check to the deletion. It never deletes anything from the remote (no ``--cloud``).
 
@@ -56,6 +56,7 @@ class Ref:
     path: str  # the output, or a file inside a directory output
     oid: HashInfo
     remote: str | None  # the output's own remote, None for the default
+    stage: str  # the stage that writes the output (``extract@000000-000032``)
     manifest: HashInfo | None = None  # for a file inside a directory output: that directory's .dir
 
 
@@ -82,17 +83,21 @@ def expand_ranges(repo: Repo, revs: Iterable[str]) -> list[str]:
     return expanded
 
 
-def load_manifest(odbs: Iterable, oid: HashInfo) -> Tree | None:
-    """A directory output's ``.dir`` manifest, from the first of ``odbs`` (cache, then remote) holding it."""
+def load_manifest(repo: Repo, oid: HashInfo, remote: str | None) -> Tree | None:
+    """A directory output's ``.dir`` manifest, from the cache, else from ``remote``; None where neither holds it."""
     from dvc_data.hashfile.tree import Tree
     from dvc_objects.errors import ObjectFormatError
 
-    for odb in odbs:
-        try:
-            return Tree.load(odb, oid)
-        except (FileNotFoundError, ObjectFormatError):
-            continue
-    return None
+    try:
+        return Tree.load(cache_odb(repo, oid), oid)
+    except (FileNotFoundError, ObjectFormatError):
+        pass
+    try:
+        return Tree.load(remote_odb(repo, oid, remote), oid)
+    except (FileNotFoundError, ObjectFormatError):
+        return None
+    except Exception as err:  # transport and auth errors, as in `absent`
+        raise UserError(unreachable(repo, remote, err)) from None
 
 
 def revisions(repo: Repo, scope: dict) -> Iterator[str]:
@@ -105,28 +110,33 @@ def revisions(repo: Repo, scope: dict) -> Iterator[str]:
         raise UserError(f"--rev: {err}") from None
 
 
-def kept_refs(repo: Repo, revs: list[str], all_commits: bool, remote: str | None) -> Iterator[tuple[Ref, bool]]:
-    """``(ref, listed)`` for every cached output of the kept revisions; directory outputs are expanded.
+def kept_scope(revs: list[str], all_commits: bool) -> dict:
+    """``repo.brancher``'s arguments for the revisions gc keeps: ``revs``, else every branch tip and tag (every commit)."""
+    return dict(revs=revs) if revs else dict(all_branches=True, all_tags=True, all_commits=all_commits)
+
+
+def kept_refs(repo: Repo, scope: dict, remote: str | None) -> Iterator[tuple[Ref, bool]]:
+    """``(ref, listed)`` for every cached output of the revisions of ``scope`` (``repo.brancher``'s arguments);
+    directory outputs are expanded.
 
     ``listed`` is False for a ``.dir`` manifest that neither the cache nor the remote holds.
     """
     manifests: dict[str, Tree | None] = {}
-    scope = dict(revs=revs) if revs else dict(all_branches=True, all_tags=True, all_commits=all_commits)
     for rev in revisions(repo, scope):
         for out in repo.index.outs:
             if not out.use_cache or out.hash_info is None or not out.hash_info.value or out.stage.is_repo_import:
                 continue
-            ref = Ref(rev, str(out), out.hash_info, out.remote)
+            ref = Ref(rev=rev, path=str(out), oid=out.hash_info, remote=out.remote, stage=out.stage.addressing)
             if not out.hash_info.isdir:
                 yield ref, True
                 continue
             if out.hash_info.value not in manifests:
-                odbs = [cache_odb(repo, out.hash_info), remote_odb(repo, out.hash_info, out.remote or remote)]
-                manifests[out.hash_info.value] = load_manifest(odbs, out.hash_info)
+                manifests[out.hash_info.value] = load_manifest(repo, out.hash_info, out.remote or remote)
             tree = manifests[out.hash_info.value]
             yield ref, tree is not None
             for key, _, oid in tree or ():
-                yield Ref(rev, "/".join([str(out), *key]), oid, out.remote, out.hash_info), True
+                yield Ref(rev=rev, path="/".join([str(out), *key]), oid=oid, remote=out.remote, stage=out.stage.addressing,
+                          manifest=out.hash_info), True
 
 
 def cache_odb(repo: Repo, oid: HashInfo):
@@ -146,11 +156,11 @@ def remote_odb(repo: Repo, oid: HashInfo, remote: str | None):
         raise UserError(f".dvc/config: {err}") from None
 
 
-def check(repo: Repo, revs: list[str], all_commits: bool, remote: str | None) -> Verdict:
-    """Ask the remote for every object the kept revisions reference (no remote index: a fresh listing)."""
+def check(repo: Repo, scope: dict, remote: str | None) -> Verdict:
+    """Ask the remote for every object the revisions of ``scope`` reference (no remote index: a fresh listing)."""
     first: dict[tuple[str | None, str], Ref] = {}
     unlisted: list[Ref] = []
-    for ref, listed in kept_refs(repo, revs, all_commits, remote):
+    for ref, listed in kept_refs(repo, scope, remote):
         first.setdefault((ref.remote or remote, ref.oid.value), ref)
         if not listed:
             unlisted.append(ref)
@@ -183,19 +193,19 @@ def unreachable(repo: Repo, remote: str | None, err: Exception) -> str:
     where = settings.get("endpointurl") or settings.get("url")
     reason = (str(err).strip().splitlines() or [""])[0]
     return (f"remote {name!r} ({where}) cannot be asked for the kept objects ({type(err).__name__}: {reason}); "
-            "no cached object was deleted; start the server (`eagle3 s3 serve --background` for the local one) or fix the "
-            "remote's settings, then run `eagle3 gc` again")
+            "no cached object was deleted, nothing was pushed; start the server (`eagle3 s3 serve --background` for the local "
+            "one) or fix the remote's settings, then run the command again")
 
 
 def push_command(repo: Repo, refs: list[Ref], remote: str | None) -> str:
-    """The ``dvc push`` covering the revisions of ``refs``: plain for the workspace, -a/-T for tips, -A else."""
+    """The ``eagle3 push`` covering the revisions of ``refs``: plain for the workspace, -a/-T for tips, -A else."""
     names = {name for ref in refs if ref.rev != "workspace" for name in ref.rev.split(",")}
     branches, tags = set(repo.scm.list_branches()), set(repo.scm.list_tags())
     if names - branches - tags:
         flags = ["-A"]
     else:
         flags = (["-a"] if names & branches else []) + (["-T"] if names & tags else [])
-    return " ".join(["dvc", "push", *(["-r", remote] if remote else []), *flags])
+    return " ".join(["eagle3", "push", *(["-r", remote] if remote else []), *flags])
 
 
 def describe(refs: list[Ref], why: str) -> list[str]:
@@ -325,16 +335,21 @@ def remove_training_runs(repo: Repo, dry_run: bool, stopped: bool) -> None:
                 os.close(fd)
 
 
-def run_gc(args: argparse.Namespace) -> None:
-    from dvc.repo import Repo, lock_repo
-
+def quiet_dvc() -> None:
+    """DVC's log lines once, as DVC prints them, without the S3 client's chatter."""
     for name in ("dvc", "dvc_objects", "dvc_data"):  # DVC's own console handlers print these once already
         logging.getLogger(name).propagate = False
     logging.getLogger("aiobotocore").setLevel(logging.WARNING)  # "Found credentials in ..." on every run
+
+
+def run_gc(args: argparse.Namespace) -> None:
+    from dvc.repo import Repo, lock_repo
+
+    quiet_dvc()
     with Repo() as repo, lock_repo(repo):  # held from the check to the deletion: no dvc command in between
         remove_temporaries(repo, args.dry_run)
         remove_training_runs(repo, args.dry_run, args.stopped_runs)
-        verdict = check(repo, expand_ranges(repo, args.rev), args.all_commits, args.remote)
+        verdict = check(repo, kept_scope(expand_ranges(repo, args.rev), args.all_commits), args.remote)
         problem = refusal(repo, verdict, args.remote)
         if problem:
             raise UserError(problem)
