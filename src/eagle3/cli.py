@@ -12,9 +12,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from eagle3 import report
 from eagle3.common import UserError, check_lock_file, naming_params_file, setup_logging
+from eagle3.launch import INTERRUPTED
 from eagle3.lifecycle import gc, push, s3
 
 
@@ -70,6 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as err:
         parser_exit = f"error: {naming_params_file(str(err), getattr(args, 'output', None))}"  # eagle3 params --output
         raise SystemExit(parser_exit) from None
+    except KeyboardInterrupt:
+        print(f"eagle3 {args.command}: interrupted; what it writes is replaced whole or not at all", file=sys.stderr)
+        raise SystemExit(INTERRUPTED) from None
 
 
 if __name__ == "__main__":
