@@ -134,6 +134,25 @@ def test_gc_with_the_s3_server_down_after_a_gc_is_one_line(blob_repo, local_s3):
     assert cache_objects(repo) == before
 
 
+def test_gc_names_the_unpushed_experiments_whose_outputs_it_deletes(blob_repo, local_s3):
+    """`eagle3 gc` keeps no experiment (documented): when it deletes the only copy of one's outputs, it says so."""
+    repo = blob_repo
+    local_s3(repo)
+    run(["dvc", "repro"], repo)
+    commit(repo, "seed 1")
+    run(["eagle3", "push"], repo)
+    run(["dvc", "exp", "run", "-n", "seed-two", "-S", "blobs.seed=2"], repo)
+    run(["git", "checkout", "--", "params.yaml", "dvc.lock"], repo)
+    run(["dvc", "checkout", "--force"], repo)  # the workspace back at seed 1: the experiment's outputs are only cached
+    line = ("the only copy of experiment seed-two's blobs, index.txt (never pushed; to keep it: "
+            "`dvc exp branch seed-two <branch>`, `eagle3 push -a`, then `eagle3 gc`)")
+    dry = gc(repo, "--dry-run")
+    assert dry.returncode == 0 and f"would delete {line}" in dry.stdout.splitlines(), dry.stdout + dry.stderr
+    done = gc(repo)
+    assert done.returncode == 0 and f"deleting {line}" in done.stdout.splitlines(), done.stdout + done.stderr
+    assert "experiment" not in gc(repo).stdout  # nothing of it left to delete
+
+
 def test_gc_dry_run_says_what_it_would_remove_and_removes_nothing(blob_repo, local_s3):
     repo = blob_repo
     local_s3(repo)

@@ -66,6 +66,7 @@ class Verdict:
     lost: list[Ref]  # neither cached nor in the remote: nothing here can bring them back
     unlisted: list[Ref]  # directory manifests nowhere to be read: their files cannot be enumerated
     checked: int  # distinct objects asked for
+    kept: set[str]  # the object ids of the kept revisions: what `dvc gc -w` keeps once they are all pushed
 
 
 def expand_ranges(repo: Repo, revs: Iterable[str]) -> list[str]:
@@ -164,12 +165,51 @@ def check(repo: Repo, scope: dict, remote: str | None) -> Verdict:
         first.setdefault((ref.remote or remote, ref.oid.value), ref)
         if not listed:
             unlisted.append(ref)
-    verdict = Verdict(unpushed=[], lost=[], unlisted=unlisted, checked=len(first))
-    for target in {key[0] for key in first}:
-        refs = [ref for (name, _), ref in first.items() if name == target]
-        for ref in absent(repo, refs, target):
-            (verdict.unpushed if cache_odb(repo, ref.oid).exists(ref.oid.value) else verdict.lost).append(ref)
+    verdict = Verdict(unpushed=[], lost=[], unlisted=unlisted, checked=len(first), kept={oid for _, oid in first})
+    for ref in missing_from_remote(repo, list(first.values()), remote):
+        (verdict.unpushed if cache_odb(repo, ref.oid).exists(ref.oid.value) else verdict.lost).append(ref)
     return verdict
+
+
+def missing_from_remote(repo: Repo, refs: list[Ref], remote: str | None) -> list[Ref]:
+    """The refs whose object is not in their remote (the output's own, else ``remote``)."""
+    targets = {ref.remote or remote for ref in refs}
+    return [missing for target in targets
+            for missing in absent(repo, [ref for ref in refs if (ref.remote or remote) == target], target)]
+
+
+def experiments(repo: Repo) -> list[tuple[str, str]]:
+    """``(name, commit)`` of each experiment (``refs/exps/<2 hex>/<38 hex>/<name>``; not DVC's queue and run refs)."""
+    listed = subprocess.run(["git", "for-each-ref", "--format=%(objectname) %(refname)", "refs/exps"],
+                            cwd=repo.scm.root_dir, capture_output=True, text=True).stdout.split("\n")
+    found = []
+    for commit, ref in (line.split() for line in listed if line.strip()):
+        parts = ref.split("/")
+        if len(parts) == 5 and len(parts[2]) == 2:
+            found.append((parts[4], commit))
+    return found
+
+
+def unpushed_experiments(repo: Repo, kept: set[str], remote: str | None) -> list[tuple[str, list[str]]]:
+    """``(experiment, outputs)`` for each experiment whose outputs `dvc gc -w` takes the only copy of: objects in this
+    cache that no kept revision references and the remote lacks (``eagle3 gc`` keeps no experiment)."""
+    found = []
+    for name, commit in experiments(repo):
+        refs = {ref.oid.value: ref for ref, _ in kept_refs(repo, dict(revs=[commit]), remote)
+                if ref.rev != "workspace" and ref.oid.value not in kept and cache_odb(repo, ref.oid).exists(ref.oid.value)}
+        lost = [ref.path for ref in missing_from_remote(repo, list(refs.values()), remote)]
+        outputs = sorted({ref.path for ref in refs.values() if ref.manifest is None})
+        gone = [out for out in outputs if any(path == out or path.startswith(out + "/") for path in lost)]
+        if gone:
+            found.append((name, gone))
+    return found
+
+
+def say_unpushed_experiments(repo: Repo, kept: set[str], remote: str | None, dry_run: bool) -> None:
+    """One line for each experiment whose outputs (its drafter, ...) lose their only copy here."""
+    for name, outputs in unpushed_experiments(repo, kept, remote):
+        print(f"{'would delete' if dry_run else 'deleting'} the only copy of experiment {name}'s {', '.join(outputs)} "
+              f"(never pushed; to keep it: `dvc exp branch {name} <branch>`, `eagle3 push -a`, then `eagle3 gc`)", flush=True)
 
 
 def absent(repo: Repo, refs: list[Ref], remote: str | None) -> list[Ref]:
@@ -356,6 +396,7 @@ def run_gc(args: argparse.Namespace) -> None:
         print(f"all {verdict.checked} objects of the kept revisions are in the remote; "
               f"{'listing what' if args.dry_run else 'running'} `dvc gc --workspace --force`"
               f"{' would remove' if args.dry_run else ''}", flush=True)
+        say_unpushed_experiments(repo, verdict.kept, args.remote, args.dry_run)
         if args.dry_run:
             dry_run(repo)
         else:
