@@ -57,6 +57,14 @@ def blob_repo(tmp_path: Path) -> Path:
     return repo
 
 
+def seed_1_pushed(repo: Path, local_s3) -> None:
+    """The pipeline run at seed 1, committed and pushed to a new local server."""
+    local_s3(repo)
+    run(["dvc", "repro"], repo)
+    commit(repo, "seed 1")
+    run(["eagle3", "push"], repo)
+
+
 def gc(repo: Path, *args: str) -> subprocess.CompletedProcess:
     return run(["eagle3", "gc", *args], repo, check=False)
 
@@ -137,10 +145,7 @@ def test_gc_with_the_s3_server_down_after_a_gc_is_one_line(blob_repo, local_s3):
 def test_gc_names_the_unpushed_experiments_whose_outputs_it_deletes(blob_repo, local_s3):
     """`eagle3 gc` keeps no experiment (documented): when it deletes the only copy of one's outputs, it says so."""
     repo = blob_repo
-    local_s3(repo)
-    run(["dvc", "repro"], repo)
-    commit(repo, "seed 1")
-    run(["eagle3", "push"], repo)
+    seed_1_pushed(repo, local_s3)
     run(["dvc", "exp", "run", "-n", "seed-two", "-S", "blobs.seed=2"], repo)
     run(["git", "checkout", "--", "params.yaml", "dvc.lock"], repo)
     run(["dvc", "checkout", "--force"], repo)  # the workspace back at seed 1: the experiment's outputs are only cached
@@ -336,10 +341,7 @@ def test_gc_removes_what_killed_runs_left_beside_the_outputs(blob_repo, local_s3
     from support.merge import plant_leftover
 
     repo = blob_repo
-    local_s3(repo)
-    run(["dvc", "repro"], repo)
-    commit(repo, "seed 1")
-    run(["dvc", "push"], repo)
+    seed_1_pushed(repo, local_s3)
     dead = plant_leftover(repo / "blobs")  # a kill -9 of the stage: its process is gone
     writing = repo / f".index.txt.tmp-{os.getpid()}-abc123"  # a live writer's (this test's pid)
     writing.mkdir()

@@ -21,7 +21,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from eagle3.common import UserError
-from eagle3.lifecycle.gc import Ref, cache_odb, check, describe, quiet_dvc
+from eagle3.lifecycle.objects import Ref, cache_odb, check, describe, quiet_dvc
 
 if TYPE_CHECKING:
     from dvc.repo import Repo
