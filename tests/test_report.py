@@ -86,7 +86,7 @@ def test_ctrl_c_during_report_is_one_line_and_keeps_the_previous_report_whole(tm
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
     assert process.returncode == INTERRUPTED and err.splitlines() == [
-        "eagle3 report: interrupted; what it writes is replaced whole or not at all"], err
+        "eagle3 report: interrupted (Ctrl-C)"], err
     assert {path.name: path.read_bytes() for path in (repo / "report").iterdir()} == before
     assert [path.name for path in repo.iterdir() if path.name.startswith(".report")] == []
 

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         parser_exit = f"error: {naming_params_file(str(err), getattr(args, 'output', None))}"  # eagle3 params --output
         raise SystemExit(parser_exit) from None
     except KeyboardInterrupt:
-        print(f"eagle3 {args.command}: interrupted; what it writes is replaced whole or not at all", file=sys.stderr)
+        print(f"eagle3 {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
         raise SystemExit(INTERRUPTED) from None
 
 

@@ -83,8 +83,8 @@ def unpushed_experiments(repo: Repo, kept: set[str], remote: str | None) -> list
     cache that no kept revision references and the remote lacks (``eagle3 gc`` keeps no experiment)."""
     found = []
     for name, commit in experiments(repo):
-        refs = {ref.oid.value: ref for ref, _ in kept_refs(repo, dict(revs=[commit]), remote)
-                if ref.rev != "workspace" and ref.oid.value not in kept and cache_odb(repo, ref.oid).exists(ref.oid.value)}
+        refs = {ref.oid.value: ref for ref, _ in kept_refs(repo, dict(revs=[commit], workspace=False), remote)
+                if ref.oid.value not in kept and cache_odb(repo, ref.oid).exists(ref.oid.value)}
         lost = [ref.path for ref in missing_from_remote(repo, list(refs.values()), remote)]
         outputs = sorted({ref.path for ref in refs.values() if ref.manifest is None})
         gone = [out for out in outputs if any(path == out or path.startswith(out + "/") for path in lost)]
