@@ -231,6 +231,12 @@ def test_a_part_damaged_through_its_hard_link_is_never_pushed_nor_pulled_back_as
     assert clone_and_pull(repo, port, clone).returncode == 0
     assert file_hashes(clone, "blobs") == good
 
+    # The other mend, once a good copy is on the remote: remove both, pull.
+    cached = damage_in_place(repo / "blobs" / "part-000.bin")
+    run(["rm", "-f", "blobs/part-000.bin", str(cached.relative_to(repo))], repo)
+    run(["dvc", "pull", "--force", "blobs"], repo)
+    assert file_hashes(repo, "blobs") == good
+
     # A damaged object on the remote, however it got there (a plain `dvc push` sent one that DVC's state db vouched for):
     # the remote's `verify` makes the clone's pull hash what it fetched and refuse the damage.
     part = repo / "blobs" / "part-002.bin"
