@@ -35,10 +35,10 @@ The engines run one after another, so unlike ``evaluate``'s timings the methods 
 changes between engines shows in the spread of neither. ``engines.<plain|K>`` names the GPU, the processes on it as the
 engine started (``other_gpu_processes``, 0: the GPU was ours alone) and the seconds to a ready engine.
 
-The JSON: the commit, command, vLLM version, ``max_new_tokens``, ``ks``, ``engines`` and per set ``sets.<set>``:
-``prompts``, per K ``acceptance_length``, ``evaluate_tau``, ``acceptance_by_position``, ``drafts``,
-``identical_share``; per concurrency ``tokens_per_s.<C>`` = {``prompts`` timed, ``without`` (the plain engine),
-``with.<K>``}, each {median, spread, runs}, and ``speedup.<C>.<K>``.
+The JSON: the commit, the ``commands`` of the calls that wrote it, the vLLM version, ``max_new_tokens``, ``ks``,
+``engines`` and per set ``sets.<set>``: ``prompts``, per K ``acceptance_length``, ``evaluate_tau``,
+``acceptance_by_position``, ``drafts``, ``identical_share``; per concurrency ``tokens_per_s.<C>`` = {``prompts`` timed,
+``without`` (the plain engine), ``with.<K>``}, each {median, spread, runs}, and ``speedup.<C>.<K>``.
 
 The JSON is rewritten after every measurement, so a killed run keeps what it measured, and a later run with the same
 ``--out`` adds to it: an engine whose every requested measurement is there is not built again (the plain engine's
@@ -56,6 +56,7 @@ import json
 import shlex
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,7 +254,7 @@ def speedup_table(results: dict, source: str) -> str:
     alone = all(e["other_gpu_processes"] == 0 for e in engines)
     concurrency = sorted({int(c) for row in results["sets"].values() for c in row["tokens_per_s"]})
     lines = [f"vLLM {results['vllm']} on {' and '.join(gpus)} ({'alone' if alone else 'shared with other processes'}), "
-             f"at {results['commit']} (`{source}`):", f"`{results['command']}`.", "",
+             f"at {results['commit']} (`{source}`), by", *[f"`{command}`;" for command in results["commands"]], "",
              "| eval set | prompts | K | acceptance length | `evaluate`'s τ | answers equal to plain | "
              + " | ".join(f"speedup, {c} at once" for c in concurrency) + " |",
              "|---|---|---|---|---|---|" + "---|" * len(concurrency)]
@@ -267,11 +268,10 @@ def speedup_table(results: dict, source: str) -> str:
                 cells.append(f"{ratio['median']:.2f}× ({ratio['spread']:.0%})" if ratio and ratio["spread"] is not None
                              else f"{ratio['median']:.2f}×" if ratio else "–")
             lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"Greedy, up to {results['max_new_tokens']} new tokens, {results['turns']}. Speedup: tokens/s with the "
-                  f"drafter over plain decoding's on the same prompts, the median of {results['repeats']} repeats (in "
-                  "brackets their spread, (max - min) / median); C requests submitted at once, over max(C, "
-                  f"{results['timed_prompts']}) prompts."]
-    return "\n".join(lines)
+    note = (f"Greedy, up to {results['max_new_tokens']} new tokens, {results['turns']}. Speedup: tokens/s with the drafter "
+            f"over plain decoding's on the same prompts, the median of {results['repeats']} repeats (in brackets their "
+            f"spread, (max - min) / median); C requests submitted at once, over max(C, {results['timed_prompts']}) prompts.")
+    return "\n".join([*lines, "", *textwrap.wrap(note, 118)])
 
 
 # --- the engine (on the GPU host) --------------------------------------------------------------------------------------
@@ -399,8 +399,9 @@ def main(argv: list[str]) -> None:
     results = read_json(args.out) if args.out.is_file() else {}
     import vllm
 
-    results.update(commit=args.commit or commit(), command=shlex.join(["python", "benchmarks/serve_vllm.py", *argv]),
-                   vllm=vllm.__version__, max_new_tokens=run.settings.max_new_tokens, evaluate_k=run.settings.draft_tokens,
+    command = shlex.join(["python", "benchmarks/serve_vllm.py", *argv])
+    results["commands"] = [*results.get("commands", []), command]  # the calls that measured what the file holds
+    results.update(commit=args.commit or commit(), vllm=vllm.__version__, max_new_tokens=run.settings.max_new_tokens, evaluate_k=run.settings.draft_tokens,
                    turns="the first user turn of each prompt")
     results["ks"] = sorted({*results.get("ks", []), *args.ks})
     results.update(concurrency=args.concurrency, repeats=args.repeats, timed_prompts=args.timed_prompts)

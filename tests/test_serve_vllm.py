@@ -144,7 +144,8 @@ def test_without_vllm_the_script_says_so_in_one_line_and_keeps_the_results(tmp_p
 
 def served_results() -> dict:
     """A results file as serve_vllm writes it: one set, K = 7, timed at 1 and 64 requests at once."""
-    results = {"commit": "abc1234", "command": "python benchmarks/serve_vllm.py /root/run --ks 7", "vllm": "0.26.0",
+    results = {"commit": "abc1234", "commands": ["python benchmarks/serve_vllm.py /root/run --ks", "python ... --ks 7"],
+               "vllm": "0.26.0",
                "max_new_tokens": 256, "turns": "the first user turn of each prompt", "repeats": 3, "timed_prompts": 8,
                "engines": {"plain": {"gpu": "NVIDIA H100 80GB HBM3", "other_gpu_processes": 0, "ready_seconds": 100.0},
                            "7": {"gpu": "NVIDIA H100 80GB HBM3", "other_gpu_processes": 0, "ready_seconds": 110.0}}}
@@ -159,9 +160,11 @@ def served_results() -> dict:
 
 def test_the_speedup_table_has_a_row_per_set_and_k_and_a_column_per_concurrency():
     table = serve_vllm.speedup_table(served_results(), "results.json").splitlines()
-    assert table[0] == "vLLM 0.26.0 on NVIDIA H100 80GB HBM3 (alone), at abc1234 (`results.json`):"
-    assert table[3].endswith("| speedup, 1 at once | speedup, 64 at once |")
-    assert table[5] == "| `mtbench` | 80 | 7 | 2.36 | 2.42 | 90% | 1.20× (4%) | 0.50× (0%) |"  # below 1× too
+    assert table[:3] == ["vLLM 0.26.0 on NVIDIA H100 80GB HBM3 (alone), at abc1234 (`results.json`), by",
+                         "`python benchmarks/serve_vllm.py /root/run --ks`;", "`python ... --ks 7`;"]
+    assert table[4].endswith("| speedup, 1 at once | speedup, 64 at once |")
+    assert table[6] == "| `mtbench` | 80 | 7 | 2.36 | 2.42 | 90% | 1.20× (4%) | 0.50× (0%) |"  # below 1× too
+    assert max(map(len, table)) <= 200  # docs/serving.md's lines (tests/test_docs.py)
 
 
 GENERATED = re.compile(r"^<!-- generated: serve_vllm.py --speedup-table -->\n(.*?)\n<!-- end generated -->$", re.M | re.S)

@@ -61,8 +61,8 @@ def gone(pid: int, timeout: float) -> bool:
 
 
 def test_shards_share_one_server_in_processes_of_their_own(folder):
-    first, second = job(warm(folder, "3")), job(warm(folder, "4", "x"))
-    assert (first["status"], second["status"]) == (3, 4)  # the client exits with its shard's status
+    first, second = job(warm(folder, "0")), job(warm(folder, "4", "x"))
+    assert (first["status"], second["status"]) == (0, 4)  # the client exits with its shard's status
     assert first["server"] == second["server"] != first["client"]  # forked from one server
     assert len({first["pid"], second["pid"], first["server"]}) == 3
     assert second["args"] == "['4', 'x']" and second["cwd"] == str(folder) and second["mark"] == "a"
@@ -80,6 +80,17 @@ def test_no_server_when_warm_seconds_is_0(folder):
 def test_a_server_leaves_once_idle(folder):
     served = job(warm(folder, "0", seconds="1"))
     assert gone(served["server"], timeout=15)
+
+
+def test_a_server_leaves_once_a_command_fails(folder):
+    """A failed stage ends its `dvc repro` (a refused `dvc exp run -S`, a layout this machine lacks): no command of that
+    run is coming, so the server does not wait its idle time for one."""
+    served = job(warm(folder, "2", seconds="600"))
+    assert served["status"] == 2 and served["server"] != served["client"]
+    left = gone(served["server"], timeout=15)
+    if not left:
+        os.kill(served["server"], signal.SIGTERM)
+    assert left
 
 
 def test_a_killed_client_stops_its_shard(folder):

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -85,6 +86,7 @@ def try_lock_run(run_dir: Path) -> int | None:
     return fd
 
 MEND_LOCK = "mend it with `git checkout dvc.lock` (none committed: remove it), then `dvc status` / `dvc repro`"
+WHOLE_MD5 = re.compile(r"[0-9a-f]{32}(\.dir)?")  # an object id as DVC writes it; a cut one is shorter
 
 
 def check_lock_file(path: str | os.PathLike = "dvc.lock") -> None:
@@ -92,8 +94,10 @@ def check_lock_file(path: str | os.PathLike = "dvc.lock") -> None:
 
     DVC rewrites dvc.lock in place (it truncates the file, then writes it), so a ``kill -9`` of
     ``dvc repro`` while it writes leaves it empty or cut short; DVC then refuses every command with a
-    schema path (``expected int, in stages -> train -> deps -> 17 -> size``). The check is DVC's own
-    (its parser and lock-file schema), so what passes here DVC reads. No lock file: nothing to check.
+    schema path (``expected int, in stages -> train -> deps -> 17 -> size``), or, where the cut still
+    reads as a lock file, takes the stage it cut for changed (``dvc status`` lists its unchanged sources
+    as modified). The checks: DVC's own parser and lock-file schema, then what a cut leaves that the
+    schema lets through (``cut_lock_problem``). No lock file: nothing to check.
     """
     from dvc.exceptions import DvcException
     from dvc.schema import COMPILED_LOCKFILE_SCHEMA
@@ -106,8 +110,9 @@ def check_lock_file(path: str | os.PathLike = "dvc.lock") -> None:
         problem = "empty"
     else:
         try:
-            strictyaml.load(str(path), COMPILED_LOCKFILE_SCHEMA)
-            return
+            problem = cut_lock_problem(path, strictyaml.load(str(path), COMPILED_LOCKFILE_SCHEMA)[0])
+            if problem is None:
+                return
         except strictyaml.YAMLValidationError as err:
             cause = err.__cause__
             where = " -> ".join(str(p) for p in getattr(getattr(cause, "errors", [None])[0], "path", []) or [])
@@ -115,6 +120,49 @@ def check_lock_file(path: str | os.PathLike = "dvc.lock") -> None:
         except DvcException:
             problem = "cut short or damaged (not readable YAML)"
     raise UserError(f"{path}: {problem} (a kill of DVC while it wrote the file?); {MEND_LOCK}")
+
+
+def cut_lock_problem(path: Path, lock: dict) -> str | None:
+    """What shows a lock file that DVC's schema accepts to be cut short, or None.
+
+    DVC ends the file with a newline, writes every dependency and output with its whole md5 and size (``nfiles`` too
+    for a folder), and writes a stage's outputs last: a cut ends mid-line, or leaves an entry without its hash, or
+    leaves the stage it cut (the file's last) with fewer outputs than dvc.yaml declares. Earlier stages were written
+    whole, so a dvc.yaml edited since the run (a stage's outputs changed) is told apart only for the last one.
+    """
+    if not path.read_bytes().endswith(b"\n"):
+        return "cut short (its last line is incomplete)"
+    stages = lock.get("stages") or {}
+    for name, stage in stages.items():
+        for kind in ("deps", "outs"):
+            for index, entry in enumerate(stage.get(kind) or []):
+                md5 = str(entry.get("md5", ""))
+                if not WHOLE_MD5.fullmatch(md5) or "size" not in entry or (md5.endswith(".dir") and "nfiles" not in entry):
+                    return f"cut short (stages -> {name} -> {kind} -> {index}, {entry.get('path')}, has no whole hash and size)"
+    if not stages:
+        return None
+    name, stage = list(stages.items())[-1]
+    declared = declared_outputs(path.with_name("dvc.yaml"), name)
+    if declared is not None and len(stage.get("outs") or []) < declared:
+        return (f"cut short (its last stage, {name}, records {len(stage.get('outs') or [])} of the {declared} outputs "
+                "dvc.yaml declares)")
+    return None
+
+
+def declared_outputs(dvc_yaml: Path, stage: str) -> int | None:
+    """How many outputs (``outs``, ``metrics``, ``plots``) dvc.yaml declares for ``stage`` (``name@key`` of a foreach
+    or matrix stage counts its body's), or None where dvc.yaml does not say."""
+    import yaml
+
+    try:
+        stages = yaml.safe_load(dvc_yaml.read_text()).get("stages") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    body = stages.get(stage.split("@")[0])
+    if not isinstance(body, dict):
+        return None
+    body = body.get("do", body)
+    return sum(len(body.get(kind) or []) for kind in ("outs", "metrics", "plots"))
 
 
 @contextlib.contextmanager

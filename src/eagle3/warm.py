@@ -12,6 +12,7 @@ server never touches the GPU (a forked CUDA context would be unusable): each pro
 verifier itself, so its outputs are those of a cold process (tested: the same bytes).
 
     layout.warm_seconds: 600    # conf/layout/gpu*.yaml: the server lives 600 s past its last stage; 0 (cpu): no server
+                                # (past a failed stage it leaves at once: DVC stops its run there)
     EAGLE3_WARM_SECONDS=0       # overrides the params (0: every command starts its own process, as before)
 
 A server serves only clients that would have imported exactly what it did: the same Python, search path,
@@ -190,17 +191,20 @@ def serve(key: str, idle: float) -> None:
     print(f"eagle3.warm: server {os.getpid()} ready", flush=True)
     running: dict[int, socket.socket | None] = {}  # None: a compile ahead, no client's
     last, folder, ahead = time.monotonic(), os.getcwd(), False
-    while running or (time.monotonic() - last < idle and os.path.isdir(folder)):
+    failed = False  # the last command failed: DVC stops its run there, so no command of that run is coming
+    while running or (time.monotonic() - last < (0 if failed else idle) and os.path.isdir(folder)):
         ready, _, _ = select.select([listener], [], [], 0.2)
         if ready:
             conn, _ = listener.accept()
             request = fork_command(conn, listener, running)
+            failed = failed and request is None
             if request is not None and request["module"] == "eagle3.extract" and not ahead:
                 ahead = True  # once a server (one folder): a later server's finds its work done, or running
                 compile_ahead(request, listener, running)
         for pid, status in reaped(running):
             conn = running.pop(pid)
             if conn is not None:
+                failed = status != 0
                 with conn:
                     try:
                         conn.send(f"exit {status}".encode())
