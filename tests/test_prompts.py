@@ -107,17 +107,19 @@ def test_message_normalisation():
         assert caught.value.reason == reason, record
 
 
-def test_packaged_mixture_covers_chat_math_code_and_keeps_eval_sets_out(count_tokens):
+def test_packaged_mixture_covers_chat_math_code_copy_tasks_and_keeps_eval_sets_out(count_tokens):
     params = project_params()
     shards, evals, stats = build_prompts(params.dataset, 0, count_tokens)
     records = shards[params.dataset.shards[0]]
     assert len(records) == 32 and len({r["id"] for r in records}) == 32
     labels = {spec.label: spec for spec in params.dataset.sources}
-    assert set(labels) == {"chat", "math", "code", "sharegpt"}
+    assert set(labels) == {"chat", "math", "code", "sharegpt", "copy"}
     for name, source in stats["sources"].items():  # 32 prompts: each share within one prompt of its weight
         assert abs(source["share"] - source["weight"]) <= 1 / 32 and source["train"] >= 1, name
     tasks = [r for r in records if r["source"].startswith("evals/")]
-    assert all(r["source"].startswith("sharegpt#") for r in records if r not in tasks) and len(tasks) < len(records)
+    assert all(r["source"].startswith(("sharegpt#", "copy#")) for r in records if r not in tasks) and len(tasks) < len(records)
+    copies = [r["messages"][-1]["content"] for r in records if r["source"].startswith("copy#")]
+    assert copies and all("\n\n" in text for text in copies)  # a task, then its passage
     folders = {r["source"].split("/")[1] for r in tasks}
     assert folders & set(labels["math"].folders) and folders & set(labels["code"].folders)
     licensed = {"text_compression", "steganography", "schelling_point", "ballots", "sandbagging", "theory_of_mind",
