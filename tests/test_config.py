@@ -126,6 +126,13 @@ BAD = [
     ("extract.dtype=float16", "params.yaml: extract.dtype = 'float16': must be one of ['bfloat16', 'float8_e4m3fn']"),
     ("evaluate.sets=[heldout,mmlu]", "params.yaml: evaluate.sets = ['heldout', 'mmlu']: must be sets that dataset.eval_sets "
      "builds (['heldout', 'humaneval', 'math'])"),
+    # Not a number a run can use: every float setting is finite (the schema machinery's rule, not each key's).
+    ("train.lr=inf", "params.yaml: train.lr = inf: must be a finite number"),
+    ("train.lr=1e400", "params.yaml: train.lr = inf: must be a finite number"),  # YAML reads it as infinity
+    ("train.weight_decay=inf", "params.yaml: train.weight_decay = inf: must be a finite number"),
+    ("generate.temperature=inf", "params.yaml: generate.temperature = inf: must be a finite number"),
+    ("generate.sample_temperatures=[0.7,nan]", "params.yaml: generate.sample_temperatures[1] = nan: must be a finite number"),
+    ("+model.draft_head.rope_theta=-inf", "params.yaml: model.draft_head.rope_theta = -inf: must be a finite number"),
 ]
 
 
