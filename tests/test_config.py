@@ -126,6 +126,8 @@ BAD = [
     ("extract.dtype=float16", "params.yaml: extract.dtype = 'float16': must be one of ['bfloat16', 'float8_e4m3fn']"),
     ("evaluate.sets=[heldout,mmlu]", "params.yaml: evaluate.sets = ['heldout', 'mmlu']: must be sets that dataset.eval_sets "
      "builds (['heldout', 'humaneval', 'math'])"),
+    ("dataset.eval_sets.heldout=0", "params.yaml: evaluate.sets = ['heldout', 'humaneval', 'math']: must be sets with prompts: "
+     "dataset.eval_sets gives ['heldout'] none; give them prompts, or list the others in evaluate.sets"),
     # Not a number a run can use: every float setting is finite (the schema machinery's rule, not each key's).
     ("train.lr=inf", "params.yaml: train.lr = inf: must be a finite number"),
     ("train.lr=1e400", "params.yaml: train.lr = inf: must be a finite number"),  # YAML reads it as infinity
