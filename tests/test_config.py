@@ -227,6 +227,24 @@ def test_a_key_no_conf_file_declares_is_refused_in_one_line_and_nothing_is_writt
     assert list(tmp_path.iterdir()) == []
 
 
+MISSING = [  # a `~key` override removes what the chosen options compose, which a stage reads
+    ("~train.lr", "params.yaml: train.lr: missing (conf/ composes it for train=demo); set it, or recompose params.yaml "
+                  "with `eagle3 params`"),
+    ("~model.language_model.prefix", "params.yaml: model.language_model.prefix: missing (conf/ composes it for "
+                                     "model=smollm2-135m); set it, or recompose params.yaml with `eagle3 params`"),
+    ("~seed", "conf/: Interpolation key 'seed' not found"),  # generate.seed reads it: once a traceback
+]
+
+
+@pytest.mark.parametrize("override,message", MISSING, ids=[m[0] for m in MISSING])
+def test_a_key_the_chosen_options_compose_is_required_and_nothing_is_written(tmp_path, override, message):
+    out = tmp_path / "params.yaml"
+    with pytest.raises(UserError) as caught:
+        compose_params([override], conf_dir=CONF, output=out)
+    assert str(caught.value) == message
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_known_keys_are_those_conf_declares_in_any_option_of_the_group(tmp_path):
     """conf/ is the schema: a key one option declares is known with every option; a key added to a conf
     file is known at once; the open mappings take any entry."""

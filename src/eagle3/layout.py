@@ -11,8 +11,9 @@ apart from each of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
+from eagle3.common import UserError
 from eagle3.schema import ABSENT, BOOL, NON_NEGATIVE_NUMBER, POSITIVE, Lookup, one_of, refuse, setting
 
 
@@ -41,3 +42,19 @@ class LayoutSettings:
         device, dtype = get("layout.device"), get("layout.dtype")
         if device == "cpu" and dtype not in (ABSENT, "float32"):
             raise refuse("layout.dtype", dtype, "float32 on the CPU (bf16 is several times slower there)")
+
+
+DEVICE_KEYS = ("layout.device", "backend.device")  # backend.device: the local backend's copy of layout.device
+
+
+def require_device(key: str, device: Any) -> None:
+    """Refuse ``device`` "cuda" on a machine where torch sees no CUDA device (else a stage fails with a
+    torch.cuda traceback, after DVC removed its outputs). Not a schema rule: `eagle3 params` may compose
+    a GPU layout on a CPU machine for another; the params stage and each stage check the machine that runs them."""
+    if device != "cuda":
+        return
+    import torch  # only for a CUDA layout: reading params loads no torch
+
+    if not torch.cuda.is_available():
+        raise UserError(f"params.yaml: {key} = 'cuda': this machine has no CUDA device torch can use; choose a layout for it "
+                        "(-S layout=cpu), or run on a GPU machine")

@@ -36,6 +36,7 @@ from torch.utils.data import Dataset
 from eagle3.common import RUN_EXPORTED, UserError, stage_main
 from eagle3.config import stage_params
 from eagle3.hidden_states.loader import HiddenStates
+from eagle3.layout import require_device
 from eagle3.lm.loading import verifier_fingerprint, verifier_parts
 from eagle3.lm.spec import FINAL_STATES, VerifierSpec, require_verifier
 import eagle3.training.parallel as parallel
@@ -128,6 +129,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     params = stage_params(PARAMS, args.params)  # before anything starts
+    require_device("layout.device", args.device)  # dvc.yaml hands the layout's device as an argument
     cfg, seed = TrainConfig.from_params(params.train), int(params.seed)
     draft_head = VerifierSpec.from_params(params.model).draft_head
     paths = TrainPaths(verifier=args.verifier, merged=args.merged, hidden_states=args.hidden_states, out=args.out,
