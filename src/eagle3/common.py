@@ -105,7 +105,7 @@ def stage_main(fn: Callable[[list[str]], None]) -> None:
         for check in FINISH_CHECKS:
             check()
     except UserError as err:
-        print(f"error: {naming_params_file(str(err), params_argument(sys.argv[1:]))}", file=sys.stderr)
+        print(f"error: {naming_params_file(str(err), params_argument(sys.argv[1:]))}{restore_note()}", file=sys.stderr)
         sys.exit(USER_ERROR)
     except KeyboardInterrupt:
         stop_interrupted()
@@ -114,6 +114,31 @@ def stage_main(fn: Callable[[list[str]], None]) -> None:
             stop_interrupted()
         stop_if_launcher_gone()  # the failure is the launcher's going (a collective with stopped peers): one line
         raise
+
+
+def restore_note() -> str:
+    """Under DVC (``DVC_STAGE``), how to bring back the outputs of the stage's last recorded run that DVC
+    removed before it ran the stage, as the end of a refusal line; "" elsewhere, or where it removed
+    none (a persistent output, as ``prompts``' and ``evaluate``'s, is left in place; an output dvc.lock
+    does not record has nothing to come back). The stage's own checks come too late for them: DVC
+    deletes a stage's outputs before it runs its command, and ``dvc repro -s`` skips the ``params``
+    check. ``dvc checkout`` brings back the cached ones; an uncached output (metrics) comes back from git."""
+    name = os.environ.get("DVC_STAGE")
+    if not name:
+        return ""
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+
+    try:
+        with Repo(os.environ.get("DVC_ROOT", ".")) as repo:
+            removed = [out for stage in repo.stage.collect(name) for out in stage.outs if not out.persist and out.hash_info]
+    except DvcException:  # dvc.yaml unreadable now: say what would mend it
+        return f"; if DVC removed {name}'s outputs before running it, `dvc checkout {name}` brings back the recorded ones"
+    if not removed:
+        return ""
+    uncached = [str(out.def_path) for out in removed if not out.use_cache]
+    from_git = f", `git checkout {' '.join(uncached)}` the uncached ones" if uncached else ""
+    return f"; DVC removed {name}'s outputs before running it: `dvc checkout {name}` brings back the recorded ones{from_git}"
 
 
 # In a training run's checkpoint folder (``train --checkpoints``): the run ended and its best weights were exported, so
