@@ -78,8 +78,9 @@ def _hydra_compose(output: Path, conf_dir: Path, overrides: Iterable[str]) -> No
 
 
 def stage_params(keys: Iterable[str], path: str | os.PathLike = "params.yaml", schema: Path | None = None) -> DictConfig:
-    """The declared ``keys`` of the params file, validated; reading any other key raises. With ``schema``
-    (the conf/ folder: the params stage), every key of the whole file must be one it declares.
+    """The declared ``keys`` of the params file, validated, and a CUDA device they name present on this
+    machine; reading any other key raises. With ``schema`` (the conf/ folder: the params stage), every
+    key of the whole file must be one it declares, and every key its chosen options compose must be there.
 
     When the stage finishes (``stage_main``), the file must still hold these values, else the stage
     fails (``_require_unchanged``). Under torchrun every process validates the same values: only

@@ -42,9 +42,9 @@ from eagle3.lm.identity import CHAT_IDENTITY_FILE, IDENTITY_FILE, identity_recor
 from eagle3.lm.loading import WEIGHT_SUFFIXES, load_tokenizer, text_config_dict
 from eagle3.lm.spec import VerifierSpec
 from eagle3.lm.tokenizer_id import tokenizer_fingerprint
+from eagle3.verifier_sources.check import require_source
 from eagle3.verifier_sources.gguf import gguf_identity, import_pypi_gguf
 from eagle3.verifier_sources.hf import hf_identity, import_hf, resolve_hf, sampled_digest
-from eagle3.verifier_sources.check import require_source
 from eagle3.verifier_sources.random_weights import build_random, random_identity
 
 log = logging.getLogger(__name__)

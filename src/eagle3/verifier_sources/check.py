@@ -5,7 +5,7 @@ the files or folder it names on this machine (a hub id is fetched by the verifie
 
 Why apart from the kinds' modules: the params stage checks the source before DVC removes
 ``models/verifier`` (a kind typo or a missing GGUF once left neither the old folder nor a new one),
-and imports these checks without the imports themselves.
+and these checks load no torch or transformers.
 """
 
 from __future__ import annotations
