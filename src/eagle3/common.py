@@ -123,14 +123,14 @@ def restore_note() -> str:
     does not record has nothing to come back). The stage's own checks come too late for them: DVC
     deletes a stage's outputs before it runs its command, and ``dvc repro -s`` skips the ``params``
     check. ``dvc checkout`` brings back the cached ones; an uncached output (metrics) comes back from git."""
-    name = os.environ.get("DVC_STAGE")
-    if not name:
+    name, root = os.environ.get("DVC_STAGE"), Path(os.environ.get("DVC_ROOT", ".")).resolve()
+    if not name or root != Path.cwd().resolve():  # a temporary copy's run (`dvc exp run --temp`): the workspace kept all
         return ""
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
     try:
-        with Repo(os.environ.get("DVC_ROOT", ".")) as repo:
+        with Repo(root) as repo:
             removed = [out for stage in repo.stage.collect(name) for out in stage.outs if not out.persist and out.hash_info]
     except DvcException:  # dvc.yaml unreadable now: say what would mend it
         return f"; if DVC removed {name}'s outputs before running it, `dvc checkout {name}` brings back the recorded ones"
