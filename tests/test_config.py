@@ -163,6 +163,11 @@ STAGES = [  # what `dvc exp run -S key=value` hands a stage: params.yaml with th
      "train.lr", -1, "train.lr = -1: must be a number > 0"),
     (["-m", "eagle3.evaluate", "verifier", "drafter", "prompts", "out"], "evaluate.draft_tokens", 0,
      "evaluate.draft_tokens = 0: must be an integer >= 1"),
+    # A misspelt key of a stage's own section (`dvc repro -s` skips the params stage's check against conf/).
+    (["-m", "eagle3.generate", "verifier", "prompts.jsonl", "out"], "generate.temprature", 0.5,
+     "generate.temprature: unknown key (did you mean generate.temperature?)"),
+    ([*LAUNCH, "-m", "eagle3.train", "verifier", "merged", "hidden", "out", "--checkpoints", "ckpt", "--live", "live"],
+     "train.lrr", 0.1, "train.lrr: unknown key (did you mean train.lr?)"),
 ]
 
 

@@ -164,7 +164,7 @@ def test_what_a_stage_would_refuse_is_refused_before_dvc_removes_anything_or_nam
     refused = run(["dvc", "repro", "-s", "train"], repo, check=False)
     assert refused.returncode != 0 and stage_lines(refused.stdout) == ["train"], refused.stdout
     (line,) = error_lines(refused)
-    assert line.startswith("error: params.yaml: train: unknown key(s) ['lrr']") and line.endswith(
+    assert line.startswith("error: params.yaml: train.lrr: unknown key (did you mean train.lr?); ") and line.endswith(
         "; DVC removed train's outputs before running it: `dvc checkout train` brings back the recorded ones, "
         "`git checkout dvclive/train` the uncached ones"), line
     assert not (repo / "models" / "drafter").exists()  # what no check at the stage's start can keep

@@ -13,11 +13,8 @@ from omegaconf import OmegaConf
 
 from eagle3.common import UserError
 from eagle3.config import SCHEMAS, TOP_LEVEL, conf_schema, validate
-from eagle3.schema import ABSENT, POSITIVE, check_schema, setting
+from eagle3.schema import ABSENT, OPTION_NAME, POSITIVE, check_schema, setting
 from support.repo import ROOT
-
-# Hydra's name of the chosen option: a key of every group, read by no schema (composition's own)
-OPTION_NAME = "name"
 
 
 def test_every_conf_group_has_one_schema_and_every_other_key_a_top_level_check():

@@ -36,7 +36,7 @@ from eagle3.layout import DEVICE_KEYS, LayoutSettings, require_device
 from eagle3.hidden_states.config import ExtractSettings
 from eagle3.lm.spec import ModelSettings
 from eagle3.prompt_sources.config import DatasetSettings
-from eagle3.schema import ABSENT, NON_NEGATIVE, Check, check_schema, refuse
+from eagle3.schema import ABSENT, NON_NEGATIVE, OPTION_NAME, Check, check_schema, refuse
 from eagle3.training.config import TrainConfig
 from eagle3.training.mixture import MixtureSettings
 
@@ -239,8 +239,8 @@ def check_required_keys(params: DictConfig | dict, conf_dir: str | Path = "conf"
     values = OmegaConf.to_container(params) if isinstance(params, DictConfig) else params
     conf_dir = Path(conf_dir).resolve()
     groups = sorted(folder.name for folder in conf_dir.iterdir() if folder.is_dir())
-    chosen = {group: values[group]["name"] for group in groups
-              if isinstance(values.get(group), dict) and (conf_dir / group / f"{values[group].get('name')}.yaml").is_file()}
+    chosen = {group: values[group][OPTION_NAME] for group in groups if isinstance(values.get(group), dict)
+              and (conf_dir / group / f"{values[group].get(OPTION_NAME)}.yaml").is_file()}
     with tempfile.TemporaryDirectory() as scratch:
         composed = Path(scratch) / "params.yaml"
         _hydra_compose(composed, conf_dir, [f"{group}={option}" for group, option in chosen.items()])
@@ -248,7 +248,7 @@ def check_required_keys(params: DictConfig | dict, conf_dir: str | Path = "conf"
     for key, value in expected.items():
         if key in groups and key in values and key not in chosen:
             continue  # named for no option of conf/: nothing to compare it with
-        _check_present(values, {key: value}, "", f"{key}={value['name']}" if key in groups else "conf/config.yaml", name)
+        _check_present(values, {key: value}, "", f"{key}={value[OPTION_NAME]}" if key in groups else "conf/config.yaml", name)
 
 
 def _check_present(values: Any, expected: Any, prefix: str, option: str, name: str) -> None:

@@ -19,6 +19,7 @@ that reads the key can see them; config.py composes the groups and cuts each sta
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import field, fields
@@ -27,6 +28,7 @@ from typing import Any, NamedTuple
 from eagle3.common import UserError
 
 ABSENT = object()  # what a Lookup gives for a key the view does not hold
+OPTION_NAME = "name"  # the chosen option's name: a key of every group's section (conf/<group>/<name>.yaml), no field
 Lookup = Callable[[str], Any]  # a dotted key's plain value in the params view, or ABSENT
 
 
@@ -79,9 +81,11 @@ def refuse(key: str, value: Any, allowed: str) -> UserError:
 
 
 def check_schema(schema: type, get: Lookup) -> None:
-    """Refuse the first value of ``schema``'s group that is not finite (anywhere inside it: a field of
+    """Refuse a key of ``schema``'s group that it has no field for (a stage run alone, without the params
+    stage's check against conf/), then the first value that is not finite (anywhere inside it: a field of
     no check and an open mapping too) or fails its field's check, then apply the group's ``relations``
     (where it has rules over several keys); keys the view does not hold are not checked."""
+    _check_section_keys(schema, get(schema.GROUP))
     for item in fields(schema):
         key = f"{schema.GROUP}.{item.name}"
         check, value = item.metadata.get("check"), get(key)
@@ -93,6 +97,15 @@ def check_schema(schema: type, get: Lookup) -> None:
             raise refuse(key, value, check.allowed)
     if hasattr(schema, "relations"):
         schema.relations(get)
+
+
+def _check_section_keys(schema: type, section: Any) -> None:
+    known = [item.name for item in fields(schema)] + [OPTION_NAME]
+    for key in section if isinstance(section, dict) else ():
+        if key not in known:
+            nearest = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {schema.GROUP}.{nearest[0]}?" if nearest else f"{schema.__name__} has no such field"
+            raise UserError(f"params.yaml: {schema.GROUP}.{key}: unknown key ({hint})")
 
 
 def non_finite(key: str, value: Any) -> Iterator[tuple[str, float]]:
