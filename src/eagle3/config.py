@@ -36,7 +36,7 @@ from eagle3.layout import DEVICE_KEYS, LayoutSettings, require_device
 from eagle3.hidden_states.config import ExtractSettings
 from eagle3.lm.spec import ModelSettings
 from eagle3.prompt_sources.config import DatasetSettings
-from eagle3.schema import ABSENT, NON_NEGATIVE, OPTION_NAME, Check, check_schema, refuse
+from eagle3.schema import ABSENT, NON_NEGATIVE, OPTION_NAME, Check, check_schema, check_section_keys, refuse
 from eagle3.training.config import TrainConfig
 from eagle3.training.mixture import MixtureSettings
 
@@ -80,7 +80,8 @@ def _hydra_compose(output: Path, conf_dir: Path, overrides: Iterable[str]) -> No
 def stage_params(keys: Iterable[str], path: str | os.PathLike = "params.yaml", schema: Path | None = None) -> DictConfig:
     """The declared ``keys`` of the params file, validated, and a CUDA device they name present on this
     machine; reading any other key raises. With ``schema`` (the conf/ folder: the params stage), every
-    key of the whole file must be one it declares, and every key its chosen options compose must be there.
+    key of the whole file must be one it declares, and every key its chosen options compose must be there;
+    without (a stage), every key of its own sections must be a field of the group's schema.
 
     When the stage finishes (``stage_main``), the file must still hold these values, else the stage
     fails (``_require_unchanged``). Under torchrun every process validates the same values: only
@@ -96,9 +97,12 @@ def stage_params(keys: Iterable[str], path: str | os.PathLike = "params.yaml", s
             raise UserError(f"{path}: {key} is missing; recompose it with `eagle3 params`")
         OmegaConf.update(view, key, value, force_add=True)
     with _reported_by_rank0():
-        if schema is not None:
+        if schema is not None:  # the params stage: every key against conf/
             check_known_keys(params, schema, path.name)
             check_required_keys(params, schema, path.name)
+        else:  # a stage, maybe run alone (`dvc repro -s` skips the params stage): its sections' keys
+            for group in SCHEMAS:
+                check_section_keys(group, _get(view, group.GROUP))
         validate(view)
         for key in DEVICE_KEYS:
             require_device(key, _get(view, key))

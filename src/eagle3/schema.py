@@ -81,11 +81,9 @@ def refuse(key: str, value: Any, allowed: str) -> UserError:
 
 
 def check_schema(schema: type, get: Lookup) -> None:
-    """Refuse a key of ``schema``'s group that it has no field for (a stage run alone, without the params
-    stage's check against conf/), then the first value that is not finite (anywhere inside it: a field of
+    """Refuse the first value of ``schema``'s group that is not finite (anywhere inside it: a field of
     no check and an open mapping too) or fails its field's check, then apply the group's ``relations``
     (where it has rules over several keys); keys the view does not hold are not checked."""
-    _check_section_keys(schema, get(schema.GROUP))
     for item in fields(schema):
         key = f"{schema.GROUP}.{item.name}"
         check, value = item.metadata.get("check"), get(key)
@@ -99,7 +97,10 @@ def check_schema(schema: type, get: Lookup) -> None:
         schema.relations(get)
 
 
-def _check_section_keys(schema: type, section: Any) -> None:
+def check_section_keys(schema: type, section: Any) -> None:
+    """Refuse a key of ``schema``'s group ``section`` (its plain value, or ABSENT) that the schema has no
+    field for, with the nearest field: a stage's own check of its sections (the params stage checks every
+    key against conf/)."""
     known = [item.name for item in fields(schema)] + [OPTION_NAME]
     for key in section if isinstance(section, dict) else ():
         if key not in known:
