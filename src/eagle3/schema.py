@@ -89,8 +89,9 @@ def check_schema(schema: type, get: Lookup) -> None:
         check, value = item.metadata.get("check"), get(key)
         if value is ABSENT:
             continue
-        for where, number in non_finite(key, value):  # YAML reads .inf, 1e400 and .nan: no setting can use them
-            raise refuse(where, number, "a finite number")
+        not_finite = next(non_finite(key, value), None)  # YAML reads .inf, 1e400 and .nan: no setting can use them
+        if not_finite:
+            raise refuse(*not_finite, "a finite number")
         if check is not None and not check.test(value):
             raise refuse(key, value, check.allowed)
     if hasattr(schema, "relations"):
