@@ -74,7 +74,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from eagle3.common import UserError, read_json, stage_main, write_json
+from eagle3.common import UserError, read_json, write_json
+from eagle3.runner import stage_main
 from peer_format import check_round_trip, check_sample, export_peer_checkpoint, last_checkpoint, write_peer_data
 from recipe_sweep import run, tau_by_set
 

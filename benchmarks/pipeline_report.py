@@ -3,8 +3,8 @@ stage's wall time and GPU busy share, the whole run's wall, training's tokens/s,
 
     python benchmarks/pipeline_report.py RUN --out benchmarks/results/pipeline_10k.json --commit SHA --command "..."
     python benchmarks/pipeline_report.py RUN --poll                      # the run's progress, one screen
-    python benchmarks/pipeline_report.py --readme-table benchmarks/results/pipeline_10k.json   # the README's table
-    python benchmarks/pipeline_report.py --readme-results benchmarks/results/pipeline_10k.json # the README's τ
+    python benchmarks/pipeline_report.py --readme-table benchmarks/results/pipeline_10k.json   # docs/benchmarks.md's table
+    python benchmarks/pipeline_report.py --readme-results benchmarks/results/pipeline_10k.json # the README's τ and speedups
 
 It reads RUN/logs/dvc.log (every line of ``dvc repro`` after its time: a stage's window runs from DVC's
 "Running stage" line to the next stage's line or the end of the dvc command), RUN/logs/gpu.tsv (NVML samples: a window's
@@ -16,6 +16,8 @@ steps after the first metric lines reached the host, which follow the compilatio
 the training loop shows; ``first_step_s`` and ``compiled_graphs``: train's log of its first step and of its compile
 caches' hits and misses) and dvclive/evaluate/metrics.json
 with params.yaml (each set's prompts, τ of the chain, the tree and prompt lookup, and max_new_tokens).
+``--readme-results`` takes the speedups from the run's dvclive/evaluate/metrics.json committed beside its JSON as
+``<stem>_evaluate_metrics.json``.
 ``--peer FILE``: benchmarks/peer_train.py's record or benchmarks/peer_tau.py's JSON (its longest peer run):
 ``peer.tokens_per_s`` is its rate at its median step, ``train_over_peer`` ours over it (``over``); without it
 both are null. A per-shard stage (generate@*, extract@*) is
@@ -274,7 +276,7 @@ def percent(share: float | None) -> str:
 
 
 def readme_table(result: dict) -> str:
-    """The README's timing table: a row per stage (a group with its item count), then the whole run."""
+    """The timing table (docs/benchmarks.md, "The whole run, timed"): a row per stage (a group with its item count), then the whole run."""
     rows = ["| stage | wall | GPU busy |", "|---|---|---|"]
     for name, stage in result["stages"].items():
         label = f"`{name}` ×{len(stage['items'])}" if "items" in stage else f"`{name}`"
@@ -283,15 +285,58 @@ def readme_table(result: dict) -> str:
     return "\n".join(rows)
 
 
+def evaluate_metrics(source: Path) -> tuple[Path, dict]:
+    """The run's dvclive/evaluate/metrics.json as committed beside its JSON (``<stem>_evaluate_metrics.json``), which
+    holds the speedups evaluate timed; {} where there is none (a run that did not finish evaluate)."""
+    path = source.with_name(f"{source.stem}_evaluate_metrics.json")
+    return path, json.loads(path.read_text()) if path.is_file() else {}
+
+
+def speed_points(metrics: dict) -> list[tuple[str, str]]:
+    """(batch size, method) of every speedup evaluate timed, batch sizes ascending: the results table's last columns."""
+    sizes = {size for s in metrics.values() if isinstance(s, dict) for size in s.get("batch", {})}
+    return [(size, method) for size in sorted(sizes, key=int) for method in ("chain", "tree")]
+
+
+def speedup(metrics: dict, name: str, size: str, method: str) -> float | None:
+    return metrics.get(name, {}).get("batch", {}).get(size, {}).get(method, {}).get("speedup")
+
+
+def below_one(metrics: dict, points: list[tuple[str, str]], sets: list[str]) -> str:
+    """Where drafting decoded slower than plain decoding, by batch size: what the table's readers must not miss."""
+    parts = []
+    for size in dict.fromkeys(size for size, _ in points):
+        timed = [(name, method) for name in sets for s, method in points if s == size and speedup(metrics, name, size, method)]
+        slower = [(name, method) for name, method in timed if speedup(metrics, name, size, method) < 1]
+        if slower and slower == timed:
+            parts.append(f"at batch {size} on every set, chain and tree")
+        elif slower:
+            parts.append(f"at batch {size}: " + ", ".join(f"`{name}`'s {method}" for name, method in slower))
+    return f"Below 1× (slower than plain decoding): {'; '.join(parts)}." if parts else "No speedup below 1×."
+
+
 def readme_results(result: dict, source: Path) -> str:
-    """The README's headline from ``source``: the run's commit, GPU and command, τ per eval set it measured,
-    train's pace, and whether it finished (an unfinished run's sets are those evaluate had logged as done)."""
-    lines = [f"One `dvc repro` at {result['commit']} on {result['gpu'] or 'no GPU'} (`{source}`):", f"`{result['command']}`.", "",
-             "| eval set | prompts | new tokens, at most | chain τ | tree τ | prompt lookup τ | chain / prompt lookup |",
-             "|---|---|---|---|---|---|---|"]
+    """The README's headline from ``source``: the run's commit, GPU and command, τ per eval set it measured and the
+    speedups evaluate timed (from the metrics beside ``source``), train's pace, and whether it finished (an
+    unfinished run's sets are those evaluate had logged as done)."""
+    metrics_path, metrics = evaluate_metrics(source)
+    points = speed_points(metrics)
+    timed = f"; speedups from `{metrics_path}`" if points else ""
+    whole = f": {result['total_wall_s']:.0f} s, GPU {percent(result['gpu_busy'])} busy" if result["finished"] else ""
+    lines = [f"One `dvc repro` at {result['commit']} on {result['gpu'] or 'no GPU'} (`{source}`{timed}):",
+             f"`{result['command']}`{whole}.", "",
+             "| eval set | prompts | new tokens, at most | chain τ | tree τ | prompt lookup τ | "
+             + "".join(f"{method}, batch {size} | " for size, method in points).rstrip(" "),
+             "|---|---|---|---|---|---|" + "---|" * len(points)]
     for name, s in result["sets"].items():
+        cells = [f"{value:.2f}×" if (value := speedup(metrics, name, size, method)) else "–" for size, method in points]
         lines.append(f"| `{name}` | {s['prompts']} | {s['max_new_tokens']} | **{s['tau']:.2f}** | **{s['tree_tau']:.2f}** | "
-                     f"{s['ngram_tau']:.2f} | {s['tau'] / s['ngram_tau']:.2f}× |")
+                     f"{s['ngram_tau']:.2f} |" + "".join(f" {cell} |" for cell in cells))
+    if points:
+        lines += ["", below_one(metrics, points, list(result["sets"]))]
+        unstable = [f"`{name}`" for name in result["sets"] if metrics.get(name, {}).get("unstable")]
+        if unstable:
+            lines[-1] += f" Timings whose repeats disagreed (`unstable`): {', '.join(unstable)}."
     train, train_stage = result["train"], result["stages"].get("train")
     if train["tokens_per_s"] and train_stage:
         lines += ["", f"`train`: {train['steps']:,} steps, {train['tokens'] / 1e6:.1f}M training tokens, "
@@ -345,7 +390,7 @@ def main() -> None:
     parser.add_argument("--peer", type=Path, help="peer_train.py's record or peer_tau.py's JSON")
     parser.add_argument("--poll", action="store_true", help="print the run's progress instead")
     parser.add_argument("--lines", type=int, default=15, help="with --poll: the log's last lines shown")
-    parser.add_argument("--readme-table", type=Path, metavar="JSON", help="print the README's table of this JSON")
+    parser.add_argument("--readme-table", type=Path, metavar="JSON", help="print docs/benchmarks.md's timing table of this JSON")
     parser.add_argument("--readme-results", type=Path, metavar="JSON", help="print the README's results of this JSON")
     args = parser.parse_args()
     if args.readme_table:

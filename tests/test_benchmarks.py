@@ -49,6 +49,8 @@ TORCHRUN = {"sharded_extract.py"}
 # Smoke runs that have a test of their own, which checks their output too.
 TESTED_ELSEWHERE = {
     "evaluate_throughput.py": "tests/test_evaluate.py::test_throughput_benchmark_runs_on_the_cpu_with_a_tiny_shape",
+    "generate_vllm.py": "tests/test_generate_vllm.py::test_generate_through_a_started_server_is_compared_with_the_local_answers",
+    "serve_vllm.py": "tests/test_serve_vllm.py::test_without_vllm_the_script_says_so_in_one_line_and_keeps_the_results",
     "stage_start.py": "tests/test_stage_start.py::test_stage_start_smoke_times_every_phase_with_the_same_outputs",
     "train_throughput.py": "tests/test_train_throughput.py::test_the_train_benchmark_smoke_mode_writes_its_figures",
 }

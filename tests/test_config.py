@@ -149,8 +149,8 @@ def test_the_committed_params_are_valid():
     validate(OmegaConf.load(ROOT / "params.yaml"))
 
 
-LAUNCH = ["-m", "eagle3.launch", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-          "--rdzv-endpoint", "localhost:0"]
+TRAIN = ["-m", "eagle3.train", "verifier", "merged", "hidden", "out", "--checkpoints", "ckpt", "--live", "live", "--nnodes", "1",
+         "--nproc-per-node", "1", "--rdzv-endpoint", "localhost:0"]
 STAGES = [  # what `dvc exp run -S key=value` hands a stage: params.yaml with the bad value, unchecked
     (["-m", "eagle3.prompts", "verifier", "out", "--sources", "sources"], "dataset.shards", ["000000-000032", "000040-001000"],
      "dataset.shards = ['000000-000032', '000040-001000']: must be contiguous ranges (one ends at 000032, the next "
@@ -159,15 +159,13 @@ STAGES = [  # what `dvc exp run -S key=value` hands a stage: params.yaml with th
      "generate.temperature = -1: must be a number >= 0"),
     (["-m", "eagle3.extract", "verifier", "generated", "out"], "model.aux_layers", [2, 27, 15],
      "model.aux_layers [2, 27, 15] must be 3 ascending layer ids >= 1 (and below the verifier's layer count)"),
-    ([*LAUNCH, "-m", "eagle3.train", "verifier", "merged", "hidden", "out", "--checkpoints", "ckpt", "--live", "live"],
-     "train.lr", -1, "train.lr = -1: must be a number > 0"),
+    (TRAIN, "train.lr", -1, "train.lr = -1: must be a number > 0"),
     (["-m", "eagle3.evaluate", "verifier", "drafter", "prompts", "out"], "evaluate.draft_tokens", 0,
      "evaluate.draft_tokens = 0: must be an integer >= 1"),
     # A misspelt key of a stage's own section (`dvc repro -s` skips the params stage's check against conf/).
     (["-m", "eagle3.generate", "verifier", "prompts.jsonl", "out"], "generate.temprature", 0.5,
      "generate.temprature: unknown key (did you mean generate.temperature?)"),
-    ([*LAUNCH, "-m", "eagle3.train", "verifier", "merged", "hidden", "out", "--checkpoints", "ckpt", "--live", "live"],
-     "train.lrr", 0.1, "train.lrr: unknown key (did you mean train.lr?)"),
+    (TRAIN, "train.lrr", 0.1, "train.lrr: unknown key (did you mean train.lr?)"),
 ]
 
 
@@ -197,11 +195,11 @@ def test_a_refusal_names_the_params_file_a_command_was_given(tmp_path):
 
 
 def test_params_command_refuses_in_one_line_with_the_status_of_every_eagle3_command(tmp_path):
-    """README (What you can rely on): exit status 1 from `eagle3 params`, as from the other commands."""
+    """docs/guarantees.md: exit status 1 from `eagle3 params`, as from the other commands."""
     result = subprocess.run([sys.executable, "-m", "eagle3.cli", "params", "-S", "train.lr=-1", "--conf", str(CONF),
                              "--output", "params.yaml"], cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 1 and result.stderr.splitlines() == ["error: params.yaml: train.lr = -1: must be a number > 0"]
-    assert "1 from `eagle3 params` as from every `eagle3` command" in " ".join((ROOT / "README.md").read_text().split())
+    assert "1 from `eagle3 params` as from every `eagle3` command" in " ".join((ROOT / "docs/guarantees.md").read_text().split())
 
 
 def test_every_recipe_of_the_sweep_is_a_valid_change_of_the_gpu_scales(tmp_path):

@@ -397,27 +397,30 @@ def pipeline_report(*args: str) -> str:
                           capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip()
 
 
-def readme_section(heading: str) -> str:
-    """The README's section under ``heading`` (a `### ` line), up to the next heading."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index(f"### {heading}\n"):]
-    return section[:re.search(r"^#+ ", section[4:], re.M).start() + 4]
+def page_section(heading: str, page: str = "README.md") -> str:
+    """The section of ``page`` under the heading ``heading`` (any level), up to the next heading."""
+    text = (ROOT / page).read_text()
+    start = re.search(rf"^#+ {re.escape(heading)}\n", text, re.M)
+    rest = text[start.end():]
+    after = re.search(r"^#+ ", rest, re.M)
+    return start[0] + (rest[:after.start()] if after else rest)
 
 
-def test_the_readme_timing_table_is_the_pipeline_json():
-    """The README's table of the whole run is benchmarks/pipeline_report.py --readme-table of its JSON."""
+def test_the_timing_table_is_the_pipeline_json():
+    """docs/benchmarks.md's table of the whole run is benchmarks/pipeline_report.py --readme-table of its JSON."""
     table = pipeline_report("--readme-table", str(PIPELINE_JSON.relative_to(ROOT)))
-    section = readme_section("The whole run, timed")
+    section = page_section("The whole run, timed", "docs/benchmarks.md")
     assert "\n".join(line for line in section.splitlines() if line.startswith("|")) == table
 
 
 def test_the_readme_headline_is_the_pipeline_json():
-    """The README's headline τ is pipeline_report.py --readme-results of the committed pipeline JSON, and nothing
-    beside it in that section is a hand-written figure (a decimal: a τ, a speedup)."""
-    section = readme_section("Where a real drafter stands, on one GPU")
+    """The README's results are pipeline_report.py --readme-results of the pipeline JSON its command names (τ) and the
+    evaluate metrics beside it (speedups), and nothing beside them in that section is a hand-written figure (a decimal)."""
+    section = page_section("Results")
     (generated,) = GENERATED.findall(section)
-    assert generated == pipeline_report("--readme-results", str(PIPELINE_JSON.relative_to(ROOT)))
-    assert not re.findall(r"\d\.\d", GENERATED.sub("", section))
+    source = re.search(r"--readme-results\s+(benchmarks/results/[\w.-]+\.json)", section)[1]  # the record the README shows
+    assert generated == pipeline_report("--readme-results", source)
+    assert "batch 64" in generated and not re.findall(r"\d\.\d", GENERATED.sub("", section))
 
 
 def test_the_readme_headline_says_whether_the_run_finished(tmp_path):
@@ -431,3 +434,173 @@ def test_the_readme_headline_says_whether_the_run_finished(tmp_path):
     finished.write_text(json.dumps({**result, "finished": True, "sets": sets}))
     text = pipeline_report("--readme-results", str(finished))
     assert "Unfinished" not in text and "| `heldout` | 200 |" in text
+
+
+def test_the_readme_headline_says_where_drafting_is_slower(tmp_path):
+    """The speedups come from the evaluate metrics beside the run's JSON; every one below 1× is named, a set whose
+    timings disagreed is flagged, and a run without evaluate's metrics shows no speedup rather than a stale one."""
+    metrics = json.loads(PIPELINE_JSON.with_name("pipeline_10k_evaluate_metrics.json").read_text())
+    metrics["math"]["batch"]["64"]["tree"]["speedup"] = 1.5  # one batch-64 speedup above 1x: the others are listed
+    (tmp_path / "run.json").write_text(PIPELINE_JSON.read_text())
+    (tmp_path / "run_evaluate_metrics.json").write_text(json.dumps(metrics))
+    text = pipeline_report("--readme-results", str(tmp_path / "run.json"))
+    assert "| `math` | 200 | 256 | **2.60** | **3.25** | 1.95 | 1.21× | 1.33× | 0.46× | 1.50× |" in text
+    assert "Below 1× (slower than plain decoding): at batch 64: `heldout`'s chain, `heldout`'s tree, `humaneval`'s chain" in text
+    assert "`math`'s chain, `mtbench`'s chain" in text and "`math`'s tree" not in text
+    assert "(`unstable`): `humaneval`, `mtbench`, `unseen`." in text
+    (tmp_path / "run_evaluate_metrics.json").unlink()
+    text = pipeline_report("--readme-results", str(tmp_path / "run.json"))
+    assert "| `math` | 200 | 256 | **2.60** | **3.25** | 1.95 |\n" in text and "×" not in text
+
+
+README_MAX_LINES = 150  # a front page: what it is, the commands, serving, one table of results, links
+FRONT_PAGE = ("Two commands", "Your own verifier on a GPU", "Serve", "Results", "Documentation")
+
+
+def test_the_readme_is_a_front_page():
+    """At most 150 lines with the sections a newcomer looks for; the GPU commands train at a real scale, not the demo's,
+    and the serving commands load the exported drafter."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES
+    assert [h for h in HEADING.findall(prose(text)) if h in FRONT_PAGE] == list(FRONT_PAGE)
+    gpu = [c for c in COMMANDS if c.where.startswith("README.md") and "layout=gpu1" in overrides(c)]
+    assert gpu and all(any(o.startswith("dataset=") and o != "dataset=demo" for o in overrides(c)) for c in gpu)
+    serve = page_section("Serve")
+    assert "vllm serve" in serve and "sglang.launch_server" in serve and serve.count("models/drafter") >= 3
+
+
+# A figure as the README prints it: a number not glued to a word (H100, 08a55a2, SmolLM2-135M and x1 are names), with
+# its thousands commas, an optional k/M multiplier and unit. Ranges (1.30-1.33×) print two figures.
+FIGURE = re.compile(r"(?<![\w.\-/])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(k|M)?(?:\s?(×|%|s|ms|min|tokens/s)(?![\w/]))?(?![\w.]\d)")
+MULTIPLIERS = {"k": 1e3, "M": 1e6, None: 1.0}
+MEASURE_UNITS = {"×", "%", "s", "ms", "min", "tokens/s"}  # a number with one of these is a measurement, never a setting
+# A JSON a sentence quotes: a path (metrics/summary.json, benchmarks/results/X.json), or a bare name as benchmarks/results/
+# names its records (pipeline_10k_fa0beff.json); a bare identity.json or meta.json describes an output, not a source.
+NAMED_FILE = re.compile(r"(?<![\w.-])((?:[\w.-]+/)+[\w.-]+\.json|[a-z]\w*_[\w.-]+\.json)\b")
+SENTENCE_END = re.compile(r"(?<=[.;:])\s+(?=[A-Z`*(\[])")  # where a sentence (or a clause after ; or :) ends
+
+
+@dataclass(frozen=True)
+class Figure:
+    text: str  # as printed
+    value: float  # the multiplier (k, M) applied
+    places: int  # decimals printed
+    multiplier: float
+    unit: str | None
+
+
+def figures(text: str) -> list[Figure]:
+    """The figures of a piece of prose, code spans and link targets left out (commands, keys and paths are not figures)."""
+    plain = LINK.sub(lambda m: m[0][: m[0].index("](")], CODE_SPAN.sub(" ", text))
+    found = []
+    for m in FIGURE.finditer(plain):
+        whole, decimals, multiplier = m[1].replace(",", ""), m[2] or "", MULTIPLIERS[m[3]]
+        found.append(Figure(m[0], float(whole + decimals) * multiplier, max(len(decimals) - 1, 0), multiplier, m[4]))
+    return found
+
+
+def json_numbers(path: Path) -> list[float]:
+    """Every number a JSON holds: its numeric values, and the figures in its strings (a run's note, its log lines)."""
+    numbers: list[float] = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, list):
+            for value in node:
+                walk(value)
+        elif isinstance(node, str):
+            numbers.extend(figure.value for figure in figures(node))
+        elif isinstance(node, (int, float)) and not isinstance(node, bool):
+            numbers.append(float(node))
+    walk(json.loads(path.read_text()))
+    return numbers
+
+
+def holds(numbers: list[float], figure: Figure) -> bool:
+    """Some number rounds to the figure as printed (to its decimals, scaled by its k or M); a percentage may be
+    stored as a share (0.79 for 79 %)."""
+    tolerance = 0.5 * 10 ** -figure.places * figure.multiplier * (1 + 1e-9)
+    scales = (1, 100) if figure.unit == "%" else (1,)
+    return any(abs(number * scale - figure.value) <= tolerance for number in numbers for scale in scales)
+
+
+def source_files(names: list[str]) -> tuple[list[Path], list[str]]:
+    """(the committed JSONs among the names a sentence gives, the records it names that benchmarks/results/ lacks). A
+    path to a file git does not hold (data/prompts/meta.json: a stage's output) is no source."""
+    found, missing = [], []
+    for name in names:
+        candidates = [ROOT / name, ROOT / "benchmarks/results" / name.removeprefix("benchmarks/results/")]
+        file = next((candidate for candidate in candidates if candidate.is_file()), None)
+        if file:
+            found.append(file)
+        elif "/" not in name or name.startswith("benchmarks/results/"):
+            missing.append(name)
+    return found, missing
+
+
+def figure_units(text: str) -> list[tuple[str, list[str]]]:
+    """(sentence or table row, the JSON files it names) of a page's prose, outside fences and generated blocks (their
+    own tests check those): a list item is a paragraph, and a table row also counts the files its caption (the
+    sentence before the table) names."""
+    units: list[tuple[str, list[str]]] = []
+    for block in re.split(r"\n\s*\n", prose(GENERATED.sub("", text))):
+        lines = block.strip().splitlines()
+        if lines and all(line.strip().startswith("|") for line in lines):
+            caption = NAMED_FILE.findall(units[-1][0]) if units else []
+            units += [(row, NAMED_FILE.findall(row) + caption) for row in lines]
+            continue
+        for item in re.split(r"\n(?=\s*- )", block):
+            units += [(sentence, NAMED_FILE.findall(sentence)) for sentence in SENTENCE_END.split(" ".join(item.split()))]
+    return units
+
+
+def unsupported_figures(text: str) -> list[str]:
+    """What a page states against its files: a figure in a sentence naming JSON files that none of them holds
+    (rounded as printed), a named JSON that does not exist, and a measurement (×, %, s, tokens/s) in a sentence that
+    names no file at all."""
+    wrong = []
+    for unit, names in figure_units(text):
+        files, missing = source_files(names)
+        wrong += [f"{name}: no such file in benchmarks/results/, in: {unit[:120]}" for name in missing]
+        numbers = [number for file in files for number in json_numbers(file)]
+        for figure in figures(unit):
+            if files and not holds(numbers, figure):
+                wrong.append(f"{figure.text!r} is in none of {[str(file.relative_to(ROOT)) for file in files]}: {unit[:120]}")
+            elif not files and not missing and figure.unit in MEASURE_UNITS:
+                wrong.append(f"{figure.text!r} names no file it comes from: {unit[:120]}")
+    return wrong
+
+
+def test_every_readme_figure_is_in_the_file_it_names():
+    """A figure in a README sentence (or table row) that names a JSON is in that JSON, rounded as printed; a
+    measurement names its file. The README checked has figures of its own to check (the demo's τ at least)."""
+    text = (ROOT / "README.md").read_text()
+    assert sum(len(figures(unit)) for unit, names in figure_units(text) if names) >= 4
+    assert unsupported_figures(text) == []
+
+
+def test_a_figure_its_file_does_not_hold_is_caught():
+    """The README's demo figure changed by one in its last place fails; so do a figure quoted from a file that does
+    not hold it or does not exist, and a measurement that names no file; the figures as recorded pass."""
+    text = (ROOT / "README.md").read_text()
+    demo = "**1.28** for the drafter's chain"
+    assert demo in text
+    (wrong,) = unsupported_figures(text.replace(demo, "**1.29** for the drafter's chain"))
+    assert wrong.startswith("'1.29' is in none of ['metrics/summary.json']: ")
+    record = "At a9a86d0 `train` trained 55.8M tokens at 634.6k tokens/s, 79 % busy, in 88 s (`benchmarks/results/pipeline_10k.json`)."
+    assert unsupported_figures(record) == []
+    assert unsupported_figures(record.replace("634.6k", "643.6k")) == [
+        f"'643.6k tokens/s' is in none of ['benchmarks/results/pipeline_10k.json']: {record.replace('634.6k', '643.6k')[:120]}"]
+    assert unsupported_figures(record.replace("pipeline_10k.json", "pipeline_10k_fa0beff.json"))  # another run's file
+    assert unsupported_figures(record.replace("pipeline_10k.json", "pipeline_10k_a9a86d0.json"))[0].startswith(
+        "benchmarks/results/pipeline_10k_a9a86d0.json: no such file in benchmarks/results/")
+    table = "Chain τ by set (`pipeline_10k.json`):\n\n| set | chain τ |\n|---|---|\n| `heldout` | 3.18 |\n| `math` | 2.61 |\n"
+    assert unsupported_figures(table) == ["'2.61' is in none of ['benchmarks/results/pipeline_10k.json']: | `math` | 2.61 |"]
+    assert unsupported_figures("`train` took 88 s.") == ["'88 s' names no file it comes from: `train` took 88 s."]
+    # the audit of issue 63: the README's recipe row "the defaults (the headline)" held 42c77ec's figures
+    recipes = "Chain τ (`benchmarks/results/pipeline_10k.json`):\n\n| recipe | held-out | HumanEval |\n|---|---|---|\n" \
+              "| the defaults (the headline) | 3.23 | 2.50 |\n"
+    assert unsupported_figures(recipes) == [
+        "'3.23' is in none of ['benchmarks/results/pipeline_10k.json']: | the defaults (the headline) | 3.23 | 2.50 |"]
+    assert unsupported_figures(recipes.replace("pipeline_10k.json", "pipeline_10k_42c77ec.json")) == []

@@ -2,21 +2,26 @@
 
 A stage's code is the closure of the eagle3 modules its ``-m eagle3.<module>`` imports (found
 with ``ast``, so imports inside functions count too; importing ``eagle3.a.b`` runs ``a``'s
-``__init__`` too). Each of them must be a dep of the stage (a folder dep covers its files), and no
+``__init__`` too), the process plumbing aside (``common.PLUMBING``: the runner, the warm server, the
+launcher, the compile ahead run the stage's process and compute none of its outputs; not followed).
+Each of them must be a dep of the stage (a folder dep covers its files), and no
 ``src/`` dep may be stale, or editing it reruns the stage for nothing. A package ``__init__`` that
 holds only its docstring (and the version) runs nothing a stage uses: it is no dep.
 
-A stage reads params only through ``config.stage_params(PARAMS)``, which hands it the keys of its
-module's ``PARAMS`` and nothing else; ``PARAMS`` must equal the stage's ``params:`` in dvc.yaml.
+A stage reads params only through ``settings.stage_params(PARAMS)``, which hands it the keys of its
+module's ``PARAMS`` (a ``settings.StageParams``: each key named through its group's schema) and nothing else, checked
+by those schemas; ``PARAMS`` must equal the stage's ``params:`` in dvc.yaml. The composition of every group (``eagle3.config``) is the params stage's alone.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +30,10 @@ import pytest
 import yaml
 from omegaconf.errors import ConfigAttributeError
 
-from support.repo import ROOT
-from eagle3.config import stage_params
+from support.repo import ROOT, git_dvc_repo, run
+from eagle3.common import PLUMBING
+from eagle3.prompt_sources.config import DatasetSettings
+from eagle3.settings import StageParams, keys_of, stage_params
 
 SRC = ROOT / "src"
 
@@ -68,12 +75,14 @@ def only_docstring(file: Path) -> bool:
 
 
 def code_closure(module: str) -> set[Path]:
-    seen, todo = set(), [module_file(module)]
+    """The source files of ``module`` and of what it imports, transitively, but the process plumbing (``PLUMBING``:
+    what runs the stage's process computes none of its outputs), which is not followed."""
+    seen, todo, plumbing = set(), [module_file(module)], {module_file(name) for name in PLUMBING}
     while todo:
         file = todo.pop()
         if file not in seen:
             seen.add(file)
-            todo += imported_files(file)
+            todo += imported_files(file) - plumbing
     return {file for file in seen if not (file.name == "__init__.py" and only_docstring(file))}
 
 
@@ -204,7 +213,7 @@ def test_every_stage_reads_exactly_its_declared_params():
 
 
 def test_a_stage_cannot_read_an_undeclared_param():
-    params = stage_params(["seed", "dataset.shards"], ROOT / "params.yaml")
+    params = stage_params(StageParams("seed", keys_of(DatasetSettings, "shards")), ROOT / "params.yaml")
     assert params.seed == 0 and list(params.dataset.shards) == ["000000-000032"]
     with pytest.raises(ConfigAttributeError):
         params.dataset.sources  # noqa: B018 (the read itself must fail)
@@ -213,5 +222,51 @@ def test_a_stage_cannot_read_an_undeclared_param():
 
 
 def test_only_stage_params_reads_the_params_file():
-    readers = [path.name for path in (SRC / "eagle3").rglob("*.py") if "OmegaConf.load(" in path.read_text()]
-    assert readers == ["config.py"]
+    """settings.stage_params reads a stage's params; config.py reads only what it composed (compose_params)."""
+    readers = sorted(path.name for path in (SRC / "eagle3").rglob("*.py") if "OmegaConf.load(" in path.read_text())
+    assert readers == ["config.py", "settings.py"]
+
+
+# --- with real DVC: a settings edit reruns only the stages that read the settings -----------------------------------
+
+# Each stage's command replaced by one that writes its outputs (and what later stages read inside them): DVC then
+# records the real deps and params of dvc.yaml without running the pipeline.
+STAND_IN = """import sys
+from pathlib import Path
+for path in map(Path, sys.argv[1:]):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix:
+        path.write_text("{}")
+    else:
+        path.mkdir(exist_ok=True)
+        (path / "x").write_text("x")
+"""
+
+
+def stand_in_dvc_yaml(shards: list[str]) -> dict:
+    """dvc.yaml with each stage's command a ``STAND_IN`` writing its outputs, then the deps of later stages that lie in them."""
+    raw = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+    deps = [dep.replace("${item}", shard) for body in stages().values() for dep in body.get("deps", []) for shard in shards]
+    for body in raw["stages"].values():
+        stage = body.get("do", body)
+        outs = [next(iter(out)) if isinstance(out, dict) else out for key in ("outs", "metrics") for out in stage.get(key, [])]
+        inside = sorted({dep for dep in deps for out in outs if "${item}" not in out and dep.startswith(f"{out}/")})
+        stage["cmd"] = " ".join(["python stand_in.py", *outs, *inside])
+    return raw
+
+
+@pytest.mark.slow
+def test_an_edit_of_evaluates_and_trains_settings_or_the_plumbing_reruns_no_data_stage(tmp_path):
+    repo = git_dvc_repo(tmp_path / "repo")
+    for folder in ("src", "conf", "data/sources"):
+        shutil.copytree(ROOT / folder, repo / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "params.yaml", repo / "params.yaml")
+    (repo / "stand_in.py").write_text(STAND_IN)
+    shards = list(yaml.safe_load((ROOT / "params.yaml").read_text())["dataset"]["shards"])
+    (repo / "dvc.yaml").write_text(yaml.safe_dump(stand_in_dvc_yaml(shards), sort_keys=False))
+    run(["dvc", "repro", "-q"], repo)
+    for module in ("decoding/config.py", "training/config.py", "warm.py", "launch.py", "runner.py", "training/ahead.py"):
+        with (repo / "src" / "eagle3" / module).open("a") as source:
+            source.write("# an edit\n")
+    changed = {name.split("@")[0] for name in json.loads(run(["dvc", "status", "--json"], repo).stdout)}
+    assert changed == {"params", "train", "evaluate"}

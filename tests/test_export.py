@@ -234,3 +234,51 @@ def test_ok_prints_the_speculators_command_with_the_taps(tmp_path, capsys, monke
         """--algorithm-kwargs '{"eagle_aux_hidden_state_layer_ids": [1, 3, 7]}'""")
     monkeypatch.chdir(folder)
     assert f"--output-path {folder}-speculators " in speculators_command(".")
+
+
+def test_a_draft_vocabulary_remapped_to_other_tokens_is_caught(tmp_path, tiny_verifier_dir, capsys):
+    """d2t/t2d remapped consistently (t2d at d2t's targets, ascending, within the config's vocab) pass the export's own
+    checks; against what is at hand they do not: the verifier's tokenizer (a config padded beyond its tokens) and
+    merge's vocabulary file."""
+    from tokenizers import Tokenizer
+
+    from eagle3.merge import save_vocab
+
+    verifier = tmp_path / "verifier"
+    shutil.copytree(tiny_verifier_dir, verifier)
+    tokens = Tokenizer.from_file(str(verifier / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    config = json.loads((verifier / "config.json").read_text())
+    (verifier / "config.json").write_text(json.dumps({**config, "vocab_size": tokens + 4096}))  # padded rows, no tokens
+    cfg = DraftConfig.from_verifier(AutoConfig.from_pretrained(verifier), 1024, [1, 2, 3])
+    drafter = Eagle3Drafter(cfg, torch.zeros(cfg.vocab_size, cfg.hidden_size))
+    vocab = tmp_path / "vocab.safetensors"
+    d2t = draft_d2t(tokens, cfg.draft_vocab_size)
+    drafter.set_draft_vocab(d2t)
+    save_vocab(vocab, d2t.numpy(), drafter.t2d.numpy(), "f", 0)
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    write_drafter(drafter, folder, verifier_facts(verifier), {})
+    cli(["check-drafter", str(folder), "--verifier", str(verifier), "--vocab", str(vocab)])
+    assert capsys.readouterr().out.startswith(f"{folder}: ok")
+
+    drafter.set_draft_vocab(d2t + 1)  # every draft token one id further: consistent, another vocabulary
+    write_drafter(drafter, folder, verifier_facts(verifier), {})
+    assert check_drafter(folder, verifier) == []
+    with pytest.raises(SystemExit):
+        cli(["check-drafter", str(folder), "--verifier", str(verifier), "--vocab", str(vocab)])
+    assert capsys.readouterr().out.splitlines() == [
+        f"{folder}: model.safetensors: d2t is not {vocab}'s (the draft vocabulary merge chose): 1024 entries differ, first "
+        "at index 0 (1, the file's 0); train on this merge (`dvc repro train`) or check against the vocabulary file of the "
+        "drafter's own run",
+        f"{folder}: model.safetensors: t2d is not {vocab}'s (the draft vocabulary merge chose): 2048 entries differ, first "
+        "at index 0 (0, the file's 1); train on this merge (`dvc repro train`) or check against the vocabulary file of the "
+        "drafter's own run"]
+
+    drafter.set_draft_vocab(draft_d2t(cfg.vocab_size, cfg.draft_vocab_size))  # spread over the padded rows too
+    write_drafter(drafter, folder, verifier_facts(verifier), {})
+    assert check_drafter(folder, verifier) == []
+    with pytest.raises(SystemExit):
+        cli(["check-drafter", str(folder), "--verifier", str(verifier)])
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.endswith(f"which {verifier / 'tokenizer.json'} does not have (its {tokens} tokens): a vocabulary of another "
+                         "tokenizer"), line

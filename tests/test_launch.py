@@ -1,5 +1,5 @@
-"""eagle3.launch under real `dvc repro`: a stopped training run ends in one line, not torchrun's report, whether it
-ran in the launcher's process (one process) or under torchrun (two)."""
+"""train's command under real `dvc repro`: a stopped training run ends in one line, not torchrun's report, whether it
+ran in the command's own process (one process) or under torchrun (two, eagle3.launch)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from support.processes import stage_processes
 from support.repo import run
 from support.train import copy_data, stage_args, stage_params, tiny_data  # noqa: F401 (fixture)
 
-LAUNCH = [sys.executable, "-m", "eagle3.launch", "--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
+LAYOUT = ["--nnodes", "1", "--rdzv-endpoint", "localhost:0"]  # dvc.yaml's, with --nproc-per-node
 
 FAILED = r"ERROR: failed to reproduce 'train': .* exited with (130|-2)"
 GONE = r"eagle3: process \d+ that launched this stage is gone; stopping \(pid \d+\)"
-LOG_RECORD = re.compile(r"\d\d:\d\d:\d\d [A-Z]+ [\w.]+: ")  # common.setup_logging's format
+LOG_RECORD = re.compile(r"\d\d:\d\d:\d\d [A-Z]+ [\w.]+: ")  # runner.setup_logging's format
 STOPS = {  # (training processes, how the stop is signalled) -> what the processes say as they stop (stop_lines)
     # `kill` of dvc alone: one process is killed with its parent, the kernel's guard, where DVC's shell (bash, the
     # user's $SHELL) execs it (nothing to say), and stops in the watcher's line where the shell (dash, /bin/sh when
@@ -29,8 +29,8 @@ STOPS = {  # (training processes, how the stop is signalled) -> what the process
     # without a word by torchrun's agent, which terminates a failed worker's peers (CI saw both)
     (1, "SIGTERM to dvc"): (lambda pid: os.kill(pid, signal.SIGTERM), [], [GONE]),
     (2, "SIGTERM to dvc"): (lambda pid: os.kill(pid, signal.SIGTERM), [GONE] * 2, [GONE]),
-    # SIGINT to dvc's process group: one process runs in the launcher's, which stops as any stage does; two run under
-    # torchrun's agent, which stops them. DVC reports 130 where its shell (bash) execs the launcher, -2 where the
+    # SIGINT to dvc's process group: one process runs in the command's, which stops as any stage does; two run under
+    # torchrun's agent, which stops them. DVC reports 130 where its shell (bash) execs the command, -2 where the
     # shell (dash, CI's /bin/sh) stays and is stopped by the same Ctrl-C.
     (1, "Ctrl-C"): (lambda pid: os.killpg(pid, signal.SIGINT), [r"eagle3: interrupted; stopping \(pid \d+\)", FAILED]),
     (2, "Ctrl-C"): (lambda pid: os.killpg(pid, signal.SIGINT), [r"eagle3.launch: stopped by SIGINT; workers stopped", FAILED]),
@@ -44,8 +44,8 @@ def test_a_stopped_train_ends_in_one_line(tiny_data, tiny_verifier_dir, tmp_path
     send, *tails = STOPS[procs, stop]
     repo = copy_data(tiny_data, tmp_path / "repo")
     params = stage_params(repo / "p.yaml", max_steps=1000, checkpoint_every=1000, val_every=1000, batch_tokens=128 * procs)
-    command = " ".join([*LAUNCH, "--nproc-per-node", str(procs), "-m", "eagle3.train",
-                        *stage_args(repo, tiny_verifier_dir, "run", params), "--threads", "1"])
+    command = " ".join([sys.executable, "-m", "eagle3.train", *stage_args(repo, tiny_verifier_dir, "run", params), "--threads", "1",
+                        *LAYOUT, "--nproc-per-node", str(procs)])
     (repo / "dvc.yaml").write_text(f"stages:\n  train:\n    cmd: {command}\n")
     for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "test@eagle3"], ["git", "config", "user.name", "eagle3 test"],
                 ["dvc", "init", "-q"], ["git", "add", "dvc.yaml"], ["git", "commit", "-qam", "train"]):

@@ -95,5 +95,7 @@ def test_gc_with_the_s3_server_down_is_one_line_and_deletes_nothing(tmp_path, lo
     assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
     assert result.stderr.startswith(f"error: remote 'local-s3' (http://127.0.0.1:{port}) cannot be asked for the kept "
                                     "objects (EndpointConnectionError: Could not connect to the endpoint URL")
-    assert "no cached object was deleted; start the server (`eagle3 s3 serve --background`" in result.stderr
+    assert "no cached object was deleted, nothing was pushed; start the server (`eagle3 s3 serve --background`" in result.stderr
     assert cache_objects(repo) == before
+    pushed = subprocess.run([sys.executable, "-m", "eagle3.cli", "push"], cwd=repo, capture_output=True, text=True)
+    assert pushed.returncode == 1 and pushed.stderr.splitlines() == result.stderr.splitlines(), pushed.stderr

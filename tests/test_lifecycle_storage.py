@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from support.local_s3 import (  # noqa: F401
-    add_remote, cache_objects, delete_remote_object, file_hashes, local_s3, lock_objects, manifest)
+    add_remote, cache_objects, cached_file, delete_remote_object, file_hashes, local_s3, lock_objects, manifest, put_remote_object)
 from support.repo import git_dvc_repo, run
 
 pytestmark = pytest.mark.slow  # real dvc pipelines
@@ -57,6 +57,14 @@ def blob_repo(tmp_path: Path) -> Path:
     return repo
 
 
+def seed_1_pushed(repo: Path, local_s3) -> None:
+    """The pipeline run at seed 1, committed and pushed to a new local server."""
+    local_s3(repo)
+    run(["dvc", "repro"], repo)
+    commit(repo, "seed 1")
+    run(["eagle3", "push"], repo)
+
+
 def gc(repo: Path, *args: str) -> subprocess.CompletedProcess:
     return run(["eagle3", "gc", *args], repo, check=False)
 
@@ -83,7 +91,7 @@ def test_gc_refuses_until_every_kept_object_is_in_the_remote(blob_repo, local_s3
     before = cache_objects(repo)
     refused = gc(repo)
     assert refused.returncode != 0
-    assert "refusing: 5 objects" in refused.stderr and "run `dvc push`" in refused.stderr
+    assert "refusing: 5 objects" in refused.stderr and "run `eagle3 push`" in refused.stderr
     assert "blobs/part-000.bin" in refused.stderr and "index.txt" in refused.stderr
     assert cache_objects(repo) == before  # nothing deleted
 
@@ -113,6 +121,43 @@ def test_gc_refuses_until_every_kept_object_is_in_the_remote(blob_repo, local_s3
     assert "neither cached" not in gc(repo, "--dry-run", "--rev", "main").stderr
 
 
+def test_gc_with_the_s3_server_down_after_a_gc_is_one_line(blob_repo, local_s3):
+    """A kept tag's `.dir` manifest is only on the remote once gc removed it from the cache: reading it with the server
+    down is one line, nothing deleted."""
+    repo = blob_repo
+    local_s3(repo)
+    run(["dvc", "repro"], repo)
+    commit(repo, "seed 1")
+    run(["git", "tag", "seed-1"], repo)
+    set_blobs(repo, seed=2)
+    run(["dvc", "repro"], repo)
+    commit(repo, "seed 2")
+    run(["dvc", "push", "-T", "-a"], repo)
+    assert gc(repo).returncode == 0
+    run(["eagle3", "s3", "stop"], repo)
+    before = cache_objects(repo)
+    down = gc(repo)
+    assert down.returncode == 1 and len(down.stderr.splitlines()) == 1, down.stderr
+    assert "cannot be asked for the kept objects" in down.stderr and "no cached object was deleted" in down.stderr
+    assert cache_objects(repo) == before
+
+
+def test_gc_names_the_unpushed_experiments_whose_outputs_it_deletes(blob_repo, local_s3):
+    """`eagle3 gc` keeps no experiment (documented): when it deletes the only copy of one's outputs, it says so."""
+    repo = blob_repo
+    seed_1_pushed(repo, local_s3)
+    run(["dvc", "exp", "run", "-n", "seed-two", "-S", "blobs.seed=2"], repo)
+    run(["git", "checkout", "--", "params.yaml", "dvc.lock"], repo)
+    run(["dvc", "checkout", "--force"], repo)  # the workspace back at seed 1: the experiment's outputs are only cached
+    line = ("the only copy of experiment seed-two's blobs, index.txt (never pushed; to keep it: "
+            "`dvc exp branch seed-two <branch>`, `eagle3 push -a`, then `eagle3 gc`)")
+    dry = gc(repo, "--dry-run")
+    assert dry.returncode == 0 and f"would delete {line}" in dry.stdout.splitlines(), dry.stdout + dry.stderr
+    done = gc(repo)
+    assert done.returncode == 0 and f"deleting {line}" in done.stdout.splitlines(), done.stdout + done.stderr
+    assert "experiment" not in gc(repo).stdout  # nothing of it left to delete
+
+
 def test_gc_dry_run_says_what_it_would_remove_and_removes_nothing(blob_repo, local_s3):
     repo = blob_repo
     local_s3(repo)
@@ -137,6 +182,69 @@ def test_gc_dry_run_says_what_it_would_remove_and_removes_nothing(blob_repo, loc
     assert gc(repo).returncode == 0 and cache_objects(repo) == before - first
     assert gc(repo, "--dry-run").stdout.splitlines()[-1] == (
         "dry run: nothing was removed; `eagle3 gc` would remove nothing (the workspace uses every cached object)")
+
+
+def damage_in_place(part: Path) -> Path:
+    """Truncate ``part`` through its hard link, as root does whatever the mode; returns its cache object (the same file)."""
+    part.chmod(0o644)  # root needs no chmod; a user who has one damages the cache the same way
+    os.truncate(part, part.stat().st_size // 3)
+    return next(path for path in (part.parents[1] / ".dvc" / "cache" / "files" / "md5").glob("*/*") if path.samefile(part))
+
+
+def remote_files(repo: Path) -> list[Path]:
+    return [path for path in (repo / ".eagle3" / "s3" / "data").rglob("*") if path.is_file()]
+
+
+def clone_and_pull(repo: Path, port: int, clone: Path) -> subprocess.CompletedProcess:
+    run(["git", "clone", "-q", str(repo), str(clone)], repo)
+    run(["eagle3", "s3", "serve", "--background", "--addr", f"127.0.0.1:{port}", "--dir", str(repo / ".eagle3" / "s3")], clone)
+    return run(["dvc", "pull"], clone, check=False)
+
+
+def test_a_part_damaged_through_its_hard_link_is_never_pushed_nor_pulled_back_as_good(blob_repo, local_s3, tmp_path):
+    """A part truncated in the workspace is truncated in the hard-linked cache, under its good hash: `eagle3 push`
+    refuses it before sending anything, naming the file, the object and the mend that works; after the mend a fresh
+    clone pulls the good bytes. A damaged object that a plain `dvc push` sent is refused by the clone's pull (the
+    remote's `verify`), not checked out as good."""
+    repo = blob_repo
+    port = local_s3(repo)
+    run(["dvc", "repro"], repo)
+    commit(repo, "seed 1")
+    good = file_hashes(repo, "blobs")
+    cached = damage_in_place(repo / "blobs" / "part-001.bin")
+    object_path = cached.relative_to(repo)
+
+    refused = run(["eagle3", "push"], repo, check=False)
+    assert refused.returncode == 1, refused.stderr
+    *listed, line = refused.stderr.splitlines()
+    assert "blobs/part-001.bin" in listed[0] and "damaged in the cache" in listed[0], listed
+    assert line.startswith("error: refusing to push: 1 cached objects no longer match their hash"), line
+    mend = f"rm -f blobs/part-001.bin {object_path}"
+    assert f"`{mend}`, then `dvc repro -f blobs`" in line and "as root a write ignores" in line, line
+    assert remote_files(repo) == []  # nothing was sent
+
+    run(mend.split(), repo)  # what the line says
+    run(["dvc", "repro", "-f", "blobs"], repo)
+    pushed = run(["eagle3", "push"], repo)
+    assert "5 files pushed" in pushed.stdout, pushed.stdout
+    clone = tmp_path / "clone"
+    assert clone_and_pull(repo, port, clone).returncode == 0
+    assert file_hashes(clone, "blobs") == good
+
+    # The other mend, once a good copy is on the remote: remove both, pull.
+    cached = damage_in_place(repo / "blobs" / "part-000.bin")
+    run(["rm", "-f", "blobs/part-000.bin", str(cached.relative_to(repo))], repo)
+    run(["dvc", "pull", "--force", "blobs"], repo)
+    assert file_hashes(repo, "blobs") == good
+
+    # A damaged object on the remote, however it got there (a plain `dvc push` sent one that DVC's state db vouched for):
+    # the remote's `verify` makes the clone's pull hash what it fetched and refuse the damage.
+    part = repo / "blobs" / "part-002.bin"
+    put_remote_object(repo, port, next(oid for oid in manifest(repo, outs(repo)["blobs"]) if cached_file(repo, oid).samefile(part)),
+                      part.read_bytes()[:1000])
+    pulled = clone_and_pull(repo, port, tmp_path / "second-clone")
+    assert pulled.returncode != 0
+    assert not (tmp_path / "second-clone" / "blobs" / "part-002.bin").exists()
 
 
 def wait_for_upload(data: Path, timeout: float = 30.0) -> None:
@@ -239,10 +347,7 @@ def test_gc_removes_what_killed_runs_left_beside_the_outputs(blob_repo, local_s3
     from support.merge import plant_leftover
 
     repo = blob_repo
-    local_s3(repo)
-    run(["dvc", "repro"], repo)
-    commit(repo, "seed 1")
-    run(["dvc", "push"], repo)
+    seed_1_pushed(repo, local_s3)
     dead = plant_leftover(repo / "blobs")  # a kill -9 of the stage: its process is gone
     writing = repo / f".index.txt.tmp-{os.getpid()}-abc123"  # a live writer's (this test's pid)
     writing.mkdir()

@@ -79,3 +79,37 @@ def test_a_valid_or_absent_lock_file_passes(repo):
 
     check_lock_file(repo / "dvc.lock")
     check_lock_file(repo / "none.lock")
+
+
+def test_a_cut_that_dvc_still_reads_is_named(repo):
+    """A cut at a line end inside the last stage's entry fits DVC's schema and DVC reads it, taking the stage for
+    changed; every `eagle3` command names it."""
+    lines = (repo / "dvc.lock").read_text().splitlines(keepends=True)
+    read_by_dvc = 0
+    for cut in range(lines.index("  again:\n") + 2, len(lines)):
+        (repo / "dvc.lock").write_text("".join(lines[:cut]))
+        status = run(["dvc", "status"], repo, check=False)
+        read_by_dvc += status.returncode == 0 and "again" in status.stdout  # no error of DVC's own: the stage "changed"
+        code, (line,) = eagle3_lines(repo, "-m", "eagle3.cli", "gc", "--dry-run")
+        assert code == 1 and line.startswith("error: dvc.lock: cut short"), (cut, line)
+        assert line.endswith(MEND_LOCK), line
+    assert read_by_dvc >= 3
+
+
+def test_every_cut_of_the_demo_lock_file_is_named(tmp_path):
+    """The committed demo's dvc.lock cut where kills of DVC left it (one 8 KiB write buffer and its multiples, mid-line)
+    and at line ends throughout (the cuts that leave whole lines): named, unless the cut falls between two stages
+    (DVC reruns the stages after it, as after any kill)."""
+    from eagle3.common import UserError, check_lock_file
+
+    (tmp_path / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
+    text = (ROOT / "dvc.lock").read_text()
+    lines = text.splitlines(keepends=True)
+    line_ends = {len("".join(lines[:i])): lines[i].startswith("  ") and lines[i][2] != " " for i in range(3, len(lines), 37)}
+    for size, between_stages in {**{size: False for size in (8192, 24576, 32768, 40960)}, **line_ends}.items():
+        (tmp_path / "dvc.lock").write_text(text[:size])
+        if between_stages:
+            check_lock_file(tmp_path / "dvc.lock")
+            continue
+        with pytest.raises(UserError, match="dvc.lock: cut short"):
+            check_lock_file(tmp_path / "dvc.lock")

@@ -128,7 +128,7 @@ def test_packaged_mixture_covers_chat_math_code_and_keeps_eval_sets_out(count_to
     assert all(r["source"].startswith("champ/") for r in evals["math"])
     # No eval prompt (of the whole packaged sets, not only the first n) is a training prompt.
     eval_keys = {text_key(r["messages"][-1]["content"]) for r in evals["heldout"]}
-    eval_keys |= eval_set_prompts(eval_set_specs(OmegaConf.create({"humaneval": 0, "math": 0})), 0, count_tokens)[1]
+    eval_keys |= eval_set_prompts(eval_set_specs(OmegaConf.create({"humaneval": 0, "math": 0})), 0, count_tokens, 512)[1]
     assert not {k for r in records for k in user_keys(r["messages"])} & eval_keys
 
 
@@ -167,7 +167,7 @@ def test_training_never_holds_an_eval_prompt(tmp_path, monkeypatch, count_tokens
 
     The file is named by a relative path so the seeded order (it hashes the source's name) is the same
     on every run and the walk reaches both leaked prompts."""
-    sets, _, _ = eval_set_prompts(eval_set_specs(OmegaConf.create({"humaneval": 164, "math": 270})), 0, count_tokens)
+    sets, _, _ = eval_set_prompts(eval_set_specs(OmegaConf.create({"humaneval": 164, "math": 270})), 0, count_tokens, 512)
     leaked = [sets["humaneval"][5]["messages"][-1]["content"], sets["math"][7]["messages"][-1]["content"].upper()]
     monkeypatch.chdir(tmp_path)
     path = Path("p.jsonl")

@@ -76,7 +76,7 @@ def test_walked_records_that_are_no_prompt_are_counted_by_reason_and_folder(tmp_
 
 
 def test_mtbench_has_its_first_turns_as_prompts_and_second_turns_as_followups(count_tokens):
-    sets, keys, _ = eval_set_prompts(eval_set_specs(OmegaConf.create({"mtbench": 80})), 0, count_tokens)
+    sets, keys, _ = eval_set_prompts(eval_set_specs(OmegaConf.create({"mtbench": 80})), 0, count_tokens, 512)
     records = sets["mtbench"]
     assert len(records) == 80 and len({r["id"] for r in records}) == 80
     assert {r["source"].split("/")[0] for r in records} == {"mtbench"}
@@ -222,13 +222,15 @@ def test_every_scale_mixes_real_conversations_in(tmp_path):
         compose_and_dump(out, conf, None, "config", conf, [f"dataset={scale}"])
         params = OmegaConf.load(out)
         validate(params)
-        assert [s.label for s in params.dataset.sources] == ["math", "code", "chat", "sharegpt"], scale
+        assert [s.label for s in params.dataset.sources] == ["math", "code", "chat", "sharegpt", "copy"], scale
         assert list(params.dataset.extra_sources) == []
+        copy_sets = {"summarise", "translate", "passages"}
+        assert copy_sets <= set(params.evaluate.sets) or scale == "demo", scale  # every GPU scale measures them
 
 
 def test_training_on_conversations_keeps_mtbench_out(tmp_path, count_tokens):
     """A conversation whose user turn is an MT-bench question gives no training prompt."""
-    question = eval_set_prompts(eval_set_specs(OmegaConf.create({"mtbench": 1})), 0, count_tokens)[0]["mtbench"][0]
+    question = eval_set_prompts(eval_set_specs(OmegaConf.create({"mtbench": 1})), 0, count_tokens, 512)[0]["mtbench"][0]
     path = tmp_path / "chats.json"
     path.write_text(sharegpt([[("human", question["messages"][0]["content"])], *CHATS]))
     # a label: the seeded order keys on the source's name, by default its (temporary) path; a shard of all 12 other prompts
@@ -236,3 +238,62 @@ def test_training_on_conversations_keeps_mtbench_out(tmp_path, count_tokens):
                                              {"mtbench": 80}, heldout_fraction=0.0), 0, count_tokens)
     assert stats["dropped"]["in_an_eval_set"] == 1
     assert not any(user_keys(r["messages"]) & user_keys(question["messages"]) for r in shards["000000-000012"])
+
+
+# --- copy tasks and the sets whose answers copy the prompt ------------------------------------------
+
+
+PASSAGE = "Rivers carry water from the hills to the sea, " * 8  # 376 characters
+CODE = "Here is the fix:\n```python\ndef area(r):\n    return 3.14159 * r * r\n```\nIt squares the radius first."
+TASKS = {"tasks": ["Summarize this.\n\n{text}", "Translate this into French.\n\n{text}"],
+         "code_tasks": ["Add comments to this code.\n\n{text}"]}
+
+
+def test_copy_tasks_wrap_assistant_passages_in_task_templates(tmp_path, count_tokens):
+    """kind passages: each assistant turn within the length bounds is one prompt, its text inside one
+    task (a code task where it holds a fenced block), the same task for it on every run."""
+    path = tmp_path / "chats.json"
+    chats = [[("human", f"Q{i}"), ("gpt", f"{i}: {PASSAGE}")] for i in range(8)]
+    path.write_text(sharegpt([*chats, [("human", "Q code"), ("gpt", CODE)], [("human", "Q short"), ("gpt", "Too short.")]]))
+    source = {"label": "copy", "kind": "passages", "path": str(path), "min_chars": 50, "max_chars": 2000, **TASKS}
+    shards, _, stats = build_prompts(dataset([source], ["000000-000009"], heldout_fraction=0.0), 0, count_tokens)
+    prompts = [r["messages"] for r in shards["000000-000009"]]
+    assert all(len(m) == 1 and m[0]["role"] == "user" for m in prompts)
+    texts = [m[0]["content"] for m in prompts]
+    assert sorted(t.split("\n\n", 1)[1] for t in texts) == sorted([f"{i}: {PASSAGE}".strip() for i in range(8)] + [CODE])
+    assert [t for t in texts if CODE in t] == [f"Add comments to this code.\n\n{CODE}"]
+    assert {t.split("\n\n")[0] for t in texts if CODE not in t} == {"Summarize this.", "Translate this into French."}
+    assert stats["sources"]["copy"]["read"]["passages"] == 9  # the short answer is no passage
+    again, _, _ = build_prompts(dataset([source], ["000000-000009"], heldout_fraction=0.0), 0, count_tokens)
+    assert again == shards
+
+
+def test_a_set_matched_by_pattern_keeps_its_own_length_limit_and_stays_out_of_training(tmp_path, count_tokens):
+    """`match` keeps the prompts whose last user turn it finds; a source-read set drops those over its
+    max_prompt_tokens (default: the training limit), and all its prompts stay out of training."""
+    path = tmp_path / "chats.json"
+    long_ask = "Please summarize: " + PASSAGE * 6  # about 500 tokens
+    path.write_text(sharegpt([[("human", "Summarize: " + PASSAGE)], [("human", long_ask)], *CHATS]))
+    chats = {"kind": "sharegpt", "path": str(path), "label": "chats"}
+    summarise = {**chats, "match": "(?i)summarize", "prompts": 5}
+    _, evals, stats = build_prompts(dataset([chats], ["000000-000012"], {"summarise": summarise},
+                                            heldout_fraction=0.0, max_prompt_tokens=200), 0, count_tokens)
+    assert [r["messages"][-1]["content"] for r in evals["summarise"]] == ["Summarize: " + PASSAGE.strip()]
+    assert stats["eval_dropped"]["summarise"] == {"too_long": 1}
+    assert stats["dropped"]["in_an_eval_set"] == 2  # both, the one too long to decode too
+    _, evals, _ = build_prompts(dataset([chats], ["000000-000012"], {"summarise": {**summarise, "max_prompt_tokens": 2048}},
+                                        heldout_fraction=0.0, max_prompt_tokens=200), 0, count_tokens)
+    assert len(evals["summarise"]) == 2
+
+
+@pytest.mark.parametrize("entry, error", [
+    ({"kind": "passages", "path": "x.json", "tasks": ["Summarize."], "code_tasks": ["{text}"]},
+     r"dataset.sources\[0\].tasks = \['Summarize.'\]: must be a non-empty list of task templates, each holding {text}"),
+    ({"kind": "passages", "path": "x.json", "tasks": ["{text}"]}, r"dataset.sources\[0\].code_tasks = None"),
+    ({"kind": "sharegpt", "path": "x.json", "match": "(unclosed"}, r"dataset.sources\[0\].match = '\(unclosed': must be "
+                                                                   "a regular expression"),
+    ({"kind": "jsonl", "path": "x.jsonl", "tasks": ["{text}"]}, r"dataset.sources\[0\].tasks: unknown key"),
+])
+def test_bad_copy_task_and_match_settings_are_named(entry, error):
+    with pytest.raises(UserError, match=error):
+        validate(OmegaConf.create({"dataset": {"sources": [entry]}}))

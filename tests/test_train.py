@@ -24,10 +24,11 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset
 
-from eagle3.common import UserError, read_json, read_jsonl, sha256_file, stage_main, try_lock_run, write_json
+from eagle3.common import UserError, read_json, read_jsonl, sha256_file, try_lock_run, write_json
 from eagle3.drafter.export import check_drafter
 from eagle3.hidden_states.loader import HiddenStates
 from eagle3.lm.loading import verifier_parts
+from eagle3.runner import stage_main
 from eagle3.train import TrainPaths, main, train
 from eagle3.training.ahead import FOLDER, ahead_key, wait_for_compile_ahead
 from eagle3.training.checkpoints import lock_run

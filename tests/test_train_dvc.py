@@ -48,3 +48,21 @@ def test_an_in_range_flip_of_a_hidden_state_is_refused_before_training(tmp_path,
     run(["dvc", "checkout", "--force", f"data/hidden_states/{SHARDS[0]}"], repo)  # what the line says restores it
     run(["dvc", "repro", "-f", "-s", "train"], repo)
     assert train_outs(repo) == recorded  # the same drafter as before the damage
+
+    # Written in place through the cache's hard link (as root does, whatever the mode): the cache object is damaged
+    # too, so `dvc checkout` cannot restore it; the line names the object and the mend that works.
+    part.chmod(0o644)
+    with part.open("r+b") as handle:
+        handle.seek(at)
+        handle.write(bytes([damaged[at]]))
+    twin = next(path for path in (repo / ".dvc" / "cache" / "files" / "md5").glob("*/*") if path.samefile(part))
+    refused = run(["dvc", "repro", "-f", "-s", "train"], repo, check=False)
+    (line,) = [line for line in (refused.stdout + refused.stderr).splitlines() if line.startswith("error:")]
+    folder, twin = f"data/hidden_states/{SHARDS[0]}", twin.relative_to(repo)
+    assert f"its DVC cache object {twin} is the same file" in line and "as root a write ignores" in line, line
+    assert line.endswith(f"remove both (`rm -f {folder}/{part.name} {twin}`), then re-extract (`dvc repro -f extract@{SHARDS[0]}`) "
+                         f"or pull a copy pushed before the damage (`dvc pull --force {folder}`)"), line
+    run(["rm", "-f", f"{folder}/{part.name}", str(twin)], repo)
+    run(["dvc", "repro", "-f", f"extract@{SHARDS[0]}"], repo)
+    run(["dvc", "repro", "-f", "-s", "train"], repo)
+    assert train_outs(repo) == recorded

@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlavaConfig
 
 from eagle3.common import UserError
-from eagle3.config import stage_params
-from eagle3.lm.spec import VerifierSpec, require_verifier, tap_problem, tapped_features, verifier_mismatch
+from eagle3.lm.spec import ModelSettings, VerifierSpec, require_verifier, tap_problem, tapped_features, verifier_mismatch
+from eagle3.settings import StageParams, keys_of, stage_params
 
 from support.repo import ROOT, project_params
 
@@ -60,7 +60,7 @@ def test_every_model_key_a_stage_declares_is_read_by_the_spec(stage):
 
 
 def test_a_spec_holds_only_what_its_stage_declares():
-    spec = VerifierSpec.from_params(stage_params(["model.draft_head"], ROOT / "params.yaml").model)  # train's view
+    spec = VerifierSpec.from_params(stage_params(StageParams(keys_of(ModelSettings, "draft_head")), ROOT / "params.yaml").model)  # train's view
     assert spec.draft_head == {}
     with pytest.raises(KeyError, match="model.aux_layers: not among this stage's declared params"):
         spec.aux_layers  # noqa: B018 (the read itself must fail)

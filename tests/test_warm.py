@@ -4,7 +4,9 @@ with the client's streams, folder, environment and exit status; a killed client 
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,8 +61,8 @@ def gone(pid: int, timeout: float) -> bool:
 
 
 def test_shards_share_one_server_in_processes_of_their_own(folder):
-    first, second = job(warm(folder, "3")), job(warm(folder, "4", "x"))
-    assert (first["status"], second["status"]) == (3, 4)  # the client exits with its shard's status
+    first, second = job(warm(folder, "0")), job(warm(folder, "4", "x"))
+    assert (first["status"], second["status"]) == (0, 4)  # the client exits with its shard's status
     assert first["server"] == second["server"] != first["client"]  # forked from one server
     assert len({first["pid"], second["pid"], first["server"]}) == 3
     assert second["args"] == "['4', 'x']" and second["cwd"] == str(folder) and second["mark"] == "a"
@@ -78,6 +80,17 @@ def test_no_server_when_warm_seconds_is_0(folder):
 def test_a_server_leaves_once_idle(folder):
     served = job(warm(folder, "0", seconds="1"))
     assert gone(served["server"], timeout=15)
+
+
+def test_a_server_leaves_once_a_command_fails(folder):
+    """A failed stage ends its `dvc repro` (a refused `dvc exp run -S`, a layout this machine lacks): no command of that
+    run is coming, so the server does not wait its idle time for one."""
+    served = job(warm(folder, "2", seconds="600"))
+    assert served["status"] == 2 and served["server"] != served["client"]
+    left = gone(served["server"], timeout=15)
+    if not left:
+        os.kill(served["server"], signal.SIGTERM)
+    assert left
 
 
 def test_a_killed_client_stops_its_shard(folder):
@@ -134,11 +147,14 @@ def test_a_forked_process_starts_cuda(tmp_path):
 
 
 @pytest.mark.slow
-def test_warm_shards_write_the_bytes_of_cold_processes(make_project):
+def test_warm_stages_write_what_cold_processes_write(make_project):
+    """The warm server is plumbing (no stage's dep, docs/layout.md): through it generate and extract write the bytes of
+    cold processes, train the same drafter and evaluate the same τ."""
     repo = make_project(*FAST[1:])
     add_dataset(repo, {"name": "two", "shards": ["000000-000006", "000006-000010"], **LOCAL_SOURCE})
     write_local_prompts(repo)
-    run(["eagle3", "params", *overrides(*FAST, "dataset=two", "layout.warm_seconds=30", "layout.compile_ahead=true")], repo)
+    run(["eagle3", "params", *overrides(*FAST, "dataset=two", "evaluate=tau",
+                                        "layout.warm_seconds=30", "layout.compile_ahead=true")], repo)
     stages = [f"{stage}@{shard}" for stage in ("generate", "extract") for shard in ("000000-000006", "000006-000010")]
     run(["dvc", "repro", *stages], repo)
     logs = list((repo / ".eagle3" / "warm").glob("*.log"))
@@ -155,9 +171,26 @@ def test_warm_shards_write_the_bytes_of_cold_processes(make_project):
     assert cold.stdout.count("Running stage") == 2
     assert outputs(repo) == warm_outputs
 
+    run(["dvc", "repro"], repo)  # merge, then train and evaluate through a warm server
+    warm_drafter = drafter_and_tau(repo)
+    shutil.rmtree(repo / ".eagle3" / "checkpoints")  # else the cold train resumes the finished run and trains nothing
+    cold = run(["dvc", "repro", "-f", "-s", "train", "evaluate"], repo, env={**os.environ, "EAGLE3_WARM_SECONDS": "0"})
+    assert cold.stdout.count("Running stage") == 2
+    assert drafter_and_tau(repo) == warm_drafter
+
 
 def outputs(repo) -> dict[str, str]:
     """The md5 of each generate and extract output, as dvc.lock records it."""
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     return {out["path"]: out["md5"] for name, body in lock.items() if name.startswith(("generate@", "extract@"))
             for out in body["outs"]}
+
+
+def drafter_and_tau(repo) -> tuple[str, dict]:
+    """The md5 of train's drafter (dvc.lock) and evaluate's τ of every set and method (its timings differ run to run)."""
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    drafter = next(out["md5"] for out in lock["train"]["outs"] if out["path"] == "models/drafter")
+    metrics = json.loads((repo / "dvclive" / "evaluate" / "metrics.json").read_text())
+    tau = {name: {method: values["tau"] for method, values in [("chain", values), *values.items()] if isinstance(values, dict)
+                  and "tau" in values} for name, values in metrics.items() if isinstance(values, dict)}
+    return drafter, tau

@@ -1,7 +1,8 @@
 """eagle3: EAGLE-3 draft-model training as a declarative, versioned DVC pipeline.
 
 Each dvc.yaml stage is one top-level module of this package run as ``python -m eagle3.<stage>``;
-``common`` and ``config`` hold what every stage shares (errors, atomic outputs, JSONL; params).
+``common`` and ``settings`` hold what every stage shares (errors, atomic outputs, JSONL; its params), ``runner`` how
+its command runs (docs/layout.md), ``config`` the composition of params (the params stage's).
 The library the stages share is grouped by concern: ``lm`` (the verifier as a language model:
 loading its folder, its family's spec, chat rendering), ``verifier_sources`` and
 ``prompt_sources`` (what the verifier and prompts stages read), ``backends`` (generation),

@@ -1,7 +1,7 @@
 """Helpers every stage shares: user-facing errors, atomic outputs, JSONL, params, hashing, logs.
 
 A stage must never leave a half-written output for DVC to cache, and bad input must end in one
-clear line naming the file and what to do. ``stage_main`` and ``atomic_dir`` give both.
+clear line naming the file and what to do. ``UserError`` (one line, by ``eagle3.runner``) and ``atomic_dir`` give both.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
-import signal
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -25,9 +24,15 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from eagle3.launch import INTERRUPTED, USER_ERROR, exit_with_launcher, stop_if_launcher_gone
-
 log = logging.getLogger("eagle3")
+
+USER_ERROR = 2  # exit status of a stage stopped by a UserError (already reported in one line)
+LAUNCHER_GONE = 143  # exit status of a stage whose launcher died (128 + SIGTERM, as if terminated)
+INTERRUPTED = 130  # exit status of a stage stopped by Ctrl-C (128 + SIGINT; reported in one line)
+
+# The modules that run a stage's process and compute none of its outputs (eagle3.runner says what each does): no
+# stage's dep, and not followed in its import graph (tests/test_dvc_deps.py, training.checkpoints.training_code).
+PLUMBING = ("eagle3.runner", "eagle3.warm", "eagle3.launch", "eagle3.training.ahead")
 
 
 class UserError(Exception):
@@ -54,91 +59,13 @@ def params_argument(argv: list[str]) -> str | None:
     return None
 
 
-def setup_logging(level: int = logging.INFO) -> None:
-    """Structured one-line logs on stderr (progress bars also go to stderr)."""
-    logging.basicConfig(
-        level=level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
-
-
-FINISH_CHECKS: list[Callable[[], None]] = []  # run by stage_main once the stage's main returns (at_finish)
+FINISH_CHECKS: list[Callable[[], None]] = []  # run by runner.stage_main once the stage's main returns (at_finish)
 
 
 def at_finish(check: Callable[[], None]) -> None:
-    """Have ``stage_main`` run ``check`` after the stage's main returns: a UserError it raises fails the
+    """Have ``runner.stage_main`` run ``check`` after the stage's main returns: a UserError it raises fails the
     stage (one line, exit USER_ERROR), so DVC records nothing for outputs that no longer match."""
     FINISH_CHECKS.append(check)
-
-
-SIGINTS: list[int] = []  # the Ctrl-Cs this process received (note_interrupt)
-
-
-def note_interrupt(signum: int, frame) -> None:
-    """SIGINT as Python answers it (KeyboardInterrupt), remembered: a library call it lands in may turn the
-    KeyboardInterrupt into an error of its own (safetensors' slicing raised a ValueError), which is still a Ctrl-C."""
-    SIGINTS.append(signum)
-    signal.default_int_handler(signum, frame)
-
-
-def stop_interrupted() -> None:
-    if "TORCHELASTIC_RUN_ID" not in os.environ:  # a torchrun worker: eagle3.launch says it once
-        print(f"eagle3: interrupted; stopping (pid {os.getpid()})", file=sys.stderr)
-    sys.exit(INTERRUPTED)  # outputs are written atomically: nothing half-written is left
-
-
-def stage_main(fn: Callable[[list[str]], None]) -> None:
-    """Run a stage's ``main(argv)`` and then its ``at_finish`` checks; turn a UserError into one line and
-    exit USER_ERROR, and a Ctrl-C into one line and exit INTERRUPTED. Run by hand, a stage first checks dvc.lock
-    (``check_lock_file``); under DVC, DVC has."""
-    setup_logging()
-    exit_with_launcher()
-    FINISH_CHECKS.clear()  # only this run's (an in-process caller may have read params before)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the stage was started with it ignored
-        signal.signal(signal.SIGINT, note_interrupt)
-    try:
-        if "DVC_STAGE" not in os.environ:
-            check_lock_file()
-        fn(sys.argv[1:])
-        for check in FINISH_CHECKS:
-            check()
-    except UserError as err:
-        print(f"error: {naming_params_file(str(err), params_argument(sys.argv[1:]))}{restore_note()}", file=sys.stderr)
-        sys.exit(USER_ERROR)
-    except KeyboardInterrupt:
-        stop_interrupted()
-    except Exception:
-        if SIGINTS:  # a Ctrl-C a library call turned into its own error
-            stop_interrupted()
-        stop_if_launcher_gone()  # the failure is the launcher's going (a collective with stopped peers): one line
-        raise
-
-
-def restore_note() -> str:
-    """Under DVC (``DVC_STAGE``), how to bring back the outputs of the stage's last recorded run that DVC
-    removed before it ran the stage, as the end of a refusal line; "" elsewhere, or where it removed
-    none (a persistent output, as ``prompts``' and ``evaluate``'s, is left in place; an output dvc.lock
-    does not record has nothing to come back). The stage's own checks come too late for them: DVC
-    deletes a stage's outputs before it runs its command, and ``dvc repro -s`` skips the ``params``
-    check. ``dvc checkout`` brings back the cached ones; an uncached output (metrics) comes back from git."""
-    name, root = os.environ.get("DVC_STAGE"), Path(os.environ.get("DVC_ROOT", ".")).resolve()
-    if not name or root != Path.cwd().resolve():  # a temporary copy's run (`dvc exp run --temp`): the workspace kept all
-        return ""
-    from dvc.exceptions import DvcException
-    from dvc.repo import Repo
-
-    try:
-        with Repo(root) as repo:
-            removed = [out for stage in repo.stage.collect(name) for out in stage.outs if not out.persist and out.hash_info]
-    except DvcException:  # dvc.yaml unreadable now: say what would mend it
-        return f"; if DVC removed {name}'s outputs before running it, `dvc checkout {name}` brings back the recorded ones"
-    if not removed:
-        return ""
-    uncached = [str(out.def_path) for out in removed if not out.use_cache]
-    from_git = f", `git checkout {' '.join(uncached)}` the uncached ones" if uncached else ""
-    return f"; DVC removed {name}'s outputs before running it: `dvc checkout {name}` brings back the recorded ones{from_git}"
 
 
 # In a training run's checkpoint folder (``train --checkpoints``): the run ended and its best weights were exported, so
@@ -159,6 +86,7 @@ def try_lock_run(run_dir: Path) -> int | None:
     return fd
 
 MEND_LOCK = "mend it with `git checkout dvc.lock` (none committed: remove it), then `dvc status` / `dvc repro`"
+WHOLE_MD5 = re.compile(r"[0-9a-f]{32}(\.dir)?")  # an object id as DVC writes it; a cut one is shorter
 
 
 def check_lock_file(path: str | os.PathLike = "dvc.lock") -> None:
@@ -166,8 +94,10 @@ def check_lock_file(path: str | os.PathLike = "dvc.lock") -> None:
 
     DVC rewrites dvc.lock in place (it truncates the file, then writes it), so a ``kill -9`` of
     ``dvc repro`` while it writes leaves it empty or cut short; DVC then refuses every command with a
-    schema path (``expected int, in stages -> train -> deps -> 17 -> size``). The check is DVC's own
-    (its parser and lock-file schema), so what passes here DVC reads. No lock file: nothing to check.
+    schema path (``expected int, in stages -> train -> deps -> 17 -> size``), or, where the cut still
+    reads as a lock file, takes the stage it cut for changed (``dvc status`` lists its unchanged sources
+    as modified). The checks: DVC's own parser and lock-file schema, then what a cut leaves that the
+    schema lets through (``cut_lock_problem``). No lock file: nothing to check.
     """
     from dvc.exceptions import DvcException
     from dvc.schema import COMPILED_LOCKFILE_SCHEMA
@@ -180,8 +110,9 @@ def check_lock_file(path: str | os.PathLike = "dvc.lock") -> None:
         problem = "empty"
     else:
         try:
-            strictyaml.load(str(path), COMPILED_LOCKFILE_SCHEMA)
-            return
+            problem = cut_lock_problem(path, strictyaml.load(str(path), COMPILED_LOCKFILE_SCHEMA)[0])
+            if problem is None:
+                return
         except strictyaml.YAMLValidationError as err:
             cause = err.__cause__
             where = " -> ".join(str(p) for p in getattr(getattr(cause, "errors", [None])[0], "path", []) or [])
@@ -189,6 +120,49 @@ def check_lock_file(path: str | os.PathLike = "dvc.lock") -> None:
         except DvcException:
             problem = "cut short or damaged (not readable YAML)"
     raise UserError(f"{path}: {problem} (a kill of DVC while it wrote the file?); {MEND_LOCK}")
+
+
+def cut_lock_problem(path: Path, lock: dict) -> str | None:
+    """What shows a lock file that DVC's schema accepts to be cut short, or None.
+
+    DVC ends the file with a newline, writes every dependency and output with its whole md5 and size (``nfiles`` too
+    for a folder), and writes a stage's outputs last: a cut ends mid-line, or leaves an entry without its hash, or
+    leaves the stage it cut (the file's last) with fewer outputs than dvc.yaml declares. Earlier stages were written
+    whole, so a dvc.yaml edited since the run (a stage's outputs changed) is told apart only for the last one.
+    """
+    if not path.read_bytes().endswith(b"\n"):
+        return "cut short (its last line is incomplete)"
+    stages = lock.get("stages") or {}
+    for name, stage in stages.items():
+        for kind in ("deps", "outs"):
+            for index, entry in enumerate(stage.get(kind) or []):
+                md5 = str(entry.get("md5", ""))
+                if not WHOLE_MD5.fullmatch(md5) or "size" not in entry or (md5.endswith(".dir") and "nfiles" not in entry):
+                    return f"cut short (stages -> {name} -> {kind} -> {index}, {entry.get('path')}, has no whole hash and size)"
+    if not stages:
+        return None
+    name, stage = list(stages.items())[-1]
+    declared = declared_outputs(path.with_name("dvc.yaml"), name)
+    if declared is not None and len(stage.get("outs") or []) < declared:
+        return (f"cut short (its last stage, {name}, records {len(stage.get('outs') or [])} of the {declared} outputs "
+                "dvc.yaml declares)")
+    return None
+
+
+def declared_outputs(dvc_yaml: Path, stage: str) -> int | None:
+    """How many outputs (``outs``, ``metrics``, ``plots``) dvc.yaml declares for ``stage`` (``name@key`` of a foreach
+    or matrix stage counts its body's), or None where dvc.yaml does not say."""
+    import yaml
+
+    try:
+        stages = yaml.safe_load(dvc_yaml.read_text()).get("stages") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    body = stages.get(stage.split("@")[0])
+    if not isinstance(body, dict):
+        return None
+    body = body.get("do", body)
+    return sum(len(body.get(kind) or []) for kind in ("outs", "metrics", "plots"))
 
 
 @contextlib.contextmanager

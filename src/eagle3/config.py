@@ -1,45 +1,41 @@
-"""Params: composition, validation and each stage's declared view.
+"""Params composed and checked as a whole: the ``params`` stage's (and ``eagle3 params``'), which alone imports every
+group's schema (``SCHEMAS``).
 
-A group's keys are declared once, in its schema beside the code that reads it (``SCHEMAS``, see
-``eagle3.schema``: types, bounds, cross-key rules); conf/config.yaml's own top-level keys (seed)
-keep their check here (``TOP_LEVEL``).
+A group's keys are declared once, in its schema beside the code that reads it (see ``eagle3.schema``: types, bounds,
+rules over several keys); conf/config.yaml's own top-level keys (seed) keep their check in ``eagle3.settings``
+(``TOP_LEVEL``), which also cuts each stage's view (``stage_params``: the stage's keys, checked by its own groups'
+schemas).
 
 ``dvc exp run -S group=option`` composes ``conf/`` into ``params.yaml`` with Hydra; plain
 ``dvc repro`` reads the committed ``params.yaml``. ``eagle3 params -S ...`` composes it the same
 way (through DVC's own function) without running anything, and writes it only once it is valid.
-
-A stage reads its params through ``stage_params(PARAMS)``: only the keys it declares (the same
-list as its ``params:`` in dvc.yaml, checked by a test), validated before it does anything else.
-Reading an undeclared key fails, so a stage cannot depend on a param DVC does not track, and a
-bad value set with ``dvc exp run -S`` stops the stage with the same one-line error as here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
+import inspect
 import os
+import re
 import tempfile
-from collections.abc import Iterable, Iterator
-from functools import partial
+from collections.abc import Iterable
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from eagle3.backends.config import BackendSettings, GenerateSettings
-from eagle3.common import UserError, at_finish
+from eagle3.common import UserError
 from eagle3.decoding.config import EvaluateConfig
-from eagle3.launch import USER_ERROR
-from eagle3.layout import DEVICE_KEYS, LayoutSettings, require_device
+from eagle3.layout import LayoutSettings
 from eagle3.hidden_states.config import ExtractSettings
 from eagle3.lm.spec import ModelSettings
 from eagle3.prompt_sources.config import DatasetSettings
-from eagle3.schema import ABSENT, NON_NEGATIVE, OPTION_NAME, Check, check_schema, check_section_keys, refuse
+from eagle3.settings import OPTION_NAME, TOP_LEVEL, check_values
 from eagle3.training.config import TrainConfig
 from eagle3.training.mixture import MixtureSettings
-
 
 
 def compose_params(overrides: list[str], conf_dir: str | Path = "conf", output: str | Path = "params.yaml") -> None:
@@ -55,8 +51,7 @@ def compose_params(overrides: list[str], conf_dir: str | Path = "conf", output: 
     try:
         _hydra_compose(Path(scratch), conf_dir, overrides)
         composed = OmegaConf.load(scratch)
-        check_known_keys(composed, conf_dir, output.name)  # a `+key=value` override adds what no conf/ file declares
-        check_required_keys(composed, conf_dir, output.name)  # a `~key` override removes what a stage reads
+        check_conf_keys(composed, conf_dir, output.name)
         validate(composed)
         os.replace(scratch, output)
     finally:
@@ -75,93 +70,6 @@ def _hydra_compose(output: Path, conf_dir: Path, overrides: Iterable[str]) -> No
     except (HydraException, OmegaConfBaseException) as err:
         first = str(err).strip().splitlines()[0]
         raise UserError(f"conf/: {first}") from None
-
-
-def stage_params(keys: Iterable[str], path: str | os.PathLike = "params.yaml", schema: Path | None = None) -> DictConfig:
-    """The declared ``keys`` of the params file, validated, and a CUDA device they name present on this
-    machine; reading any other key raises. With ``schema`` (the conf/ folder: the params stage), every
-    key of the whole file must be one it declares, and every key its chosen options compose must be there;
-    without (a stage), every key of its own sections must be a field of the group's schema.
-
-    When the stage finishes (``stage_main``), the file must still hold these values, else the stage
-    fails (``_require_unchanged``). Under torchrun every process validates the same values: only
-    rank 0 prints the error.
-    """
-    path, keys = Path(path), tuple(keys)
-    if not path.is_file():
-        raise UserError(f"{path}: not found; run from the repository root or compose it with `eagle3 params`")
-    params, view = OmegaConf.load(path), OmegaConf.create()
-    for key in keys:
-        value = OmegaConf.select(params, key, default=ABSENT)
-        if value is ABSENT:
-            raise UserError(f"{path}: {key} is missing; recompose it with `eagle3 params`")
-        OmegaConf.update(view, key, value, force_add=True)
-    with _reported_by_rank0():
-        if schema is not None:  # the params stage: every key against conf/
-            check_known_keys(params, schema, path.name)
-            check_required_keys(params, schema, path.name)
-        else:  # a stage, maybe run alone (`dvc repro -s` skips the params stage): its sections' keys
-            for group in SCHEMAS:
-                check_section_keys(group, _get(view, group.GROUP))
-        validate(view)
-        for key in DEVICE_KEYS:
-            require_device(key, _get(view, key))
-    started = _declared_values(params, keys)
-    at_finish(lambda: _require_unchanged(path, keys, started))
-    OmegaConf.set_struct(view, True)
-    return view
-
-
-@contextlib.contextmanager
-def _reported_by_rank0() -> Iterator[None]:
-    """A UserError inside is printed by rank 0 only; the other torchrun processes exit USER_ERROR silently."""
-    try:
-        yield
-    except UserError:
-        if os.environ.get("RANK", "0") != "0":
-            raise SystemExit(USER_ERROR) from None
-        raise
-
-
-def _declared_values(params: DictConfig, keys: Iterable[str]) -> dict[str, Any]:
-    """The leaves of the declared ``keys``, by dotted name: ``{"evaluate.tree.topk": 4, ...}``."""
-    leaves: dict[str, Any] = {}
-
-    def add(name: str, value: Any) -> None:
-        if isinstance(value, dict) and value:
-            for child, item in value.items():
-                add(f"{name}.{child}", item)
-        else:
-            leaves[name] = value
-
-    for key in keys:
-        add(key, _get(params, key))
-    return leaves
-
-
-def _require_unchanged(path: Path, keys: Iterable[str], started: dict[str, Any]) -> None:
-    """Refuse to finish when the params file no longer holds the declared values the stage started with.
-
-    A `dvc exp run -S` refused by DVC's lock while this stage ran has already rewritten params.yaml
-    (DVC releases its lock while a stage's command runs), and DVC would record the new values
-    for outputs made with the old ones: a stage failing here gets no dvc.lock entry.
-    """
-    try:
-        now = _declared_values(OmegaConf.load(path), keys)
-    except (OSError, yaml.YAMLError):
-        now = {}
-    changed = [key for key in sorted(started.keys() | now.keys()) if started.get(key, ABSENT) != now.get(key, ABSENT)]
-    if changed:
-        shown = ", ".join(f"{key} {_shown(started.get(key, ABSENT))} -> {_shown(now.get(key, ABSENT))}" for key in changed[:3])
-        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
-        with _reported_by_rank0():
-            raise UserError(f"{path}: changed while this stage ran ({shown}{more}): its outputs are of the values it "
-                            f"started with, so nothing is recorded; run `dvc repro` again for the new values, or first "
-                            f"`git checkout {path}` for the old ones")
-
-
-def _shown(value: Any) -> str:
-    return "(missing)" if value is ABSENT else repr(value)
 
 
 # --- known keys: conf/ is the schema --------------------------------------------------------------
@@ -265,27 +173,77 @@ def _check_present(values: Any, expected: Any, prefix: str, option: str, name: s
         _check_present(values[key], value, f"{prefix}{key}.", option, name)
 
 
-# --- value checks: the groups' schemas, and the top-level keys' ----------------------------------
+def check_conf_keys(params: DictConfig | dict, conf_dir: str | Path = "conf", name: str = "params.yaml") -> None:
+    """``params``' keys against conf/, the schema of the keys: every key one that conf/ declares (a ``+key=value``
+    override adds what no conf/ file declares), every key the chosen options compose there (a ``~key`` removes it)."""
+    check_known_keys(params, conf_dir, name)
+    check_required_keys(params, conf_dir, name)
+
+
+# --- value checks: every group's schema ------------------------------------------------------------
 
 SCHEMAS = (DatasetSettings, ModelSettings, LayoutSettings, GenerateSettings, BackendSettings, ExtractSettings,  # each beside
            MixtureSettings, TrainConfig, EvaluateConfig)                                                      # its reader
-TOP_LEVEL: dict[str, Check] = {"seed": NON_NEGATIVE}  # conf/config.yaml's keys of no group
-
-
-def _get(params: DictConfig, key: str) -> Any:
-    value = OmegaConf.select(params, key, default=ABSENT)
-    return OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value
 
 
 def validate(params: DictConfig) -> None:
-    """Reject values and combinations that would fail hours later: one line with key, value, what is allowed.
+    """Every group's checks over ``params`` (the keys present), the rules across groups included."""
+    check_values(params, SCHEMAS)
 
-    Checks only the keys present, so a stage validates exactly the keys it declares.
-    """
-    for key, (ok, allowed) in TOP_LEVEL.items():
-        value = _get(params, key)
-        if value is not ABSENT and not ok(value):
-            raise refuse(key, value, allowed)
+
+# --- the reference of every key: docs/params.md ------------------------------------------------------------------
+
+REFERENCE_COMMAND = "python -m eagle3.config dvc.yaml > docs/params.md"
+
+
+def field_notes(schema: type) -> dict[str, str]:
+    """Each field's one line of description: the comment after its declaration in the schema's source
+    (``lr: float = setting(POSITIVE_NUMBER)  # peak learning rate ...``)."""
+    declarations = (re.match(r"    (\w+): .*= setting\(.*?  # (.*)$", line) for line in inspect.getsource(schema).splitlines())
+    return {found.group(1): found.group(2).strip() for found in declarations if found}
+
+
+def stage_reads(pipeline: Path) -> dict[str, set[str]]:
+    """Each stage of a dvc.yaml and the params it reads: its ``params:`` (= its module's ``PARAMS``,
+    tests/test_dvc_deps.py) and those its command interpolates (train's ``${layout.nnodes}``). The stage that lists every
+    section (``params``, which checks them all) is left out: it would be every key's reader."""
+    stages = (yaml.safe_load(pipeline.read_text()) or {}).get("stages", {})
+    reads = {name: {str(key) for key in body.get("do", body).get("params", [])}
+             | set(re.findall(r"\$\{([\w.]+)\}", str(body.get("do", body).get("cmd", "")))) - {"item"}
+             for name, body in stages.items()}
+    return {name: keys for name, keys in reads.items() if not {schema.GROUP for schema in SCHEMAS} <= keys}
+
+
+def readers(key: str, reads: dict[str, set[str]]) -> str:
+    """The stages reading ``key`` (``train.lr``): those listing it or its section."""
+    return ", ".join(f"`{stage}`" for stage, keys in reads.items() if key in keys or key.split(".")[0] in keys)
+
+
+def params_reference(pipeline: Path) -> str:
+    """docs/params.md: every key of params.yaml, by group, with its type, what its check allows, its description (the
+    schemas: ``SCHEMAS``, ``settings.TOP_LEVEL``) and the stages of ``pipeline`` (dvc.yaml) that read it: the page is
+    generated, never edited."""
+    reads = stage_reads(pipeline)
+    lines = ["# Params", "",
+             f"Every key of `params.yaml`, generated from the groups' schemas and dvc.yaml (`{REFERENCE_COMMAND}`;",
+             "`tests/test_schemas.py` fails when this page differs from them). The values live in `conf/`; a stage reads the",
+             "keys its module's `PARAMS` names (= its `params:` in dvc.yaml), checked by its groups' schemas; the `params` stage",
+             "checks them all, the rules across groups included (\"read by\": the other stages, by their params or command).", "",
+             "| key | allowed | read by |", "|---|---|---|",
+             *(f"| `{key}` | {check.allowed} | {readers(key, reads)} |" for key, check in TOP_LEVEL.items())]
     for schema in SCHEMAS:
-        check_schema(schema, partial(_get, params))
+        notes = field_notes(schema)
+        lines += ["", f"## `{schema.GROUP}`", "", f"`{schema.__name__}` in `{schema.__module__}`, values in `conf/{schema.GROUP}/`.", "",
+                  "| key | type | allowed | what it is | read by |", "|---|---|---|---|---|"]
+        for item in fields(schema):
+            check, key = item.metadata.get("check"), f"{schema.GROUP}.{item.name}"
+            allowed = check.allowed if check else "(checked where it is read)"
+            cells = [f"`{key}`", f"`{item.type}`", allowed, notes.get(item.name, ""), readers(key, reads)]
+            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(lines) + "\n"
 
+
+if __name__ == "__main__":
+    import sys
+
+    print(params_reference(Path(sys.argv[1])), end="")

@@ -47,6 +47,11 @@ forwards that accepted k drafts or more, hence τ = 1 + Σ_k acceptance_k),
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # how this command's process runs (the layout's warm server, torchrun): eagle3.runner
+    from eagle3.runner import run_laid_out
+
+    run_laid_out("eagle3.evaluate")
+
 import argparse
 import time
 from collections.abc import Sequence
@@ -54,22 +59,24 @@ from pathlib import Path
 
 import torch
 
-from eagle3.common import UserError, atomic_dir, read_json, read_jsonl, stage_main
-from eagle3.config import stage_params
+from eagle3.common import UserError, atomic_dir, read_json, read_jsonl
+from eagle3.decoding.config import EvaluateConfig
 from eagle3.decoding.evaluation import Conversations, evaluate
 from eagle3.decoding.report import log_report
 from eagle3.decoding.session import Session, for_decoding
 from eagle3.decoding.settings import Settings
 from eagle3.decoding.speculative import StopStrings
 from eagle3.drafter.export import check_drafter, load_drafter
+from eagle3.layout import LayoutSettings
 from eagle3.lm.chat import prompt_ids
 from eagle3.lm.loading import (close_sharded, eos_token_ids, input_embedding, load_tokenizer, load_verifier, prepare_torch,
                                shard_rank, text_config)
-from eagle3.lm.spec import require_verifier
+from eagle3.lm.spec import ModelSettings, require_verifier
 from eagle3.lm.tokenizer_id import tokenizer_fingerprint
+from eagle3.settings import StageParams, keys_of, section, stage_params
 
-PARAMS = ("evaluate", "layout.device", "layout.dtype", "layout.threads", "layout.verifier", "model.stop",
-          "model.trust_remote_code")  # = dvc.yaml
+PARAMS = StageParams(section(EvaluateConfig), keys_of(LayoutSettings, "device", "dtype", "threads", "verifier"),  # = dvc.yaml
+                     keys_of(ModelSettings, "stop", "trust_remote_code"))
 
 
 # --- inputs ----------------------------------------------------------------------------------------
@@ -155,7 +162,3 @@ def main(argv: list[str]) -> None:
     if shard_rank() == 0:
         write_reports(args.out, reports, time.perf_counter() - started)
     close_sharded()
-
-
-if __name__ == "__main__":
-    stage_main(main)

@@ -26,6 +26,11 @@ Conventions (also written to meta.json):
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # how this command's process runs (the layout's warm server, torchrun): eagle3.runner
+    from eagle3.runner import run_laid_out
+
+    run_laid_out("eagle3.extract")
+
 import argparse
 import logging
 import os
@@ -36,23 +41,26 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from eagle3.common import UserError, atomic_dir, read_json, read_jsonl, sha256_file, stage_main, write_json, write_jsonl
-from eagle3.config import stage_params
+from eagle3.common import UserError, atomic_dir, read_json, read_jsonl, sha256_file, write_json, write_jsonl
 from eagle3.hidden_states.capture import Settings
+from eagle3.hidden_states.config import ExtractSettings
 from eagle3.hidden_states.samples import Sample, check_rejections, prepare
 from eagle3.hidden_states.storage import bytes_per_token, size
 from eagle3.hidden_states.workers import Job, run_workers
+from eagle3.layout import LayoutSettings
 from eagle3.lm.identity import note_other_build
 from eagle3.lm.loading import close_sharded, load_tokenizer, read_meta, shard_rank, text_config, verifier_build, verifier_fingerprint
-from eagle3.lm.spec import VerifierSpec, require_verifier
+from eagle3.lm.spec import ModelSettings, VerifierSpec, require_verifier
+from eagle3.settings import StageParams, keys_of, section, stage_params
 
 log = logging.getLogger(__name__)
 
 # = dvc.yaml. The layout too: device and dtype change the stored states, and so can the batch
 # composition that workers, threads and the verifier's sharding change (rounding); a layout change re-extracts.
-PARAMS = ("extract", "model.aux_layers", "model.final_state", "model.chat_template", "model.reasoning_format",
-          "model.end_of_turn", "model.trust_remote_code", "layout.device", "layout.dtype", "layout.extract_workers",
-          "layout.threads", "layout.verifier")
+PARAMS = StageParams(section(ExtractSettings),  # = dvc.yaml
+                     keys_of(ModelSettings, "aux_layers", "final_state", "chat_template", "reasoning_format", "end_of_turn",
+                             "trust_remote_code"),
+                     keys_of(LayoutSettings, "device", "dtype", "extract_workers", "threads", "verifier"))
 
 DISK_FREE_ENV = "EAGLE3_DISK_FREE_BYTES"  # overrides the measured free space (tests, quotas)
 INDEX_BYTES_PER_SAMPLE = 256  # index.jsonl line + share of a part header
@@ -188,7 +196,3 @@ def main(argv: list[str]) -> None:
         return
     extract(args.verifier, args.generated, args.out, settings, spec)
     close_sharded()
-
-
-if __name__ == "__main__":
-    stage_main(main)

@@ -28,6 +28,11 @@ failed requests, sends only what the journal lacks.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # how this command's process runs (the layout's warm server, torchrun): eagle3.runner
+    from eagle3.runner import run_laid_out
+
+    run_laid_out("eagle3.generate")
+
 import argparse
 import json
 import logging
@@ -38,17 +43,18 @@ from omegaconf import DictConfig
 
 from eagle3.backends.by_name import make_backend
 from eagle3.backends.base import Generation, server_model
+from eagle3.backends.config import BackendSettings, GenerateSettings
 from eagle3.backends.shard import Asking, Journal, Shard, generate_shard, generation_params, read_prompts
-from eagle3.common import atomic_dir, sha256_file, stable_hash, stage_main, to_plain, write_json, write_jsonl
-from eagle3.config import stage_params
+from eagle3.common import atomic_dir, sha256_file, stable_hash, to_plain, write_json, write_jsonl
 from eagle3.lm.loading import load_tokenizer, verifier_build, verifier_fingerprint
-from eagle3.lm.spec import VerifierSpec
+from eagle3.lm.spec import ModelSettings, VerifierSpec
+from eagle3.settings import StageParams, keys_of, section, stage_params
 
 log = logging.getLogger(__name__)
 
 # = dvc.yaml; the model keys: the answers' limits and, for a server the stage starts, its flags (SERVER_MODEL_KEYS)
-PARAMS = ("generate", "backend", "model.max_position_embeddings", "model.stop", "model.trust_remote_code",
-          "model.reasoning_parser", "model.chat_template")
+PARAMS = StageParams(section(GenerateSettings), section(BackendSettings),  # = dvc.yaml
+                     keys_of(ModelSettings, "max_position_embeddings", "stop", "trust_remote_code", "reasoning_parser", "chat_template"))
 
 # Backend keys that change how answers are fetched, not what they are: a new server URL or a
 # higher concurrency after a crash still resumes from the journal, and gives the same output bytes.
@@ -132,7 +138,3 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--journal-dir", type=Path, default=Path(".eagle3/journal/generate"))
     args = parser.parse_args(argv)
     run_stage(args.verifier, args.prompts, args.out, stage_params(PARAMS, args.params), args.journal_dir, args.metrics)
-
-
-if __name__ == "__main__":
-    stage_main(main)

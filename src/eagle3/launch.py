@@ -1,15 +1,14 @@
-"""How a stage's processes end: their exit statuses, their supervision (a stage never outlives
-whatever launched it), and ``torchrun`` for pipeline stages, whose one-line errors stay one line.
+"""How a stage's processes end: their supervision (a stage never outlives whatever launched it), and ``torchrun``
+for a stage whose command asks for several processes, whose one-line errors stay one line.
 
-    exit_with_launcher()          # every stage, through common.stage_main: gone when DVC or torchrun is
+    exit_with_launcher()          # every stage, through runner.stage_main: gone when DVC or torchrun is
     subprocess.Popen(command, preexec_fn=die_with_parent)   # a child server gone with its parent
-    python -m eagle3.launch --nnodes 1 --nproc-per-node 8 ... -m eagle3.train ...
-    python -m eagle3.launch --nnodes 1 --nproc-per-node 1 ... -m eagle3.train ...   # runs in this process
+    python -m eagle3.train ... --nnodes 1 --nproc-per-node 8   # eagle3.runner: python -m eagle3.launch ... -m eagle3.train ...
 
-One process on one node has nothing to rendezvous with or supervise, so it runs in the launcher's own process,
-as ``python -m eagle3.train`` would. Why: torchrun's agent imports torch, then spawns a fresh interpreter that
-imports it again (the 10k run's ``train`` on an H100 logged its first line 11 s after it started); run alone
-through ``eagle3.warm`` (dvc.yaml) the stage's imports are already done.
+One process on one node has nothing to rendezvous with or supervise, so ``eagle3.runner`` runs it in the stage's own
+process, never here. Why: torchrun's agent imports torch, then spawns a fresh interpreter that imports it again (the
+10k run's ``train`` on an H100 logged its first line 11 s after it started); run alone through the warm server
+(``eagle3.warm``) the stage's imports are already done.
 
 torchrun follows a failed worker's output with its own traceback and failure summary (about 30
 lines). A worker that exits with ``USER_ERROR`` has already said what is wrong in one line (bad
@@ -32,9 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-USER_ERROR = 2  # exit status of a stage stopped by a UserError (already reported in one line)
-LAUNCHER_GONE = 143  # exit status of a stage whose launcher died (128 + SIGTERM, as if terminated)
-INTERRUPTED = 130  # exit status of a stage stopped by Ctrl-C (128 + SIGINT; reported in one line)
+from eagle3.common import INTERRUPTED, LAUNCHER_GONE, USER_ERROR
 
 
 def exit_with_launcher(worker: bool = False, interval: float = 1.0) -> None:
@@ -150,24 +147,10 @@ class _HideReported(logging.Filter):
         return not any(text in record.getMessage() for text in HIDDEN)
 
 
-def run_alone(args) -> None:
-    """torchrun's parsed ``args`` for one process on one node, run here as the interpreter would run them."""
-    import runpy
-
-    sys.argv = [args.training_script, *args.training_script_args]
-    if args.module:
-        runpy.run_module(args.training_script, run_name="__main__", alter_sys=True)
-    else:
-        runpy.run_path(args.training_script, run_name="__main__")
-
-
 def main(argv: list[str]) -> None:
     from torch.distributed.run import parse_args, run  # torch only for torchrun's command line
 
     args = parse_args(argv)
-    if str(args.nnodes) == "1" and args.nproc_per_node == "1" and not args.no_python:
-        run_alone(args)
-        return
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

@@ -11,9 +11,8 @@ apart from each of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from eagle3.common import UserError
 from eagle3.schema import ABSENT, BOOL, NON_NEGATIVE_NUMBER, POSITIVE, Lookup, one_of, refuse, setting
 
 
@@ -32,7 +31,7 @@ class LayoutSettings:
     nnodes: int = setting(POSITIVE)  # training nodes
     rdzv_endpoint: str = setting()  # torchrun rendezvous host:port
     threads: int = setting(POSITIVE)  # torch threads per process
-    warm_seconds: float = setting(NON_NEGATIVE_NUMBER)  # generate, extract, evaluate through a warm server idle this long (eagle3.warm); 0: none
+    warm_seconds: float = setting(NON_NEGATIVE_NUMBER)  # generate, extract, train, evaluate through a warm server idle this long (docs/layout.md); 0: none
     compile_ahead: bool = setting(BOOL)  # train's compiled step built while extract runs (eagle3.training.ahead; one CUDA training process)
     batch: dict = setting()  # the batch sizes this hardware holds, read by the stage groups' keys
 
@@ -42,19 +41,3 @@ class LayoutSettings:
         device, dtype = get("layout.device"), get("layout.dtype")
         if device == "cpu" and dtype not in (ABSENT, "float32"):
             raise refuse("layout.dtype", dtype, "float32 on the CPU (bf16 is several times slower there)")
-
-
-DEVICE_KEYS = ("layout.device", "backend.device")  # backend.device: the local backend's copy of layout.device
-
-
-def require_device(key: str, device: Any) -> None:
-    """Refuse ``device`` "cuda" on a machine where torch sees no CUDA device (else a stage fails with a
-    torch.cuda traceback, after DVC removed its outputs). Not a schema rule: `eagle3 params` may compose
-    a GPU layout on a CPU machine for another; the params stage and each stage check the machine that runs them."""
-    if device != "cuda":
-        return
-    import torch  # only for a CUDA layout: reading params loads no torch
-
-    if not torch.cuda.is_available():
-        raise UserError(f"params.yaml: {key} = 'cuda': this machine has no CUDA device torch can use; choose a layout for it "
-                        "(-S layout=cpu), or run on a GPU machine")

@@ -22,6 +22,11 @@ tokens were seen, the same rule fills the rest with never-seen ids in ascending 
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # how this command's process runs (the layout's warm server, torchrun): eagle3.runner
+    from eagle3.runner import run_laid_out
+
+    run_laid_out("eagle3.merge")
+
 import argparse
 import hashlib
 import json
@@ -33,14 +38,16 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from eagle3.common import UserError, atomic_dir, prompt_group, read_json, read_jsonl, stage_main, to_plain, write_json, write_jsonl
-from eagle3.config import stage_params
+from eagle3.common import UserError, atomic_dir, prompt_group, read_json, read_jsonl, to_plain, write_json, write_jsonl
 from eagle3.lm.loading import read_identity
 from eagle3.lm.spec import require_verifier
+from eagle3.prompt_sources.config import DatasetSettings
+from eagle3.settings import StageParams, keys_of, section, stage_params
+from eagle3.training.mixture import MixtureSettings
 
 log = logging.getLogger(__name__)
 
-PARAMS = ("seed", "dataset.shards", "merge")  # = dvc.yaml
+PARAMS = StageParams("seed", keys_of(DatasetSettings, "shards"), section(MixtureSettings))  # = dvc.yaml
 
 SHARD_KEYS = ("aux_layers", "hidden_size", "vocab_size", "layer_convention", "final_state")  # equal across shards
 
@@ -271,7 +278,3 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     merge(args.verifier, args.hidden_states, args.out, args.metrics, stage_params(PARAMS, args.params))
-
-
-if __name__ == "__main__":
-    stage_main(main)

@@ -17,15 +17,22 @@ for every valid params.yaml, so a valid change reruns only the stages that decla
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # how this command's process runs (the layout's warm server, torchrun): eagle3.runner
+    from eagle3.runner import run_laid_out
+
+    run_laid_out("eagle3.params")
+
 import argparse
+from functools import partial
 from pathlib import Path
 
-from eagle3.common import UserError, stage_main
-from eagle3.config import stage_params
+from eagle3.common import UserError
+from eagle3.config import SCHEMAS, check_conf_keys
 from eagle3.prompt_sources.sources import check_local_sources, configured_sources, source_weights
+from eagle3.settings import StageParams, section, stage_params
 from eagle3.verifier_sources.check import require_source
 
-PARAMS = ("seed", "model", "dataset", "layout", "backend", "generate", "extract", "merge", "train", "evaluate")  # = dvc.yaml
+PARAMS = StageParams("seed", *map(section, SCHEMAS))  # = dvc.yaml: every section
 VALID = "params.yaml: valid (checked by the params stage: python -m eagle3.params)\n"
 RESTORE = "nothing was run or removed: correct it, or restore the committed params with `git checkout params.yaml`"
 
@@ -38,7 +45,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     try:
-        params = stage_params(PARAMS, args.params, schema=args.conf)  # every key, value and this machine's device
+        conf_keys = partial(check_conf_keys, conf_dir=args.conf, name=Path(args.params).name)
+        params = stage_params(PARAMS, args.params, whole=conf_keys)  # every key, value and this machine's device
         require_source(params.model.source)
         sources = configured_sources(params.dataset)
         check_local_sources(sources, args.sources)
@@ -48,7 +56,3 @@ def main(argv: list[str]) -> None:
     if not args.out.is_file() or args.out.read_text() != VALID:  # persistent: DVC leaves it, rewritten only if damaged
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(VALID)
-
-
-if __name__ == "__main__":
-    stage_main(main)

@@ -23,6 +23,11 @@ read from any source kind, the last ones by ``eagle3.prompt_sources.eval_sets``.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # how this command's process runs (the layout's warm server, torchrun): eagle3.runner
+    from eagle3.runner import run_laid_out
+
+    run_laid_out("eagle3.prompts")
+
 import argparse
 import json
 import logging
@@ -35,24 +40,24 @@ from typing import Any
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from eagle3.common import UserError, atomic_dir, read_json, stable_hash, stage_main, to_plain, write_json, write_jsonl
-from eagle3.config import stage_params
+from eagle3.common import UserError, atomic_dir, read_json, stable_hash, to_plain, write_json, write_jsonl
 from eagle3.lm.chat import prompt_ids
 from eagle3.lm.identity import CHAT_IDENTITY_FILE
 from eagle3.lm.loading import load_tokenizer
-from eagle3.lm.spec import VerifierSpec
-from eagle3.prompt_sources.config import shard_range
+from eagle3.lm.spec import ModelSettings, VerifierSpec
+from eagle3.prompt_sources.config import DatasetSettings, shard_range
 from eagle3.prompt_sources.eval_sets import eval_set_prompts, eval_set_specs
 from eagle3.prompt_sources.messages import NotAPrompt, conversation_key, to_messages, user_keys
 from eagle3.prompt_sources.order import interleave, order_key
 from eagle3.prompt_sources.sources import (Candidate, check_local_sources, configured_sources, source_candidates,
                                            source_name, source_weights)
+from eagle3.settings import StageParams, keys_of, stage_params
 
 log = logging.getLogger(__name__)
 
-PARAMS = ("seed", "dataset.shards", "dataset.sources", "dataset.extra_sources", "dataset.eval_sets",
-          "dataset.heldout_fraction", "dataset.unseen_folders", "dataset.max_prompt_tokens",
-          "model.trust_remote_code")  # = dvc.yaml
+PARAMS = StageParams("seed", keys_of(DatasetSettings, "shards", "sources", "extra_sources", "eval_sets", "heldout_fraction",  # = dvc.yaml
+                                     "unseen_folders", "max_prompt_tokens"),
+                     keys_of(ModelSettings, "trust_remote_code"))
 SIDES = ("train", "heldout", "unseen")
 
 
@@ -157,7 +162,7 @@ def build_prompts(dataset: DictConfig, seed: int, count_tokens) -> tuple[dict[st
     train_needed = max(stop for _, stop in ranges.values())
     eval_sets = eval_set_specs(dataset.eval_sets)
     counts = {name: spec.prompts for name, spec in eval_sets.items()}
-    evals, eval_keys, eval_dropped = eval_set_prompts(eval_sets, seed, count_tokens)
+    evals, eval_keys, eval_dropped = eval_set_prompts(eval_sets, seed, count_tokens, int(dataset.max_prompt_tokens))
     places = configured_sources(dataset)
     sources = [spec for _, spec in places]
     weights = source_weights(places)
@@ -260,7 +265,3 @@ def main(argv: list[str]) -> None:
         args.metrics.parent.mkdir(parents=True, exist_ok=True)
         write_json(args.metrics, stats)
     log.info("prompts: %s", json.dumps(stats))
-
-
-if __name__ == "__main__":
-    stage_main(main)

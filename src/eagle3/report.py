@@ -7,7 +7,8 @@
 Why: the page ``dvc plots show`` writes loads the Vega libraries from a CDN and stays blank on a
 machine without internet (GPU clusters often are). DVC still fills the charts (templates, data,
 titles); ``vl-convert-python`` carries the Vega engine and renders each to SVG and PNG here.
-``index.html`` holds every chart as inline SVG: one file, no scripts, opens anywhere.
+``index.html`` holds every chart as inline SVG: one file, no scripts, opens anywhere. The folder is
+written beside ``--out`` and renamed into place (its previous files go): never old and new charts mixed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from eagle3.common import UserError
+from eagle3.common import UserError, atomic_dir
 
 PNG_SCALE = 2  # PNG pixels per Vega pixel: sharp enough for a README or a slide
 
@@ -35,8 +36,17 @@ def dvc_charts(revisions: list[str]) -> dict[str, dict[str, Any]]:
     charts = {name: entry["content"] for name, entries in shown.get("data", {}).items()
               for entry in entries if entry.get("type") == "vega"}
     if not charts:
-        raise UserError(f"`{' '.join(command)}` drew no charts: run the pipeline first (`dvc repro`)")
+        raise UserError(f"`{' '.join(command)}` drew no charts: {unreadable(shown.get('errors') or [])}")
     return charts
+
+
+def unreadable(errors: list[dict]) -> str:
+    """Why DVC drew no charts: the first file it could not read (an invalid params.yaml, which dvc.yaml's
+    interpolation reads), else no plot data yet."""
+    if not errors:
+        return "run the pipeline first (`dvc repro`)"
+    first = errors[0]
+    return f"{first.get('rev', 'workspace')}: {first.get('msg') or first.get('type')}; correct it, then `eagle3 report` again"
 
 
 def slug(plot_id: str) -> str:
@@ -46,10 +56,25 @@ def slug(plot_id: str) -> str:
 
 
 def render(charts: dict[str, dict[str, Any]], out: Path) -> list[Path]:
-    """Write ``<slug>.png`` per chart and ``index.html`` with all of them as inline SVG; returns the files."""
+    """Replace the folder ``out`` with ``<slug>.png`` per chart and ``index.html`` with all of them as inline SVG,
+    written beside it first (an interrupted report leaves the previous one whole); returns the files."""
+    foreign = sorted(path.name for path in out.iterdir() if not is_report_file(path)) if out.is_dir() else []
+    if foreign or out.resolve() == Path.cwd().resolve():
+        raise UserError(f"--out {out}: holds other files than a report's ({', '.join(foreign[:3]) or 'the repository'}), "
+                        "which the new report would replace; choose another folder")
+    with atomic_dir(out) as tmp:
+        written = [out / path.name for path in write_charts(charts, tmp)]
+    return written
+
+
+def is_report_file(path: Path) -> bool:
+    return path.is_file() and (path.name == "index.html" or path.suffix == ".png")
+
+
+def write_charts(charts: dict[str, dict[str, Any]], out: Path) -> list[Path]:
+    """Write ``<slug>.png`` per chart and ``index.html`` into the folder ``out``; returns the files."""
     import vl_convert
 
-    out.mkdir(parents=True, exist_ok=True)
     written, sections = [], []
     for plot_id, spec in charts.items():
         name = slug(plot_id)

@@ -19,7 +19,6 @@ that reads the key can see them; config.py composes the groups and cuts each sta
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import field, fields
@@ -28,7 +27,6 @@ from typing import Any, NamedTuple
 from eagle3.common import UserError
 
 ABSENT = object()  # what a Lookup gives for a key the view does not hold
-OPTION_NAME = "name"  # the chosen option's name: a key of every group's section (conf/<group>/<name>.yaml), no field
 Lookup = Callable[[str], Any]  # a dotted key's plain value in the params view, or ABSENT
 
 
@@ -39,10 +37,11 @@ class Check(NamedTuple):
     allowed: str
 
 
-def setting(check: Check | None = None) -> Any:
+def setting(check: Check | None = None, read: Callable[[Any], Any] | None = None) -> Any:
     """A schema field without a default (a key missing from params.yaml is an error, never a silent
-    second value) and with the check of its values; None: any value of the field's type passes."""
-    return field(metadata={"check": check})
+    second value) and with the check of its values; None: any value of the field's type passes. ``read``:
+    how the code takes the value (e.g. a list as a tuple; ``lm.spec.VerifierSpec``), None: as it is."""
+    return field(metadata={"check": check, "read": read})
 
 
 def integer(low: int) -> Callable[[Any], bool]:
@@ -96,18 +95,6 @@ def check_schema(schema: type, get: Lookup) -> None:
             raise refuse(key, value, check.allowed)
     if hasattr(schema, "relations"):
         schema.relations(get)
-
-
-def check_section_keys(schema: type, section: Any) -> None:
-    """Refuse a key of ``schema``'s group ``section`` (its plain value, or ABSENT) that the schema has no
-    field for, with the nearest field: a stage's own check of its sections (the params stage checks every
-    key against conf/)."""
-    known = [item.name for item in fields(schema)] + [OPTION_NAME]
-    for key in section if isinstance(section, dict) else ():
-        if key not in known:
-            nearest = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"did you mean {schema.GROUP}.{nearest[0]}?" if nearest else f"{schema.__name__} has no such field"
-            raise UserError(f"params.yaml: {schema.GROUP}.{key}: unknown key ({hint})")
 
 
 def non_finite(key: str, value: Any) -> Iterator[tuple[str, float]]:

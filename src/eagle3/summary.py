@@ -28,11 +28,16 @@ data it took.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # how this command's process runs (the layout's warm server, torchrun): eagle3.runner
+    from eagle3.runner import run_laid_out
+
+    run_laid_out("eagle3.summary")
+
 import argparse
 from pathlib import Path
 from typing import Any
 
-from eagle3.common import UserError, atomic_dir, read_json, stage_main, write_json
+from eagle3.common import UserError, atomic_dir, read_json, write_json
 from eagle3.decoding.report import DIGITS, eval_set_headline, has_tau
 
 PARAMS = ()  # = dvc.yaml: it reads only the three metrics files
@@ -84,7 +89,3 @@ def main(argv: list[str]) -> None:
         with atomic_dir(args.tau_vs_data) as tmp:
             for name, rows in tau_vs_data(summary).items():
                 write_json(tmp / f"{name}.json", rows)
-
-
-if __name__ == "__main__":
-    stage_main(main)

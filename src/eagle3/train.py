@@ -22,6 +22,11 @@ exported and checked (``training.checkpoints.export``, in the format of ``eagle3
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # how this command's process runs (the layout's warm server, torchrun): eagle3.runner
+    from eagle3.runner import run_laid_out
+
+    run_laid_out("eagle3.train")
+
 import argparse
 import logging
 from dataclasses import asdict, dataclass
@@ -33,14 +38,12 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from eagle3.common import RUN_EXPORTED, UserError, stage_main
-from eagle3.config import stage_params
+from eagle3.common import RUN_EXPORTED, UserError
 from eagle3.hidden_states.loader import HiddenStates
-from eagle3.layout import require_device
 from eagle3.lm.loading import verifier_fingerprint, verifier_parts
-from eagle3.lm.spec import FINAL_STATES, VerifierSpec, require_verifier
+from eagle3.lm.spec import FINAL_STATES, ModelSettings, VerifierSpec, require_verifier
+from eagle3.settings import StageParams, keys_of, require_device, section, stage_params
 import eagle3.training.parallel as parallel
-from eagle3.training.ahead import wait_for_compile_ahead
 from eagle3.training.checkpoints import Trained, export, run_folder, run_id
 from eagle3.training.config import TrainConfig
 from eagle3.training.drafter import Verifier, make_drafter
@@ -52,7 +55,7 @@ from eagle3.training.step import compiles, start_compile_workers
 
 log = logging.getLogger(__name__)
 
-PARAMS = ("seed", "train", "model.draft_head")  # = dvc.yaml
+PARAMS = StageParams("seed", section(TrainConfig), keys_of(ModelSettings, "draft_head"))  # = dvc.yaml
 CLOCK_METRICS = ("tokens_per_s",)  # logged to dvclive and the log, never written into models/drafter
 
 
@@ -136,14 +139,8 @@ def main(argv: list[str]) -> None:
                        checkpoints=args.checkpoints, live=args.live)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.device == "cuda":
-        wait_for_compile_ahead()
     world = parallel.init_world(args.device)
     try:
         train(paths, cfg, seed, draft_head, world)
     finally:
         parallel.close_world(world)
-
-
-if __name__ == "__main__":
-    stage_main(main)

@@ -26,6 +26,11 @@ The other stages never import this module: they load the folder through ``eagle3
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # how this command's process runs (the layout's warm server, torchrun): eagle3.runner
+    from eagle3.runner import run_laid_out
+
+    run_laid_out("eagle3.verifier")
+
 import argparse
 import hashlib
 import logging
@@ -35,13 +40,13 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from eagle3.common import UserError, atomic_dir, sha256_file, stage_main, to_plain, write_json
-from eagle3.config import stage_params
+from eagle3.common import UserError, atomic_dir, sha256_file, to_plain, write_json
 from eagle3.lm.chat import text_after_answer
 from eagle3.lm.identity import CHAT_IDENTITY_FILE, IDENTITY_FILE, identity_record, tensor_stats
 from eagle3.lm.loading import WEIGHT_SUFFIXES, load_tokenizer, text_config_dict
-from eagle3.lm.spec import VerifierSpec
+from eagle3.lm.spec import ModelSettings, VerifierSpec
 from eagle3.lm.tokenizer_id import tokenizer_fingerprint
+from eagle3.settings import StageParams, keys_of, stage_params
 from eagle3.verifier_sources.check import require_source
 from eagle3.verifier_sources.gguf import gguf_identity, import_pypi_gguf
 from eagle3.verifier_sources.hf import hf_identity, import_hf, resolve_hf, sampled_digest
@@ -49,8 +54,8 @@ from eagle3.verifier_sources.random_weights import build_random, random_identity
 
 log = logging.getLogger(__name__)
 
-PARAMS = ("model.name", "model.source", "model.copy_weights", "model.chat_template",  # = dvc.yaml
-          "model.end_of_turn", "model.stop", "model.language_model", "model.trust_remote_code")
+PARAMS = StageParams(keys_of(ModelSettings, "name", "source", "copy_weights", "chat_template", "end_of_turn", "stop",  # = dvc.yaml
+                             "language_model", "trust_remote_code"))
 
 
 def install_chat_template(folder: Path, configured: str | None, trust_remote_code: bool) -> None:
@@ -160,7 +165,3 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     import_verifier(stage_params(PARAMS, args.params).model, args.out)
-
-
-if __name__ == "__main__":
-    stage_main(main)

@@ -1,7 +1,7 @@
-"""Stages without a process start each: ``python -m eagle3.warm -m eagle3.extract ARGS``.
+"""Stages without a process start each: ``python -m eagle3.extract ARGS`` hands itself to a warm server (``eagle3.runner``).
 
 Every ``generate@<shard>`` and ``extract@<shard>`` is its own command, and so its own process, and so are
-``train`` (``eagle3.launch``, which runs one process alone in its own) and ``evaluate``: on a GPU host importing
+``train`` and ``evaluate`` (``SERVED``): on a GPU host importing
 torch and transformers took 7.7 of the ~10 s before a shard's first batch (docs/data.md, "What a shard costs"),
 paid again by every one. Here such a command is a small client (no
 torch): it hands its arguments, environment, working folder and standard streams to a *warm server* that has
@@ -12,6 +12,7 @@ server never touches the GPU (a forked CUDA context would be unusable): each pro
 verifier itself, so its outputs are those of a cold process (tested: the same bytes).
 
     layout.warm_seconds: 600    # conf/layout/gpu*.yaml: the server lives 600 s past its last stage; 0 (cpu): no server
+                                # (past a failed stage it leaves at once: DVC stops its run there)
     EAGLE3_WARM_SECONDS=0       # overrides the params (0: every command starts its own process, as before)
 
 A server serves only clients that would have imported exactly what it did: the same Python, search path,
@@ -38,10 +39,12 @@ from eagle3.launch import LAUNCHER_GONE, exit_with_launcher
 
 WARM_ENV = "EAGLE3_WARM_SECONDS"
 VOLATILE_ENV = ("DVC_STAGE", "_", "OLDPWD", "SHLVL")  # differ between stage commands or shells; no import reads them
-PRELOAD = ("eagle3.generate", "eagle3.extract", "eagle3.evaluate", "eagle3.train", "eagle3.backends.local", "safetensors.torch",
+SERVED = ("eagle3.generate", "eagle3.extract", "eagle3.evaluate", "eagle3.train")  # the stages a warm server runs
+PRELOAD = (*SERVED, "eagle3.backends.local", "safetensors.torch",
            "torch.distributed.run", "torch._inductor.compile_fx")  # the last two: eagle3.launch's, train's torch.compile
 SERVER_START_S = 300  # the longest a client waits for a server's imports (a loaded 2-core machine took 9 s)
 INTERRUPT_GRACE_S = 10  # a process whose client is gone gets this long to stop by KeyboardInterrupt, then is killed
+FORKED = False  # True in a process a server forked for a command: the command runs here, not handed over again
 
 
 # --- the client (a stage's command) -------------------------------------------------------------------------------
@@ -146,22 +149,28 @@ def open_or_null(fd: int) -> int:
         return os.open(os.devnull, os.O_RDWR)
 
 
-def client(module: str, args: list[str]) -> None:
-    """Run ``-m module args`` through a warm server, or in this process (exec: the same pid) when none serves."""
+def hand_over(module: str, args: list[str]) -> None:
+    """Run ``-m module args`` through a warm server and exit with its status; return when none took it (the command
+    then runs in this process)."""
     idle = warm_seconds(args)
     sock = connect(server_key(), idle) if idle > 0 and sys.platform == "linux" else None
-    status = None
-    if sock is not None:
-        exit_with_launcher()  # a killed dvc takes this client, and so the command's process, with it
-        try:
-            status = run_on_server(sock, module, args)
-        except KeyboardInterrupt:  # the command's process sees the connection close and interrupts itself
-            sys.exit(130)
+    if sock is None:
+        return
+    exit_with_launcher()  # a killed dvc takes this client, and so the command's process, with it
+    try:
+        status = run_on_server(sock, module, args)
+    except KeyboardInterrupt:  # the command's process sees the connection close and interrupts itself
+        sys.exit(130)
     if status is None:
-        if sock is not None:
-            print(f"eagle3.warm: no warm server took the command (its log: .eagle3/warm/); running {module} here", file=sys.stderr)
-        os.execv(sys.executable, [sys.executable, "-m", module, *args])
+        print(f"eagle3.warm: no warm server took the command (its log: .eagle3/warm/); running {module} here", file=sys.stderr)
+        return
     sys.exit(status)
+
+
+def client(module: str, args: list[str]) -> None:
+    """``python -m eagle3.warm -m module args``: through a warm server, or in this process (exec: the same pid)."""
+    hand_over(module, args)
+    os.execv(sys.executable, [sys.executable, "-m", module, *args])
 
 
 # --- the server ----------------------------------------------------------------------------------------------------
@@ -182,17 +191,20 @@ def serve(key: str, idle: float) -> None:
     print(f"eagle3.warm: server {os.getpid()} ready", flush=True)
     running: dict[int, socket.socket | None] = {}  # None: a compile ahead, no client's
     last, folder, ahead = time.monotonic(), os.getcwd(), False
-    while running or (time.monotonic() - last < idle and os.path.isdir(folder)):
+    failed = False  # the last command failed: DVC stops its run there, so no command of that run is coming
+    while running or (time.monotonic() - last < (0 if failed else idle) and os.path.isdir(folder)):
         ready, _, _ = select.select([listener], [], [], 0.2)
         if ready:
             conn, _ = listener.accept()
             request = fork_command(conn, listener, running)
+            failed = failed and request is None
             if request is not None and request["module"] == "eagle3.extract" and not ahead:
                 ahead = True  # once a server (one folder): a later server's finds its work done, or running
                 compile_ahead(request, listener, running)
         for pid, status in reaped(running):
             conn = running.pop(pid)
             if conn is not None:
+                failed = status != 0
                 with conn:
                     try:
                         conn.send(f"exit {status}".encode())
@@ -276,6 +288,8 @@ def run_command(conn: socket.socket | None, request: dict, fds: list[int]) -> No
     import traceback
     import warnings
 
+    global FORKED
+    FORKED = True
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -332,4 +346,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    import eagle3.warm  # run as the module the stages' runner imports, so that it sees FORKED (not this __main__ copy's)
+
+    eagle3.warm.main(sys.argv[1:])

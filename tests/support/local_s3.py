@@ -42,7 +42,7 @@ def add_remote(repo: Path) -> None:
 
     with Config(dvc_dir=str(repo / ".dvc")).edit("repo") as conf:
         conf["core"]["remote"] = "local-s3"
-        conf["remote"]["local-s3"] = {"url": "s3://eagle3/cache", "endpointurl": "http://127.0.0.1:9000"}
+        conf["remote"]["local-s3"] = {"url": "s3://eagle3/cache", "endpointurl": "http://127.0.0.1:9000", "verify": True}
 
 
 def cache_objects(repo: Path) -> set[str]:
@@ -57,15 +57,32 @@ def file_hashes(repo: Path, *folders: str) -> dict[str, str]:
             for folder in folders for path in sorted((repo / folder).rglob("*")) if path.is_file()}
 
 
+def remote_client(repo: Path, port: int):
+    """An S3 client of the repo's server (changes go through the S3 API: rclone's VFS must see them)."""
+    return s3_client(f"http://127.0.0.1:{port}", load_credentials(ServerHome(repo / ".eagle3" / "s3")))
+
+
+def remote_key(oid: str) -> str:
+    return f"cache/files/md5/{oid[:2]}/{oid[2:]}"
+
+
 def delete_remote_object(repo: Path, port: int, oid: str) -> None:
-    """Remove one object from the server through the S3 API (rclone's VFS must see the change)."""
-    client = s3_client(f"http://127.0.0.1:{port}", load_credentials(ServerHome(repo / ".eagle3" / "s3")))
-    client.delete_object(Bucket="eagle3", Key=f"cache/files/md5/{oid[:2]}/{oid[2:]}")
+    """Remove one object from the server."""
+    remote_client(repo, port).delete_object(Bucket="eagle3", Key=remote_key(oid))
+
+
+def put_remote_object(repo: Path, port: int, oid: str, data: bytes) -> None:
+    """Store ``data`` on the server as object ``oid`` (damage: bytes that are not what the name says)."""
+    remote_client(repo, port).put_object(Bucket="eagle3", Key=remote_key(oid), Body=data)
+
+
+def cached_file(repo: Path, oid: str) -> Path:
+    return repo / ".dvc" / "cache" / "files" / "md5" / oid[:2] / oid[2:]
 
 
 def manifest(repo: Path, oid: str) -> list[str]:
     """The file object ids listed by a cached ``.dir`` manifest."""
-    entries = json.loads((repo / ".dvc" / "cache" / "files" / "md5" / oid[:2] / oid[2:]).read_text())
+    entries = json.loads(cached_file(repo, oid).read_text())
     return [entry["md5"] for entry in entries]
 
 

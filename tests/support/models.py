@@ -72,7 +72,7 @@ def cache_lock(name: str) -> FileLock:
 
 
 # A chat template for a base model: BOS, plain-text turns, and an end-of-turn marker after every
-# answer that is also the stop string generation ends on (README: Your own verifier).
+# answer that is also the stop string generation ends on (docs/verifiers.md: Your own verifier).
 BASE_END_OF_TURN = "<|endoftext|>"
 BASE_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}Assistant: {{ m.content }}"

@@ -23,17 +23,17 @@ SERVER_MODEL_KEYS = {"sglang": ("reasoning_parser", "trust_remote_code", "chat_t
 class Generation:
     """How the verifier answers: the ``generate`` params, and what its spec says about the verifier."""
 
-    name: str  # the conf/generate file
-    max_new_tokens: int  # answer length cap
-    temperature: float  # of a prompt's first answer: 0 greedy; > 0 sampling, each record seeded from its id
-    top_p: float  # nucleus sampling mass (with temperature > 0)
-    seed: int  # base of the per-record sampling seeds
-    think_tags: tuple[str, str] | None  # raw reasoning markup split out of an answer; None: never split
+    name: str  # generate.name: the conf/generate file
+    max_new_tokens: int  # generate.max_new_tokens
+    temperature: float  # generate.temperature: each record seeded from its id
+    top_p: float  # generate.top_p
+    seed: int  # generate.seed
+    think_tags: tuple[str, str] | None  # generate.think_tags
     context: int  # prompt + answer limit: model.max_position_embeddings
-    stop: tuple[str, ...]  # model.stop: strings ending an answer besides the EOS tokens
-    trust_remote_code: bool  # model.trust_remote_code: the verifier's tokenizer/model code
-    samples: int = 1  # answers per prompt, each its own record
-    sample_temperatures: tuple[float, ...] = ()  # the temperature cycle of the answers after the first
+    stop: tuple[str, ...]  # model.stop
+    trust_remote_code: bool  # model.trust_remote_code
+    samples: int = 1  # generate.samples
+    sample_temperatures: tuple[float, ...] = ()  # generate.sample_temperatures
 
     @classmethod
     def from_params(cls, generate: DictConfig, spec: VerifierSpec) -> Generation:

@@ -16,6 +16,12 @@ from typing import Any, ClassVar
 from eagle3.schema import (ABSENT, BOOL, FRACTION_ABOVE_0, NON_NEGATIVE, NON_NEGATIVE_NUMBER, POSITIVE, POSITIVE_NUMBER,
                            Check, Lookup, integer, number, or_null, refuse, setting)
 
+TOKEN_BUDGET = Check(or_null(integer(1)), "an integer >= 1, or null for no token budget")
+CACHE_SHARE = Check(FRACTION_ABOVE_0.test, f"{FRACTION_ABOVE_0.allowed}: the share of the GPU memory free")
+PORT = Check(lambda v: integer(1)(v) and v < 65536, "a port number in [1, 65535]")
+TEMPERATURES = Check(lambda v: isinstance(v, list) and bool(v) and all(number(0)(t) for t in v),
+                     "a non-empty list of numbers >= 0 (cycled over the answers after the first)")
+
 
 @dataclass(frozen=True)
 class BackendSettings:
@@ -26,13 +32,13 @@ class BackendSettings:
 
     # local: in-process transformers
     batch_size: int = setting(POSITIVE)  # most prompts per batch (or slot cache)
-    batch_tokens: int | None = setting(Check(or_null(integer(1)), "an integer >= 1, or null for no token budget"))
+    batch_tokens: int | None = setting(TOKEN_BUDGET)  # most KV-cache tokens per batch, rows x (padded prompt + max_new_tokens)
     pad_multiple: int = setting(POSITIVE)  # left-pad each batch to a multiple of this many tokens
     device: str = setting()  # layout.device's value
     dtype: str = setting()  # layout.dtype's value
     threads: int = setting()  # layout.threads' value
     cuda_graphs: bool = setting(BOOL)  # CUDA, greedy or sampled: slot KV cache + decode steps as CUDA graphs
-    cache_memory: float = setting(Check(FRACTION_ABOVE_0.test, f"{FRACTION_ABOVE_0.allowed}: the share of the GPU memory free"))
+    cache_memory: float = setting(CACHE_SHARE)  # share of the GPU memory free after loading the verifier that slot decoding's cache takes
     # openai: any OpenAI-compatible endpoint (and sglang's client)
     base_urls: list = setting()  # servers of the same verifier, each ending in /v1
     model: str | None = setting()  # served model name; null: the first the server lists
@@ -45,7 +51,7 @@ class BackendSettings:
     # sglang: a server this host starts and owns
     launcher: list = setting()  # command prefix of the server
     host: str = setting()  # where the server listens
-    port: int = setting(Check(lambda v: integer(1)(v) and v < 65536, "a port number in [1, 65535]"))
+    port: int = setting(PORT)  # where the server listens, with host
     tp: int = setting()  # layout.server.tp's value
     dp: int = setting()  # layout.server.dp's value
     health_timeout: float = setting(POSITIVE_NUMBER)  # seconds to wait for /health
@@ -64,8 +70,7 @@ class GenerateSettings:
     top_p: float = setting(FRACTION_ABOVE_0)  # nucleus sampling mass
     seed: int = setting()  # the top-level seed's value, checked there
     samples: int = setting(POSITIVE)  # answers per prompt, each its own record
-    sample_temperatures: list = setting(Check(lambda v: isinstance(v, list) and bool(v) and all(number(0)(t) for t in v),
-                                              "a non-empty list of numbers >= 0 (cycled over the answers after the first)"))
+    sample_temperatures: list = setting(TEMPERATURES)  # of the answers after the first, cycled
     think_tags: list | None = setting()  # raw reasoning markup split out of an answer; null: never split
 
     @staticmethod

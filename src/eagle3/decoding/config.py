@@ -75,14 +75,13 @@ class EvaluateConfig:
     draft_tokens: int = setting(POSITIVE)  # K: chain drafts per verifier forward
     tree: TreeShape | None = setting(TREE)  # SGLang's draft tree (num_steps, topk, num_draft_tokens); None: chain only
     batch_sizes: tuple[int, ...] = setting(SIZES)  # prompts decoded together, one timing per size; τ and outputs at the largest
-    repeats: int = setting(NON_NEGATIVE)  # timings per batch size (median and spread); one: no spread, so no speedup metric;
-    #                                        zero: nothing timed, τ alone (evaluate=tau)
+    repeats: int = setting(NON_NEGATIVE)  # timings per batch size (median, spread); 1: no spread, no speedup metric; 0: τ alone
     timed_prompts: int | None = setting(SOME_OR_ALL)  # timings at batch size B on a set's first max(this, B) prompts; None: all
     timed_new_tokens: int | None = setting(TOKENS_OR_ALL)  # tokens per prompt in the timings (at most max_new_tokens); None: max_new_tokens
     cuda_graphs: bool = setting(BOOL)  # on a GPU, static caches and captured steps (``eagle3.decoding.graphed``); False: eager
     chain_sweep: tuple[int, ...] = setting(CHAINS)  # chain K also timed, on every set at the first batch size (the best K)
     max_new_tokens: int = setting(POSITIVE)  # tokens generated per prompt in the τ decode (fewer at EOS)
-    position_buckets: tuple[int, ...] = setting(EDGES)  # edges of the answer-position buckets of τ, e.g. (64, 256): 0-64, 64-256, 256+
+    position_buckets: tuple[int, ...] = setting(EDGES)  # edges of τ's answer-position buckets, e.g. (64, 256): 0-64, 64-256, 256+
     sets: tuple[str, ...] = setting(NAMES)  # eval sets: data/prompts/eval/<set>.jsonl
     max_prompts: int | None = setting(SOME_OR_ALL)  # at most this many prompts per set (file order); None: all
     baseline: bool = setting(BOOL)  # also replay the most-frequent-token and n-gram baselines

@@ -27,7 +27,7 @@ class Settings(EvaluateConfig):
     device: str
     dtype: str
     threads: int
-    stop: tuple[str, ...]  # model.stop: strings ending an answer besides EOS (decoding stops there, as generation did)
+    stop: tuple[str, ...]  # model.stop (decoding stops there, as generation did)
     trust_remote_code: bool
     placement: Placement  # layout.verifier: tp > 1 decodes with one copy sharded over tp torchrun processes
 

@@ -57,7 +57,7 @@ class DraftConfig:
     rope_theta: float  # RoPE base, the verifier's
     rope_scaling: dict | None  # HF rope scaling ({"rope_type": "llama3", ...}) or None
     max_position_embeddings: int  # context the drafter is exported for (>= the verifier's)
-    aux_layers: tuple[int, ...]  # taps: residual stream entering layer k (lm.spec.tap_problem)
+    aux_layers: tuple[int, ...]  # the verifier's taps, model.aux_layers (lm.spec.tap_problem)
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:

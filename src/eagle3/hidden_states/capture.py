@@ -32,15 +32,15 @@ class Settings:
     """What ``extract`` reads from params: its section, the taps, and the layout."""
 
     name: str  # extract.name: the conf/extract file
-    aux_layers: tuple[int, ...]  # model.aux_layers: HF hidden_states indices, ascending
-    dtype: str  # extract.dtype: storage dtype, bfloat16 | float8_e4m3fn
-    max_length: int  # extract.max_length: longer conversations are truncated (and counted)
-    batch_tokens: int  # extract.batch_tokens: padded tokens per forward
-    part_bytes: int  # extract.part_bytes: target size of a safetensors part
-    device: str  # layout.device: cpu | cuda (worker r takes cuda:r)
+    aux_layers: tuple[int, ...]  # model.aux_layers: HF hidden_states indices
+    dtype: str  # extract.dtype
+    max_length: int  # extract.max_length
+    batch_tokens: int  # extract.batch_tokens
+    part_bytes: int  # extract.part_bytes
+    device: str  # layout.device (worker r takes cuda:r)
     compute_dtype: str  # layout.dtype: the verifier's dtype for the forward
-    workers: int  # layout.extract_workers: processes, one per device
-    threads: int  # layout.threads: torch intra-op threads per process
+    workers: int  # layout.extract_workers
+    threads: int  # layout.threads
     placement: Placement  # layout.verifier: a whole copy per worker (tp 1), or one copy over tp workers
 
     @classmethod

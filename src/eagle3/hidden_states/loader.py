@@ -17,6 +17,7 @@ extract recorded, which also catches a value changed within the recorded magnitu
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -119,5 +120,26 @@ def check_recorded_digests(hidden_states: Path, shards: list[str], digests: dict
             found = digests.get(f"hidden_states/{shard}/{name}")
             if found != expected:
                 state = "is missing" if found is None else f"has sha256 {found[:12]}, not the {expected[:12]} extract recorded"
-                raise UserError(f"{folder}/{name} {state}: the shard was damaged after extraction; re-extract it "
-                                f"(`dvc repro -f extract@{shard}`) or restore it (`dvc checkout --force {folder}`)")
+                raise UserError(f"{folder}/{name} {state}: the shard was damaged after extraction; {mend(folder / name, shard)}")
+
+
+def mend(file: Path, shard: str) -> str:
+    """What restores a damaged hidden-state file: ``dvc checkout`` from the cache, unless the cache object is the file
+    itself (hard-linked, and written through: as root a write ignores the cache's read-only mode)."""
+    folder = file.parent
+    twin = cache_twin(file) if file.is_file() else None
+    if twin is None:
+        return f"re-extract it (`dvc repro -f extract@{shard}`) or restore it (`dvc checkout --force {folder}`)"
+    return (f"its DVC cache object {twin} is the same file (hard-linked; as root a write ignores the cache's read-only "
+            f"mode), damaged too, so `dvc checkout` cannot restore it: remove both (`rm -f {file} {twin}`), then re-extract "
+            f"(`dvc repro -f extract@{shard}`) or pull a copy pushed before the damage (`dvc pull --force {folder}`)")
+
+
+def cache_twin(file: Path) -> Path | None:
+    """The object of the DVC cache (``.dvc/cache`` of the repository holding ``file``) that is ``file`` itself, or None."""
+    if file.stat().st_nlink < 2:
+        return None
+    root = next((parent for parent in file.resolve().parents if (parent / ".dvc").is_dir()), None)
+    objects = sorted((root / ".dvc" / "cache" / "files" / "md5").glob("*/*")) if root else []
+    twin = next((path for path in objects if path.samefile(file)), None)
+    return Path(os.path.relpath(twin)) if twin else None

@@ -7,7 +7,7 @@ copy of an old run's hidden states if nobody pushed them. This command first lis
 that the kept revisions reference (default: the workspace, every branch tip and every tag;
 ``--rev`` restricts to given revisions or ``A..B`` ranges, ``--all-commits`` takes every commit),
 directory outputs expanded to their ``.dir`` manifest and every file in it, and asks the remote
-for each one. It refuses, listing what is missing and the ``dvc push`` that uploads it, unless
+for each one. It refuses, listing what is missing and the ``eagle3 push`` that verifies and uploads it, unless
 all are there; then it runs DVC's own ``gc --workspace --force``, holding the repo lock from
 the check to the deletion. It never deletes anything from the remote (no ``--cloud``).
 
@@ -32,39 +32,18 @@ import subprocess
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eagle3.common import RUN_EXPORTED, UserError, stale_tmp, try_lock_run
+from eagle3.lifecycle.objects import (
+    Ref, Verdict, cache_odb, check, describe, kept_refs, missing_from_remote, quiet_dvc, remote_odb)
 
 if TYPE_CHECKING:
     from dvc.repo import Repo
-    from dvc_data.hashfile.hash_info import HashInfo
-    from dvc_data.hashfile.tree import Tree
 
-SHOWN = 20  # missing objects listed by name; the rest are counted
 # DVC's loggers of a gc run: in a dry run they still say "Removing <path>" and "Removed N objects".
 GC_LOGGERS = ("dvc_data.hashfile.gc", "dvc.repo.gc")
-
-
-@dataclass(frozen=True)
-class Ref:
-    """One object a kept revision needs: where it appears and which remote ``dvc push`` sends it to."""
-
-    rev: str  # "workspace", branch/tag names joined by ",", or the revision as given
-    path: str  # the output, or a file inside a directory output
-    oid: HashInfo
-    remote: str | None  # the output's own remote, None for the default
-    manifest: HashInfo | None = None  # for a file inside a directory output: that directory's .dir
-
-
-@dataclass
-class Verdict:
-    unpushed: list[Ref]  # in the local cache only: `dvc gc -w` could delete the last copy
-    lost: list[Ref]  # neither cached nor in the remote: nothing here can bring them back
-    unlisted: list[Ref]  # directory manifests nowhere to be read: their files cannot be enumerated
-    checked: int  # distinct objects asked for
 
 
 def expand_ranges(repo: Repo, revs: Iterable[str]) -> list[str]:
@@ -82,127 +61,54 @@ def expand_ranges(repo: Repo, revs: Iterable[str]) -> list[str]:
     return expanded
 
 
-def load_manifest(odbs: Iterable, oid: HashInfo) -> Tree | None:
-    """A directory output's ``.dir`` manifest, from the first of ``odbs`` (cache, then remote) holding it."""
-    from dvc_data.hashfile.tree import Tree
-    from dvc_objects.errors import ObjectFormatError
-
-    for odb in odbs:
-        try:
-            return Tree.load(odb, oid)
-        except (FileNotFoundError, ObjectFormatError):
-            continue
-    return None
+def kept_scope(revs: list[str], all_commits: bool) -> dict:
+    """``repo.brancher``'s arguments for the revisions gc keeps: ``revs``, else every branch tip and tag (every commit)."""
+    return dict(revs=revs) if revs else dict(all_branches=True, all_tags=True, all_commits=all_commits)
 
 
-def revisions(repo: Repo, scope: dict) -> Iterator[str]:
-    """``repo.brancher`` (which switches ``repo`` to each revision in turn), with bad names as UserError."""
-    from dvc.scm import RevError
-
-    try:
-        yield from repo.brancher(**scope)
-    except RevError as err:
-        raise UserError(f"--rev: {err}") from None
-
-
-def kept_refs(repo: Repo, revs: list[str], all_commits: bool, remote: str | None) -> Iterator[tuple[Ref, bool]]:
-    """``(ref, listed)`` for every cached output of the kept revisions; directory outputs are expanded.
-
-    ``listed`` is False for a ``.dir`` manifest that neither the cache nor the remote holds.
-    """
-    manifests: dict[str, Tree | None] = {}
-    scope = dict(revs=revs) if revs else dict(all_branches=True, all_tags=True, all_commits=all_commits)
-    for rev in revisions(repo, scope):
-        for out in repo.index.outs:
-            if not out.use_cache or out.hash_info is None or not out.hash_info.value or out.stage.is_repo_import:
-                continue
-            ref = Ref(rev, str(out), out.hash_info, out.remote)
-            if not out.hash_info.isdir:
-                yield ref, True
-                continue
-            if out.hash_info.value not in manifests:
-                odbs = [cache_odb(repo, out.hash_info), remote_odb(repo, out.hash_info, out.remote or remote)]
-                manifests[out.hash_info.value] = load_manifest(odbs, out.hash_info)
-            tree = manifests[out.hash_info.value]
-            yield ref, tree is not None
-            for key, _, oid in tree or ():
-                yield Ref(rev, "/".join([str(out), *key]), oid, out.remote, out.hash_info), True
+def experiments(repo: Repo) -> list[tuple[str, str]]:
+    """``(name, commit)`` of each experiment (``refs/exps/<2 hex>/<38 hex>/<name>``; not DVC's queue and run refs)."""
+    listed = subprocess.run(["git", "for-each-ref", "--format=%(objectname) %(refname)", "refs/exps"],
+                            cwd=repo.scm.root_dir, capture_output=True, text=True).stdout.split("\n")
+    found = []
+    for commit, ref in (line.split() for line in listed if line.strip()):
+        parts = ref.split("/")
+        if len(parts) == 5 and len(parts[2]) == 2:
+            found.append((parts[4], commit))
+    return found
 
 
-def cache_odb(repo: Repo, oid: HashInfo):
-    """The local cache store for ``oid``'s kind of hash (DVC 3 md5, or DVC 2's md5-dos2unix)."""
-    from dvc.cachemgr import LEGACY_HASH_NAMES
-
-    return repo.cache.legacy if oid.name in LEGACY_HASH_NAMES else repo.cache.local
-
-
-def remote_odb(repo: Repo, oid: HashInfo, remote: str | None):
-    """The object store of ``remote`` (None: the default remote) for ``oid``'s kind of hash."""
-    from dvc.exceptions import DvcException
-
-    try:
-        return repo.cloud.get_remote_odb(remote, "gc", hash_name=oid.name)
-    except DvcException as err:
-        raise UserError(f".dvc/config: {err}") from None
+def unpushed_experiments(repo: Repo, kept: set[str], remote: str | None) -> list[tuple[str, list[str]]]:
+    """``(experiment, outputs)`` for each experiment whose outputs `dvc gc -w` takes the only copy of: objects in this
+    cache that no kept revision references and the remote lacks (``eagle3 gc`` keeps no experiment)."""
+    found = []
+    for name, commit in experiments(repo):
+        refs = {ref.oid.value: ref for ref, _ in kept_refs(repo, dict(revs=[commit], workspace=False), remote)
+                if ref.oid.value not in kept and cache_odb(repo, ref.oid).exists(ref.oid.value)}
+        lost = [ref.path for ref in missing_from_remote(repo, list(refs.values()), remote)]
+        outputs = sorted({ref.path for ref in refs.values() if ref.manifest is None})
+        gone = [out for out in outputs if any(path == out or path.startswith(out + "/") for path in lost)]
+        if gone:
+            found.append((name, gone))
+    return found
 
 
-def check(repo: Repo, revs: list[str], all_commits: bool, remote: str | None) -> Verdict:
-    """Ask the remote for every object the kept revisions reference (no remote index: a fresh listing)."""
-    first: dict[tuple[str | None, str], Ref] = {}
-    unlisted: list[Ref] = []
-    for ref, listed in kept_refs(repo, revs, all_commits, remote):
-        first.setdefault((ref.remote or remote, ref.oid.value), ref)
-        if not listed:
-            unlisted.append(ref)
-    verdict = Verdict(unpushed=[], lost=[], unlisted=unlisted, checked=len(first))
-    for target in {key[0] for key in first}:
-        refs = [ref for (name, _), ref in first.items() if name == target]
-        for ref in absent(repo, refs, target):
-            (verdict.unpushed if cache_odb(repo, ref.oid).exists(ref.oid.value) else verdict.lost).append(ref)
-    return verdict
-
-
-def absent(repo: Repo, refs: list[Ref], remote: str | None) -> list[Ref]:
-    """The refs whose object the remote does not hold."""
-    missing = []
-    for name in {ref.oid.name for ref in refs}:
-        group = [ref for ref in refs if ref.oid.name == name]
-        odb = remote_odb(repo, group[0].oid, remote)
-        try:
-            present = set(odb.oids_exist([ref.oid.value for ref in group]))
-        except Exception as err:  # transport and auth errors come in many types (aiohttp, botocore, s3fs, ...)
-            raise UserError(unreachable(repo, remote, err)) from None
-        missing += [ref for ref in group if ref.oid.value not in present]
-    return missing
-
-
-def unreachable(repo: Repo, remote: str | None, err: Exception) -> str:
-    """One line: which remote could not be asked, why, and what to do."""
-    name = remote or repo.config["core"].get("remote")
-    settings = repo.config["remote"].get(name, {})
-    where = settings.get("endpointurl") or settings.get("url")
-    reason = (str(err).strip().splitlines() or [""])[0]
-    return (f"remote {name!r} ({where}) cannot be asked for the kept objects ({type(err).__name__}: {reason}); "
-            "no cached object was deleted; start the server (`eagle3 s3 serve --background` for the local one) or fix the "
-            "remote's settings, then run `eagle3 gc` again")
+def say_unpushed_experiments(repo: Repo, kept: set[str], remote: str | None, dry_run: bool) -> None:
+    """One line for each experiment whose outputs (its drafter, ...) lose their only copy here."""
+    for name, outputs in unpushed_experiments(repo, kept, remote):
+        print(f"{'would delete' if dry_run else 'deleting'} the only copy of experiment {name}'s {', '.join(outputs)} "
+              f"(never pushed; to keep it: `dvc exp branch {name} <branch>`, `eagle3 push -a`, then `eagle3 gc`)", flush=True)
 
 
 def push_command(repo: Repo, refs: list[Ref], remote: str | None) -> str:
-    """The ``dvc push`` covering the revisions of ``refs``: plain for the workspace, -a/-T for tips, -A else."""
+    """The ``eagle3 push`` covering the revisions of ``refs``: plain for the workspace, -a/-T for tips, -A else."""
     names = {name for ref in refs if ref.rev != "workspace" for name in ref.rev.split(",")}
     branches, tags = set(repo.scm.list_branches()), set(repo.scm.list_tags())
     if names - branches - tags:
         flags = ["-A"]
     else:
         flags = (["-a"] if names & branches else []) + (["-T"] if names & tags else [])
-    return " ".join(["dvc", "push", *(["-r", remote] if remote else []), *flags])
-
-
-def describe(refs: list[Ref], why: str) -> list[str]:
-    lines = [f"  {ref.rev:<20} {ref.path}  ({ref.oid.value}, {why})" for ref in refs[:SHOWN]]
-    if len(refs) > SHOWN:
-        lines.append(f"  ... and {len(refs) - SHOWN} more")
-    return lines
+    return " ".join(["eagle3", "push", *(["-r", remote] if remote else []), *flags])
 
 
 def refusal(repo: Repo, verdict: Verdict, remote: str | None) -> str | None:
@@ -328,19 +234,18 @@ def remove_training_runs(repo: Repo, dry_run: bool, stopped: bool) -> None:
 def run_gc(args: argparse.Namespace) -> None:
     from dvc.repo import Repo, lock_repo
 
-    for name in ("dvc", "dvc_objects", "dvc_data"):  # DVC's own console handlers print these once already
-        logging.getLogger(name).propagate = False
-    logging.getLogger("aiobotocore").setLevel(logging.WARNING)  # "Found credentials in ..." on every run
+    quiet_dvc()
     with Repo() as repo, lock_repo(repo):  # held from the check to the deletion: no dvc command in between
         remove_temporaries(repo, args.dry_run)
         remove_training_runs(repo, args.dry_run, args.stopped_runs)
-        verdict = check(repo, expand_ranges(repo, args.rev), args.all_commits, args.remote)
+        verdict = check(repo, kept_scope(expand_ranges(repo, args.rev), args.all_commits), args.remote)
         problem = refusal(repo, verdict, args.remote)
         if problem:
             raise UserError(problem)
         print(f"all {verdict.checked} objects of the kept revisions are in the remote; "
               f"{'listing what' if args.dry_run else 'running'} `dvc gc --workspace --force`"
               f"{' would remove' if args.dry_run else ''}", flush=True)
+        say_unpushed_experiments(repo, verdict.kept, args.remote, args.dry_run)
         if args.dry_run:
             dry_run(repo)
         else:

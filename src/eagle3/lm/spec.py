@@ -12,7 +12,7 @@ checkpoint, the drafter's shape), and on refusing artifacts another verifier pro
 lives here once; a new verifier family is a conf/model file, plus a change here only if it breaks
 one of these rules. What the taps and the final state mean: docs/design.md §1.
 
-A stage reads only the keys it declares (``config.stage_params``), so a spec holds the declared
+A stage reads only the keys it declares (``settings.stage_params``), so a spec holds the declared
 keys and nothing else: extract's has the taps and the chat format but not the draft head (a
 draft_head change must not re-extract), and reading a key the stage did not declare raises, as the
 params view itself does.
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
@@ -36,7 +36,6 @@ FINAL_STATES = ("post-norm",)  # train applies only the lm_head to `final`: it m
 # The verifier tensors training reads (its frozen embedding, lm_head and final norm), by their HF
 # names in the checkpoint's safetensors; a tied lm_head is absent and falls back to the embedding.
 VERIFIER_TENSORS = {"embed": "model.embed_tokens.weight", "head": "lm_head.weight", "norm": "model.norm.weight"}
-T = TypeVar("T")
 
 
 def tap_problem(ids: Sequence[int], num_layers: int) -> str | None:
@@ -123,53 +122,30 @@ def optional_str(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
-class ModelKey(Generic[T]):
-    """A spec attribute: the ``model`` key of its name, read once by ``read`` for every stage. Reading
-    it from a spec whose stage does not declare the key raises, as the params view itself does."""
-
-    def __init__(self, read: Callable[[Any], T]):
-        self.read = read
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.key = name
-
-    def __get__(self, spec: VerifierSpec | None, owner: type | None = None) -> T:
-        if spec is None:
-            return self  # type: ignore[return-value]  (the class attribute: the key itself)
-        if self.key not in spec.values:
-            raise KeyError(f"model.{self.key}: not among this stage's declared params (its PARAMS and dvc.yaml params:)")
-        return spec.values[self.key]
-
-
 @dataclass(frozen=True)
 class VerifierSpec:
-    """The ``model`` keys one stage declares, each read once (conf/model/*.yaml documents every key)."""
+    """The ``model`` keys one stage declares, each read once as ``ModelSettings`` declares it (``spec.aux_layers``: a
+    tuple). Reading a key its stage does not declare raises, as the params view itself does."""
 
-    values: dict[str, Any]  # the declared keys below, read
+    values: dict[str, Any]  # the declared keys, read
 
-    name = ModelKey(str)  # the conf/model file
-    num_layers = ModelKey(int)  # decoder layers (the verifier's own count once checked against its config)
-    max_position_embeddings = ModelKey(int)  # the verifier's context: prompt + answer limit of generate
-    aux_layers = ModelKey(lambda v: tuple(int(i) for i in v))  # taps: residual stream entering layer k, 3 ascending ids
-    final_state = ModelKey(str)  # which hidden state `final` is: post-norm
-    chat_template = ModelKey(optional_str)  # Jinja written into models/verifier; None: the tokenizer's own
-    reasoning_format = ModelKey(str)  # "template", or a prefix with {reasoning} put before the answer
-    end_of_turn = ModelKey(optional_str)  # the marker closing an answer (in the loss mask); None: the eos token
-    stop = ModelKey(lambda v: tuple(str(s) for s in v))  # strings ending an answer besides EOS
-    reasoning_parser = ModelKey(optional_str)  # SGLang --reasoning-parser; None: the model does not reason
-    draft_head = ModelKey(lambda v: dict(to_plain(v) or {}))  # overrides of the drafter's shape (default: the verifier's)
-    language_model = ModelKey(LanguageModel.from_params)  # where the text model sits in the checkpoint
-    trust_remote_code = ModelKey(bool)  # the verifier's tokenizer/model need their own code
+    @staticmethod
+    def keys() -> dict[str, Callable[[Any], Any]]:
+        """Every model key a spec may hold, with how it is read: ``ModelSettings``' fields, and the conf/model file's name."""
+        return {"name": str, **{item.name: item.metadata["read"] or (lambda value: value) for item in fields(ModelSettings)}}
 
-    @classmethod
-    def keys(cls) -> dict[str, ModelKey]:
-        """Every model key a spec may hold, by name."""
-        return {name: attr for name, attr in vars(cls).items() if isinstance(attr, ModelKey)}
+    def __getattr__(self, key: str) -> Any:
+        values = self.__dict__.get("values", {})
+        if key in values:
+            return values[key]
+        if key in self.keys():
+            raise KeyError(f"model.{key}: not among this stage's declared params (its PARAMS and dvc.yaml params:)")
+        raise AttributeError(key)
 
     @classmethod
     def from_params(cls, model: DictConfig, hf_config=None) -> VerifierSpec:
         """The spec of a stage's ``params.model`` view; with the verifier's HF config, checked against it."""
-        values = {key: attr.read(model[key]) for key, attr in cls.keys().items() if key in model}
+        values = {key: read(model[key]) for key, read in cls.keys().items() if key in model}
         if "final_state" in values and values["final_state"] not in FINAL_STATES:
             raise UserError(f"params.yaml: model.final_state must be one of {list(FINAL_STATES)} (train applies only the lm_head to `final`)")
         spec = cls(values)
@@ -204,19 +180,19 @@ class ModelSettings:
 
     source: dict = setting()  # where the weights come from, by kind (verifier_sources)
     copy_weights: bool = setting(BOOL)  # store the weights in models/verifier (DVC-cached)
-    trust_remote_code: bool = setting(BOOL)  # the verifier's tokenizer/model need their own code
-    num_layers: int = setting(POSITIVE)  # decoder layers (relations: the taps lie within them)
-    max_position_embeddings: int = setting(POSITIVE)  # the verifier's context
-    aux_layers: list = setting()  # the taps (relations)
-    language_model: dict = setting()  # where the text model sits in the checkpoint (LanguageModel)
+    trust_remote_code: bool = setting(BOOL, read=bool)  # the verifier's tokenizer/model need their own code
+    num_layers: int = setting(POSITIVE, read=int)  # decoder layers (the verifier's own once checked against its config)
+    max_position_embeddings: int = setting(POSITIVE, read=int)  # the verifier's context: prompt + answer limit of generate
+    aux_layers: tuple[int, ...] = setting(read=lambda v: tuple(int(i) for i in v))  # taps: residual stream entering layer k, 3 ascending ids
+    language_model: LanguageModel = setting(read=LanguageModel.from_params)  # where the text model sits in the checkpoint
     placement: dict = setting()  # GPUs one copy needs (layout.verifier of the GPU layouts)
-    final_state: str = setting()  # which hidden state `final` is (VerifierSpec.from_params: FINAL_STATES)
-    chat_template: str | None = setting()  # Jinja written into models/verifier; null: the tokenizer's own
-    reasoning_parser: str | None = setting()  # SGLang --reasoning-parser; null: the model does not reason
-    reasoning_format: str = setting()  # "template", or a prefix with {reasoning} put before the answer
-    end_of_turn: str | None = setting()  # the marker closing an answer; null: the eos token
-    stop: list = setting()  # strings ending an answer besides EOS
-    draft_head: dict = setting()  # overrides of the drafter's shape
+    final_state: str = setting(read=str)  # which hidden state `final` is: post-norm (FINAL_STATES)
+    chat_template: str | None = setting(read=optional_str)  # Jinja written into models/verifier; null: the tokenizer's own
+    reasoning_parser: str | None = setting(read=optional_str)  # SGLang --reasoning-parser; null: the model does not reason
+    reasoning_format: str = setting(read=str)  # "template", or a prefix with {reasoning} put before the answer
+    end_of_turn: str | None = setting(read=optional_str)  # the marker closing an answer (in the loss mask); null: the eos token
+    stop: tuple[str, ...] = setting(read=lambda v: tuple(str(s) for s in v))  # strings ending an answer besides EOS
+    draft_head: dict = setting(read=lambda v: dict(to_plain(v) or {}))  # overrides of the drafter's shape (default: the verifier's)
 
     @staticmethod
     def relations(get: Lookup) -> None:

@@ -81,6 +81,7 @@ class EvalSet:
     name: str
     prompts: int
     source: DictConfig | None = None
+    max_prompt_tokens: int | None = None  # a source-read set's own length limit (default: dataset.max_prompt_tokens)
 
 
 def eval_set_specs(config: DictConfig) -> dict[str, EvalSet]:
@@ -89,7 +90,7 @@ def eval_set_specs(config: DictConfig) -> dict[str, EvalSet]:
     for name, value in config.items():
         where = f"params.yaml: dataset.eval_sets.{name}"
         fields = OmegaConf.to_container(value) if OmegaConf.is_dict(value) else {"prompts": value}
-        count = fields.pop("prompts", None)
+        count, limit = fields.pop("prompts", None), fields.pop("max_prompt_tokens", None)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise UserError(f"{where}: give a prompt count (an int >= 0), as `{name}: 200` or `{name}: {{prompts: 200, "
                             "kind: jsonl, path: ...}`")
@@ -101,7 +102,10 @@ def eval_set_specs(config: DictConfig) -> dict[str, EvalSet]:
         if not fields and name not in (*POOL_SETS, *PACKAGED_SETS):
             raise UserError(f"{where}: unknown set; name a packaged one ({', '.join((*POOL_SETS, *PACKAGED_SETS))}) "
                             "or give its source: `{prompts: n, kind: jsonl, path: data/sources/<file>}`")
-        sets[name] = EvalSet(name, count, OmegaConf.create(fields) if fields else None)
+        if limit is not None and (not fields or isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise UserError(f"{where}.max_prompt_tokens: {limit!r}: give a token count (an int >= 1) for a set read from "
+                            "a source")
+        sets[name] = EvalSet(name, count, OmegaConf.create(fields) if fields else None, limit)
     return sets
 
 
@@ -125,24 +129,42 @@ def source_set_prompts(spec: EvalSet, seed: int, dropped: Counter) -> list[tuple
     return records
 
 
-def eval_set_prompts(sets: dict[str, EvalSet], seed: int, count_tokens) -> tuple[dict[str, list[dict]], set[str], dict]:
+def eval_set_prompts(sets: dict[str, EvalSet], seed: int, count_tokens,
+                     max_tokens: int) -> tuple[dict[str, list[dict]], set[str], dict]:
     """The packaged and source-read eval sets (their first n prompts), the text keys of *all*
     their prompts, and each source-read set's drop counts.
 
     Training excludes every prompt of a configured set, not only the first n, so that a bigger
-    eval set at a bigger scale never changes the training order (shards stay prefix-stable).
+    eval set at a bigger scale never changes the training order (shards stay prefix-stable). A
+    source-read set drops prompts longer than its ``max_prompt_tokens``, else ``max_tokens`` (the
+    training limit; users' pasted texts run to thousands of tokens); the packaged sets are kept whole.
     """
     built, keys, drops = {}, set(), {}
     for name, spec in sets.items():
         if name in POOL_SETS:
             continue
+        limit = None
         if spec.source is None:
             pairs = PACKAGED_SETS[name](seed)
         else:
-            drops[name] = Counter()
+            drops[name], limit = Counter(), spec.max_prompt_tokens or max_tokens
             pairs = source_set_prompts(spec, seed, drops[name])
         for record, texts in pairs:
             keys |= user_keys(record["messages"]) | {text_key(t) for t in texts}
-        built[name] = [{"id": stable_hash(r["messages"]), **r, "prompt_tokens": count_tokens(r["messages"])}
-                       for r, _ in pairs[: spec.prompts]]
+        built[name] = first_prompts(pairs, spec.prompts, count_tokens, limit, drops.get(name))
     return built, keys, {name: dict(sorted(c.items())) for name, c in drops.items() if c}
+
+
+def first_prompts(pairs: list[tuple[dict, list[str]]], count: int, count_tokens, limit: int | None,
+                  dropped: Counter | None) -> list[dict]:
+    """The first ``count`` records of a set as eval prompts, those over ``limit`` tokens (if any) dropped and counted."""
+    records = []
+    for record, _ in pairs:
+        if len(records) == count:
+            break
+        tokens = count_tokens(record["messages"])
+        if limit is not None and tokens > limit:
+            dropped["too_long"] += 1
+            continue
+        records.append({"id": stable_hash(record["messages"]), **record, "prompt_tokens": tokens})
+    return records

@@ -3,9 +3,11 @@
 Kinds: ``evals`` (chat samples shipped in the PyPI package ``evals``, by folder, folders
 interleaved by size; ``dataset.unseen_folders`` of them set apart for the ``unseen`` eval set),
 ``jsonl`` / ``parquet`` (local files, validated record by record), ``sharegpt`` (ShareGPT-style
-JSON conversations, a prompt per human turn; a local file or a package's) and ``hf`` (a HF
-dataset by name, where a hub is reachable). Where the source allows (``evals`` files, by byte
-offset), a candidate is parsed only when the walk reaches it.
+JSON conversations, a prompt per human turn; a local file or a package's), ``passages`` (copy
+tasks: the assistant turns of such a file as passages, each wrapped in one of the source's task
+templates) and ``hf`` (a HF dataset by name, where a hub is reachable). Where the source allows
+(``evals`` files, by byte offset), a candidate is parsed only when the walk reaches it. Any kind
+takes a ``match`` (a regular expression): only the prompts whose last user turn it finds stay.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +23,12 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from eagle3.common import UserError, numbered_jsonl, package_file
-from eagle3.prompt_sources.messages import NotAPrompt, to_messages
+from eagle3.prompt_sources.messages import SHAREGPT_ROLES, NotAPrompt, to_messages
 from eagle3.prompt_sources.order import interleave, order_key
 from eagle3.prompt_sources.sharegpt import ConversationFile, human_turn_prompts
 
 log = logging.getLogger(__name__)
-PATH_KINDS = ("jsonl", "parquet", "sharegpt")  # kinds that read a local file by `path`
+PATH_KINDS = ("jsonl", "parquet", "sharegpt", "passages")  # kinds that read a local file by `path`
 
 
 @dataclass(frozen=True)
@@ -203,38 +206,89 @@ def memory_candidates(records: Iterator[dict], source: str, seed: int) -> Iterat
 
 
 def sharegpt_path(spec: DictConfig, where: str) -> Path:
-    """The ShareGPT JSON file: a local ``path``, or ``file`` inside the installed ``package``."""
+    """The ShareGPT JSON file (of a ``sharegpt`` or ``passages`` source): a local ``path``, or ``file`` inside the
+    installed ``package``."""
     if spec.get("path") is not None:
         path = Path(str(spec.path))
         if not path.is_file():
             raise UserError(f"{path}: not found or not a file; check {where}.path")
         return path
     if spec.get("package") is None or spec.get("file") is None:
-        raise UserError(f"{where}: kind 'sharegpt' needs a `path`, or a `package` and the `file` in it")
+        raise UserError(f"{where}: kind '{spec.kind}' needs a `path`, or a `package` and the `file` in it")
     return package_file(str(spec.package), str(spec.file), f"{where}.package")
 
 
-def sharegpt_candidates(spec: DictConfig, seed: int, where: str, report: dict) -> Iterator[Candidate]:
-    """A candidate per human turn of each conversation (with the turns before it), keyed on the
-    conversation's raw JSON and the turn's place; a file cut mid-record gives the records before
-    the cut, and the cut is logged and reported."""
+def conversations(spec: DictConfig, where: str, report: dict) -> Iterator[tuple[str, dict, bytes]]:
+    """(name, record, raw JSON bytes) of each conversation of a ShareGPT-style file; a file cut
+    mid-record gives the records before the cut, and the cut is logged and reported."""
     path = sharegpt_path(spec, where)
-    name, conversations = source_name(spec), ConversationFile(path)
-    for record, raw in conversations:
+    name, records = source_name(spec), ConversationFile(path)
+    for record, raw in records:
         if not isinstance(record, dict) or not isinstance(record.get("conversations"), list):
-            raise UserError(f"{path}: record {conversations.records} has no 'conversations' list of {{from, value}} "
+            raise UserError(f"{path}: record {records.records} has no 'conversations' list of {{from, value}} "
                             "turns; fix it or remove it")
-        conversation = f"{name}#{record.get('id', conversations.records)}"
-        data = raw.encode("utf-8", "surrogatepass")
-        for turn, prompt in human_turn_prompts(record):
-            report["prompts"] = report.get("prompts", 0) + 1
-            yield Candidate(key=order_key(seed, name.encode() + b"\0" + data + b"\0" + str(turn).encode()),
-                            source=f"{conversation}/{turn}", record=prompt)
-    report["conversations"] = conversations.records
-    if conversations.cut:
+        yield f"{name}#{record.get('id', records.records)}", record, raw.encode("utf-8", "surrogatepass")
+    report["conversations"] = records.records
+    if records.cut:
         report["truncated_at_byte"] = path.stat().st_size
         log.warning("%s: cut off inside a record at byte %d: read the %d complete conversations before the cut",
-                    path, path.stat().st_size, conversations.records)
+                    path, path.stat().st_size, records.records)
+
+
+def turn_key(seed: int, spec: DictConfig, data: bytes, turn: int) -> bytes:
+    """A turn's place in its source's seeded order: the source, its conversation's raw JSON, the turn's index."""
+    return order_key(seed, source_name(spec).encode() + b"\0" + data + b"\0" + str(turn).encode())
+
+
+def sharegpt_candidates(spec: DictConfig, seed: int, where: str, report: dict) -> Iterator[Candidate]:
+    """A candidate per human turn of each conversation (with the turns before it)."""
+    for conversation, record, data in conversations(spec, where, report):
+        for turn, prompt in human_turn_prompts(record):
+            report["prompts"] = report.get("prompts", 0) + 1
+            yield Candidate(key=turn_key(seed, spec, data, turn), source=f"{conversation}/{turn}", record=prompt)
+
+
+def passage_candidates(spec: DictConfig, seed: int, where: str, report: dict) -> Iterator[Candidate]:
+    """Copy tasks: each assistant turn of the conversations whose text has ``min_chars`` to
+    ``max_chars`` characters is a passage, put in one task template (``{text}`` marks where): one
+    of ``code_tasks`` for a passage holding a fenced code block, else of ``tasks``, chosen by a
+    seeded hash of the turn. The verifier's answer then repeats much of its prompt, as answers to
+    users' summaries, translations, rewrites and code edits do."""
+    low, high = int(spec.get("min_chars", 0)), int(spec.get("max_chars", 10**9))
+    for conversation, record, data in conversations(spec, where, report):
+        for turn, message in enumerate(record["conversations"]):
+            text = passage_text(message)
+            if text is None or not low <= len(text) <= high:
+                continue
+            report["passages"] = report.get("passages", 0) + 1
+            key = turn_key(seed, spec, data, turn)
+            templates = list(spec.code_tasks if "```" in text else spec.tasks)
+            template = templates[int.from_bytes(order_key(seed, b"task\0" + key), "big") % len(templates)]
+            yield Candidate(key=key, source=f"{conversation}/{turn}",
+                            record={"messages": [{"role": "user", "content": template.replace("{text}", text)}]})
+
+
+def passage_text(turn: object) -> str | None:
+    """An assistant turn's text, stripped; None for any other turn."""
+    if not isinstance(turn, dict) or SHAREGPT_ROLES.get(turn.get("from") or turn.get("role")) != "assistant":
+        return None
+    text = turn.get("value", turn.get("content"))
+    return text.strip() if isinstance(text, str) else None
+
+
+def matching(candidates: Iterator[Candidate], pattern: str) -> Iterator[Candidate]:
+    """The candidates whose last user turn ``pattern`` finds (a record that is no prompt passes on,
+    for the walk to count it)."""
+    regex = re.compile(pattern)
+    for candidate in candidates:
+        raw = candidate.load()
+        try:
+            messages = to_messages(raw if isinstance(raw, dict) else {})
+        except NotAPrompt:
+            yield candidate
+            continue
+        if regex.search(messages[-1]["content"]):
+            yield candidate
 
 
 def source_name(spec: DictConfig) -> str:
@@ -249,16 +303,23 @@ def source_candidates(spec: DictConfig, where: str, seed: int, unseen: float | i
     receives what the reading found (unseen folders, a file's cut)."""
     report = {} if report is None else report
     if spec.kind == "evals":
-        return evals_candidates(spec, seed, where, unseen, report)
-    if spec.kind in ("jsonl", "parquet"):
-        records = memory_candidates(file_records(spec), str(spec.path), seed)
-    elif spec.kind == "sharegpt":
-        records = sharegpt_candidates(spec, seed, where, report)
-    elif spec.kind == "hf":
-        records = memory_candidates(hf_records(spec, where), f"hf/{spec.name}", seed)
+        candidates = evals_candidates(spec, seed, where, unseen, report)
     else:
-        raise UserError(f"{where}.kind: {spec.kind!r} is not one of evals, jsonl, parquet, sharegpt, hf")
-    return iter(sorted(records, key=lambda c: c.key))
+        candidates = iter(sorted(memory_source(spec, seed, where, report), key=lambda c: c.key))
+    return matching(candidates, str(spec.match)) if spec.get("match") is not None else candidates
+
+
+def memory_source(spec: DictConfig, seed: int, where: str, report: dict) -> Iterator[Candidate]:
+    """The candidates of a source read whole (every kind but ``evals``), in file order."""
+    if spec.kind in ("jsonl", "parquet"):
+        return memory_candidates(file_records(spec), str(spec.path), seed)
+    if spec.kind == "sharegpt":
+        return sharegpt_candidates(spec, seed, where, report)
+    if spec.kind == "passages":
+        return passage_candidates(spec, seed, where, report)
+    if spec.kind == "hf":
+        return memory_candidates(hf_records(spec, where), f"hf/{spec.name}", seed)
+    raise UserError(f"{where}.kind: {spec.kind!r} is not one of evals, jsonl, parquet, sharegpt, passages, hf")
 
 
 def source_weights(sources: Sequence[tuple[str, DictConfig]]) -> list[float]:

@@ -29,16 +29,21 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle3.common import sha256_file, stable_hash, to_plain, try_lock_run
-from eagle3.config import stage_params
+from eagle3.hidden_states.config import ExtractSettings
+from eagle3.layout import LayoutSettings
+from eagle3.lm.spec import ModelSettings
+from eagle3.settings import StageParams, keys_of, section, stage_params
 from eagle3.training.checkpoints import PACKAGE, training_code
 from eagle3.training.config import TrainConfig
 from eagle3.training.parallel import World
+from eagle3.training.mixture import MixtureSettings
 from eagle3.training.step import compiles
 
 log = logging.getLogger(__name__)
 
-PARAMS = ("train", "model", "merge.draft_vocab_size", "extract.dtype", "layout.device", "layout.train_procs", "layout.nnodes",
-          "layout.compile_ahead")  # what decides whether and what it compiles
+PARAMS = StageParams(section(TrainConfig), section(ModelSettings), keys_of(MixtureSettings, "draft_vocab_size"),  # what decides
+                     keys_of(ExtractSettings, "dtype"),                                                     # whether and what
+                     keys_of(LayoutSettings, "device", "train_procs", "nnodes", "compile_ahead"))           # it compiles
 FOLDER = Path(".eagle3") / "compile-ahead"
 WAIT_S = 180  # the longest train waits for a running compile ahead (train's own cold compile: 29-40 s on one H100)
 DOCUMENT_TOKENS = 300  # the random rows' documents: about the 10k data's prompt and answer together

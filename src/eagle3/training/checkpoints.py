@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from eagle3.common import UserError, atomic_dir, sha256_file, stable_hash, try_lock_run, write_json
+from eagle3.common import PLUMBING, UserError, atomic_dir, sha256_file, stable_hash, try_lock_run, write_json
 from eagle3.drafter.export import check_drafter, verifier_facts, write_drafter
 from eagle3.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3.hidden_states.loader import check_recorded_digests
@@ -50,9 +50,9 @@ log = logging.getLogger(__name__)
 PACKAGE = Path(__file__).resolve().parents[1]  # src/eagle3
 
 # Code that determines none of the weights: the export writes the weights it is given (a rerun
-# after an export change resumes the finished run and only re-exports), and the launcher's
-# supervision and exit statuses run the stage, no part of it.
-NO_WEIGHTS_CODE = ("eagle3.drafter.export", "eagle3.launch")
+# after an export change resumes the finished run and only re-exports), and the process plumbing
+# (supervision, exit statuses, the warm server, the compile ahead) runs the stage, no part of it.
+NO_WEIGHTS_CODE = ("eagle3.drafter.export", *PLUMBING)
 
 # ---------------------------------------------------------------------------------------------
 # Run identity: the checkpoint folder is keyed by everything that determines the trained weights

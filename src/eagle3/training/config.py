@@ -19,7 +19,7 @@ from eagle3.schema import (ABSENT, BOOL, FRACTION, FRACTION_ABOVE_0, FRACTION_BE
 class Batching:
     """How packed rows make an optimizer step (the ``train`` params of the same names)."""
 
-    pack_tokens: int  # tokens per packed row; at least the longest sample
+    pack_tokens: int  # train.pack_tokens
     batch_size: int  # packed rows per micro-batch, per process
     grad_accum: int  # micro-batches per optimizer step, per process
 
