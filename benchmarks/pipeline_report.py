@@ -325,13 +325,13 @@ def readme_results(result: dict, source: Path) -> str:
     whole = f": {result['total_wall_s']:.0f} s, GPU {percent(result['gpu_busy'])} busy" if result["finished"] else ""
     lines = [f"One `dvc repro` at {result['commit']} on {result['gpu'] or 'no GPU'} (`{source}`{timed}):",
              f"`{result['command']}`{whole}.", "",
-             "| eval set | prompts | new tokens, at most | chain τ | tree τ | prompt lookup τ | "
+             "| eval set | prompts | new tokens, at most | chain τ | tree τ | prompt lookup τ | chain / prompt lookup | "
              + "".join(f"{method}, batch {size} | " for size, method in points).rstrip(" "),
-             "|---|---|---|---|---|---|" + "---|" * len(points)]
+             "|---|---|---|---|---|---|---|" + "---|" * len(points)]
     for name, s in result["sets"].items():
         cells = [f"{value:.2f}×" if (value := speedup(metrics, name, size, method)) else "–" for size, method in points]
         lines.append(f"| `{name}` | {s['prompts']} | {s['max_new_tokens']} | **{s['tau']:.2f}** | **{s['tree_tau']:.2f}** | "
-                     f"{s['ngram_tau']:.2f} |" + "".join(f" {cell} |" for cell in cells))
+                     f"{s['ngram_tau']:.2f} | {s['tau'] / s['ngram_tau']:.2f}× |" + "".join(f" {cell} |" for cell in cells))
     if points:
         lines += ["", below_one(metrics, points, list(result["sets"]))]
         unstable = [f"`{name}`" for name in result["sets"] if metrics.get(name, {}).get("unstable")]

@@ -53,6 +53,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -68,6 +69,12 @@ from eagle3.decoding.timing import median_spread
 from eagle3.evaluate import PARAMS, check_pair, load_eval_sets
 from eagle3.runner import stage_main
 from eagle3.settings import stage_params
+
+# The kit (benchmarks/offline/vllm_kit.sh) leaves flashinfer out. vLLM 0.26.0's sampler imports it to ask whether it may
+# sample with it unless told not to, and without it the engine's core process dies while loading and LLM() waits on it
+# with no further line (nine minutes on an H200, 2026-12-07). Set before vLLM is imported; the `vllm serve` that
+# generate_vllm.py starts inherits it.
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
                  "accepted": "vllm:spec_decode_num_accepted_tokens"}
