@@ -267,7 +267,7 @@ def test_a_source_entry_takes_the_keys_of_its_kind(tmp_path):
     params = compose(tmp_path)
     params.dataset.sources = [{"kind": "jsonl", "path": "data/sources/a.jsonl", "weight": 1, "folders": ["x"]}]
     with pytest.raises(UserError, match=r"^params.yaml: dataset.sources\[0\].folders: unknown key \(a jsonl source has "
-                                        r"\['kind', 'label', 'weight', 'path'\]\)$"):
+                                        r"\['kind', 'label', 'weight', 'match', 'path'\]\)$"):
         validate(params)
     params.dataset.sources = [{"kind": "hf", "name": "x", "spilt": "train"}]
     with pytest.raises(UserError, match=r"^params.yaml: dataset.sources\[0\].spilt: unknown key \(did you mean "
