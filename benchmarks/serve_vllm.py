@@ -64,9 +64,9 @@ from pathlib import Path
 
 from common import commit
 from eagle3.common import UserError, read_json, write_json
-from eagle3.decoding.settings import Settings
+from eagle3.decoding.inputs import check_pair, load_eval_sets
+from eagle3.decoding.settings import PARAMS, Settings
 from eagle3.decoding.timing import median_spread
-from eagle3.evaluate import PARAMS, check_pair, load_eval_sets
 from eagle3.runner import stage_main
 from eagle3.settings import stage_params
 

@@ -126,6 +126,15 @@ BAD = [
     ("extract.dtype=float16", "params.yaml: extract.dtype = 'float16': must be one of ['bfloat16', 'float8_e4m3fn']"),
     ("evaluate.sets=[heldout,mmlu]", "params.yaml: evaluate.sets = ['heldout', 'mmlu']: must be sets that dataset.eval_sets "
      "builds (['heldout', 'humaneval', 'math'])"),
+    ("dataset.eval_sets.heldout=0", "params.yaml: evaluate.sets = ['heldout', 'humaneval', 'math']: must be sets with prompts: "
+     "dataset.eval_sets gives ['heldout'] none; give them prompts, or list the others in evaluate.sets"),
+    # Not a number a run can use: every float setting is finite (the schema machinery's rule, not each key's).
+    ("train.lr=inf", "params.yaml: train.lr = inf: must be a finite number"),
+    ("train.lr=1e400", "params.yaml: train.lr = inf: must be a finite number"),  # YAML reads it as infinity
+    ("train.weight_decay=inf", "params.yaml: train.weight_decay = inf: must be a finite number"),
+    ("generate.temperature=inf", "params.yaml: generate.temperature = inf: must be a finite number"),
+    ("generate.sample_temperatures=[0.7,nan]", "params.yaml: generate.sample_temperatures[1] = nan: must be a finite number"),
+    ("+model.draft_head.rope_theta=-inf", "params.yaml: model.draft_head.rope_theta = -inf: must be a finite number"),
 ]
 
 
@@ -140,6 +149,8 @@ def test_the_committed_params_are_valid():
     validate(OmegaConf.load(ROOT / "params.yaml"))
 
 
+TRAIN = ["-m", "eagle3.train", "verifier", "merged", "hidden", "out", "--checkpoints", "ckpt", "--live", "live", "--nnodes", "1",
+         "--nproc-per-node", "1", "--rdzv-endpoint", "localhost:0"]
 STAGES = [  # what `dvc exp run -S key=value` hands a stage: params.yaml with the bad value, unchecked
     (["-m", "eagle3.prompts", "verifier", "out", "--sources", "sources"], "dataset.shards", ["000000-000032", "000040-001000"],
      "dataset.shards = ['000000-000032', '000040-001000']: must be contiguous ranges (one ends at 000032, the next "
@@ -148,11 +159,13 @@ STAGES = [  # what `dvc exp run -S key=value` hands a stage: params.yaml with th
      "generate.temperature = -1: must be a number >= 0"),
     (["-m", "eagle3.extract", "verifier", "generated", "out"], "model.aux_layers", [2, 27, 15],
      "model.aux_layers [2, 27, 15] must be 3 ascending layer ids >= 1 (and below the verifier's layer count)"),
-    (["-m", "eagle3.train", "verifier", "merged", "hidden", "out", "--checkpoints", "ckpt", "--live", "live", "--nnodes", "1",
-      "--nproc-per-node", "1", "--rdzv-endpoint", "localhost:0"],
-     "train.lr", -1, "train.lr = -1: must be a number > 0"),
+    (TRAIN, "train.lr", -1, "train.lr = -1: must be a number > 0"),
     (["-m", "eagle3.evaluate", "verifier", "drafter", "prompts", "out"], "evaluate.draft_tokens", 0,
      "evaluate.draft_tokens = 0: must be an integer >= 1"),
+    # A misspelt key of a stage's own section (`dvc repro -s` skips the params stage's check against conf/).
+    (["-m", "eagle3.generate", "verifier", "prompts.jsonl", "out"], "generate.temprature", 0.5,
+     "generate.temprature: unknown key (did you mean generate.temperature?)"),
+    (TRAIN, "train.lrr", 0.1, "train.lrr: unknown key (did you mean train.lr?)"),
 ]
 
 
@@ -217,6 +230,24 @@ def test_a_key_no_conf_file_declares_is_refused_in_one_line_and_nothing_is_writt
     assert list(tmp_path.iterdir()) == []
 
 
+MISSING = [  # a `~key` override removes what the chosen options compose, which a stage reads
+    ("~train.lr", "params.yaml: train.lr: missing (conf/ composes it for train=demo); set it, or recompose params.yaml "
+                  "with `eagle3 params`"),
+    ("~model.language_model.prefix", "params.yaml: model.language_model.prefix: missing (conf/ composes it for "
+                                     "model=smollm2-135m); set it, or recompose params.yaml with `eagle3 params`"),
+    ("~seed", "conf/: Interpolation key 'seed' not found"),  # generate.seed reads it: once a traceback
+]
+
+
+@pytest.mark.parametrize("override,message", MISSING, ids=[m[0] for m in MISSING])
+def test_a_key_the_chosen_options_compose_is_required_and_nothing_is_written(tmp_path, override, message):
+    out = tmp_path / "params.yaml"
+    with pytest.raises(UserError) as caught:
+        compose_params([override], conf_dir=CONF, output=out)
+    assert str(caught.value) == message
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_known_keys_are_those_conf_declares_in_any_option_of_the_group(tmp_path):
     """conf/ is the schema: a key one option declares is known with every option; a key added to a conf
     file is known at once; the open mappings take any entry."""
@@ -236,7 +267,7 @@ def test_a_source_entry_takes_the_keys_of_its_kind(tmp_path):
     params = compose(tmp_path)
     params.dataset.sources = [{"kind": "jsonl", "path": "data/sources/a.jsonl", "weight": 1, "folders": ["x"]}]
     with pytest.raises(UserError, match=r"^params.yaml: dataset.sources\[0\].folders: unknown key \(a jsonl source has "
-                                        r"\['kind', 'label', 'weight', 'path'\]\)$"):
+                                        r"\['kind', 'label', 'weight', 'match', 'path'\]\)$"):
         validate(params)
     params.dataset.sources = [{"kind": "hf", "name": "x", "spilt": "train"}]
     with pytest.raises(UserError, match=r"^params.yaml: dataset.sources\[0\].spilt: unknown key \(did you mean "

@@ -21,7 +21,8 @@ from eagle3.config import compose_params
 from eagle3.decoding.evaluation import Conversations, decode_phased, decode_tau, evaluate, phase_ends
 from eagle3.decoding.graphed import DecodeGraphs
 from eagle3.decoding.session import Session
-from eagle3.evaluate import check_pair, load_eval_sets, main
+from eagle3.decoding.inputs import check_pair, load_eval_sets
+from eagle3.evaluate import main
 from eagle3.lm.chat import prompt_ids
 from eagle3.lm.loading import load_tokenizer, load_verifier, read_meta
 from eagle3.decoding.acceptance import acceptance_stats, bucket_names, tau_by_position

@@ -2,8 +2,10 @@
 stale: real `dvc repro` in a temporary git repo (tiny random verifier, a local prompt file).
 
 DVC deletes a stage's outputs before running its command; `prompts`' and `evaluate`'s are `persist`ent,
-so DVC leaves them and the stage replaces them atomically only when it succeeds. A kill is still
-finished by the next `dvc repro` with the bytes of an uninterrupted run.
+so DVC leaves them and the stage replaces them atomically only when it succeeds. Whatever else a stage
+would refuse, the `params` stage refuses before DVC deletes anything; a stage run alone (`dvc repro -s`,
+no `params` first) says how to bring back what DVC deleted. A kill is still finished by the next
+`dvc repro` with the bytes of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
+from eagle3.params import RESTORE
 from support.pipeline import FAST, LOCAL_SOURCE, add_dataset, overrides, stage_lines, write_local_prompts
 from support.processes import kill_when, stage_processes, start_repro
 from support.repo import run
@@ -101,3 +106,71 @@ def test_an_unknown_key_and_a_refused_drafter_keep_the_trained_and_measured_outp
     assert "up to date" not in run(["dvc", "status", "evaluate"], repo).stdout
     run(["dvc", "checkout", "models/drafter"], repo)
     assert "up to date" in run(["dvc", "status", "evaluate"], repo).stdout
+
+
+TRAINED = ("models/verifier", "data/prompts", "data/generated", "data/hidden_states", "data/merged", "models/drafter",
+           "dvclive/train")
+BASE = ["dataset=quick", *FAST[1:]]  # `dvc exp run -S` composes from the defaults: repeat the choices
+STAGE_WOULD_REFUSE = [  # (-S overrides, the start of the one line): each once refused by a stage after DVC removed outputs
+    (["model=tiny-random", "~train.lr"], "params.yaml: train.lr: missing (conf/ composes it for train=debug)"),
+    (["model=tiny-random", "train.lr=inf"], "params.yaml: train.lr = inf: must be a finite number"),
+    (["model=tiny-random", "train.lr=1e400"], "params.yaml: train.lr = inf: must be a finite number"),
+    (["model=tiny-random", "train.weight_decay=inf"], "params.yaml: train.weight_decay = inf: must be a finite number"),
+    (["model=tiny-random", "generate.temperature=inf"], "params.yaml: generate.temperature = inf: must be a finite number"),
+    (["model=tiny-random", "model.source.kind=rnadom"],
+     "params.yaml: model.source.kind = 'rnadom': must be one of ['pypi-gguf', 'hf', 'random']"),
+    (["model=tiny-random", "model.source.tokenizer=/nonexistent/tokenizer"],
+     "model.source.tokenizer: /nonexistent/tokenizer is not an HF folder with a tokenizer"),
+    (["model=tiny-random", "model.source.kind=hf", "+model.source.id=/nonexistent/verifier"],
+     "model.source.id: folder /nonexistent/verifier does not exist"),
+    (["model=smollm2-135m", "model.source.file=missing.gguf"], "model.source: "),  # the GGUF's package, without the file
+    (["model=tiny-random", "dataset.eval_sets.heldout=0"], "params.yaml: evaluate.sets = ['heldout', 'humaneval', 'math']: "
+                                                          "must be sets with prompts"),
+] + ([] if torch.cuda.is_available() else [
+    (["model=tiny-random", "layout=gpu1"], "params.yaml: layout.device = 'cuda': this machine has no CUDA device"),
+])
+
+
+@pytest.mark.slow
+def test_what_a_stage_would_refuse_is_refused_before_dvc_removes_anything_or_named_with_its_mend(make_project):
+    repo = quick_project(make_project, *FAST[1:])
+    run(["dvc", "repro", "train"], repo)
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "trained"], repo)  # dvclive/train (uncached) with the lock file
+    good, lock = outputs(repo, TRAINED), (repo / "dvc.lock").read_bytes()
+
+    for bad, start in STAGE_WOULD_REFUSE:
+        refused = run(["dvc", "exp", "run", *overrides(*BASE, *bad)], repo, check=False)
+        assert refused.returncode != 0 and stage_lines(refused.stdout) == ["params"], (bad, refused.stdout, refused.stderr)
+        (line,) = error_lines(refused)
+        assert line.startswith(f"error: {start}") and line.endswith(RESTORE), (bad, line)
+        assert outputs(repo, TRAINED) == good and (repo / "dvc.lock").read_bytes() == lock, bad
+        run(["git", "checkout", "params.yaml"], repo)
+
+    # A line deleted by hand, and `dvc repro` (no -S).
+    params = repo / "params.yaml"
+    params.write_text("".join(line for line in params.read_text().splitlines(keepends=True) if not line.startswith("  lr: ")))
+    refused = run(["dvc", "repro"], repo, check=False)
+    assert stage_lines(refused.stdout) == ["params"] and error_lines(refused)[0].startswith("error: params.yaml: train.lr: missing")
+    assert outputs(repo, TRAINED) == good and (repo / "dvc.lock").read_bytes() == lock
+    run(["git", "checkout", "params.yaml"], repo)
+
+    # `dvc repro -s train` skips `params`: DVC removes train's outputs, then train refuses a misspelt key; its line
+    # names the two commands that bring them back, byte for byte.
+    misspelt = yaml.safe_load(params.read_text())
+    misspelt["train"]["lrr"] = 0.1
+    params.write_text(yaml.safe_dump(misspelt, sort_keys=False))
+
+    refused = run(["dvc", "repro", "-s", "train"], repo, check=False)
+    assert refused.returncode != 0 and stage_lines(refused.stdout) == ["train"], refused.stdout
+    (line,) = error_lines(refused)
+    assert line.startswith("error: params.yaml: train.lrr: unknown key (did you mean train.lr?); ") and line.endswith(
+        "; DVC removed train's outputs before running it: `dvc checkout train` brings back the recorded ones, "
+        "`git checkout dvclive/train` the uncached ones"), line
+    assert not (repo / "models" / "drafter").exists()  # what no check at the stage's start can keep
+
+    run(["git", "checkout", "params.yaml"], repo)
+    run(["dvc", "checkout", "train"], repo)
+    run(["git", "checkout", "dvclive/train"], repo)
+    assert outputs(repo, TRAINED) == good
+    assert "up to date" in run(["dvc", "status", "train"], repo).stdout

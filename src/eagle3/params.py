@@ -8,8 +8,10 @@ value left neither its old outputs nor new ones. This stage declares every secti
 so any change runs it first (``verifier``, and through it every stage, depends on its output),
 and a bad value stops the run here, before anything is removed. It checks what can be checked
 without running a stage: every key is one that conf/ declares (a misspelt ``train.lrr`` or a
-``+key`` no code reads is refused, not recorded in dvc.lock), every value, and the prompt sources'
-paths and weights. Its output's bytes are the same
+``+key`` no code reads is refused, not recorded in dvc.lock) and every key the chosen options
+compose is there (a ``~train.lr``), every value (finite ones), the verifier source (its kind, and
+the package file or folder it names), the layout's device on this machine (CUDA where there is
+none), and the prompt sources' paths and weights. Its output's bytes are the same
 for every valid params.yaml, so a valid change reruns only the stages that declare the key.
 """
 
@@ -25,9 +27,10 @@ from functools import partial
 from pathlib import Path
 
 from eagle3.common import UserError
-from eagle3.config import SCHEMAS, check_known_keys
+from eagle3.config import SCHEMAS, check_conf_keys
 from eagle3.prompt_sources.sources import check_local_sources, configured_sources, source_weights
 from eagle3.settings import StageParams, section, stage_params
+from eagle3.verifier_sources.check import require_source
 
 PARAMS = StageParams("seed", *map(section, SCHEMAS))  # = dvc.yaml: every section
 VALID = "params.yaml: valid (checked by the params stage: python -m eagle3.params)\n"
@@ -42,8 +45,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     try:
-        known_keys = partial(check_known_keys, conf_dir=args.conf, name=Path(args.params).name)
-        params = stage_params(PARAMS, args.params, whole=known_keys)
+        conf_keys = partial(check_conf_keys, conf_dir=args.conf, name=Path(args.params).name)
+        params = stage_params(PARAMS, args.params, whole=conf_keys)  # every key, value and this machine's device
+        require_source(params.model.source)
         sources = configured_sources(params.dataset)
         check_local_sources(sources, args.sources)
         source_weights(sources)

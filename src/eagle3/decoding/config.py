@@ -46,6 +46,11 @@ def _integers(v) -> bool:
     return isinstance(v, list) and all(integer(1)(x) for x in v)
 
 
+def _set_size(entry) -> int | None:
+    """The prompt count of a ``dataset.eval_sets`` entry (``n`` or ``{prompts: n, ...}``; DatasetSettings checks it)."""
+    return entry.get("prompts") if isinstance(entry, dict) else entry
+
+
 def _optional_int(value) -> int | None:
     return None if value is None else int(value)
 
@@ -93,6 +98,10 @@ class EvaluateConfig:
         built, chosen = get("dataset.eval_sets"), get("evaluate.sets")
         if ABSENT not in (built, chosen) and set(chosen) - set(built):
             raise refuse("evaluate.sets", chosen, f"sets that dataset.eval_sets builds ({sorted(built)})")
+        empty = [name for name in chosen if _set_size(built[name]) == 0] if ABSENT not in (built, chosen) else []
+        if empty:
+            raise refuse("evaluate.sets", chosen, f"sets with prompts: dataset.eval_sets gives {empty} none; give them "
+                         "prompts, or list the others in evaluate.sets")
         if get("evaluate.repeats") == 0 and get("evaluate.chain_sweep") not in (ABSENT, []):
             raise refuse("evaluate.chain_sweep", get("evaluate.chain_sweep"), "[] with evaluate.repeats 0 (nothing timed), "
                          "or set evaluate.repeats >= 1 to time the chains")

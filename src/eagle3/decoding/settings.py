@@ -1,7 +1,7 @@
 """What ``evaluate`` reads from params: its section (``config.EvaluateConfig``, the group's schema)
 and the layout (hardware only).
 
-    settings = Settings.from_params(stage_params(evaluate.PARAMS, "params.yaml"))
+    settings = Settings.from_params(stage_params(PARAMS, "params.yaml"))   # PARAMS: the keys (= evaluate's in dvc.yaml)
     settings.methods()   # {"plain": None, "chain": TreeShape.chain(K), "tree": ...}
 
 Why a module of its own: the timed decoding (``eagle3.decoding.timing``) is planned by these
@@ -15,8 +15,13 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from eagle3.decoding.config import EvaluateConfig, TreeShape
+from eagle3.layout import LayoutSettings
 from eagle3.lm.loading import Placement
-from eagle3.lm.spec import VerifierSpec
+from eagle3.lm.spec import ModelSettings, VerifierSpec
+from eagle3.settings import StageParams, keys_of, section
+
+PARAMS = StageParams(section(EvaluateConfig), keys_of(LayoutSettings, "device", "dtype", "threads", "verifier"),
+                     keys_of(ModelSettings, "stop", "trust_remote_code"))
 
 
 @dataclass(frozen=True, kw_only=True)

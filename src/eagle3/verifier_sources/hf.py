@@ -112,13 +112,22 @@ def sampled_digest(path: Path, sample: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def resolve_hf(source: DictConfig) -> Path:
-    """A local folder as is; a hub id through the HF cache (needs the hub, or HF_HUB_OFFLINE with a warm cache)."""
+def local_folder(source: DictConfig) -> Path | None:
+    """``model.source.id`` as a local folder, or None for a hub id; a path (absolute, or starting with
+    ".") naming no folder is refused."""
     local = Path(str(source.id)).expanduser()
     if local.is_dir():
         return local.resolve()
     if local.is_absolute() or str(source.id).startswith("."):
         raise UserError(f"model.source.id: folder {local} does not exist")
+    return None
+
+
+def resolve_hf(source: DictConfig) -> Path:
+    """A local folder as is; a hub id through the HF cache (needs the hub, or HF_HUB_OFFLINE with a warm cache)."""
+    local = local_folder(source)
+    if local is not None:
+        return local
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 

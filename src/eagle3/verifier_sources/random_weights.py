@@ -22,9 +22,7 @@ def build_random(source: DictConfig, out: Path, trust_remote_code: bool = False,
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer_dir = Path(str(source.tokenizer))
-    if not tokenizer_dir.is_dir():
-        raise UserError(f"model.source.tokenizer: {tokenizer_dir} is not an HF folder with a tokenizer")
+    tokenizer_dir = tokenizer_folder(source)
     wrapper = to_plain(source.config)
     text = dict(wrapper[lm.config]) if lm.config else dict(wrapper)
     if lm.model_type:
@@ -35,6 +33,14 @@ def build_random(source: DictConfig, out: Path, trust_remote_code: bool = False,
     if lm.nested:
         nest_checkpoint(out, wrapper, lm)
     AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code).save_pretrained(out)
+
+
+def tokenizer_folder(source: DictConfig) -> Path:
+    """The folder ``model.source.tokenizer`` names, refused when it is not one."""
+    folder = Path(str(source.tokenizer))
+    if not folder.is_dir():
+        raise UserError(f"model.source.tokenizer: {folder} is not an HF folder with a tokenizer")
+    return folder
 
 
 def random_identity(source: DictConfig) -> dict[str, Any]:
