@@ -18,6 +18,11 @@ def train_outs(repo: Path) -> list[dict]:
     return yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["train"]["outs"]
 
 
+# What every refusal of `dvc repro -s train` ends with: DVC removed train's outputs before the stage refused.
+RESTORE_TRAIN = ("DVC removed train's outputs before running it: `dvc checkout train` brings back the recorded ones, "
+                 "`git checkout dvclive/train` the uncached ones")
+
+
 @pytest.mark.slow
 def test_an_in_range_flip_of_a_hidden_state_is_refused_before_training(tmp_path, tiny_verifier_dir, tiny_model_params):
     repo = make_repo(tmp_path, tiny_verifier_dir, tiny_model_params, stages=("extract", "merge", "train"))
@@ -41,8 +46,8 @@ def test_an_in_range_flip_of_a_hidden_state_is_refused_before_training(tmp_path,
     assert refused.returncode != 0
     (line,) = [line for line in (refused.stdout + refused.stderr).splitlines() if line.startswith("error:")]
     assert line.startswith(f"error: data/hidden_states/{SHARDS[0]}/{part.name} has sha256 "), line
-    assert line.endswith(f"re-extract it (`dvc repro -f extract@{SHARDS[0]}`) or restore it "
-                         f"(`dvc checkout --force data/hidden_states/{SHARDS[0]}`)"), line
+    assert (f"re-extract it (`dvc repro -f extract@{SHARDS[0]}`) or restore it "
+            f"(`dvc checkout --force data/hidden_states/{SHARDS[0]}`); " + RESTORE_TRAIN) in line, line
     assert train_outs(repo) == recorded  # dvc.lock never records a drafter trained on the damage
 
     run(["dvc", "checkout", "--force", f"data/hidden_states/{SHARDS[0]}"], repo)  # what the line says restores it
@@ -60,8 +65,8 @@ def test_an_in_range_flip_of_a_hidden_state_is_refused_before_training(tmp_path,
     (line,) = [line for line in (refused.stdout + refused.stderr).splitlines() if line.startswith("error:")]
     folder, twin = f"data/hidden_states/{SHARDS[0]}", twin.relative_to(repo)
     assert f"its DVC cache object {twin} is the same file" in line and "as root a write ignores" in line, line
-    assert line.endswith(f"remove both (`rm -f {folder}/{part.name} {twin}`), then re-extract (`dvc repro -f extract@{SHARDS[0]}`) "
-                         f"or pull a copy pushed before the damage (`dvc pull --force {folder}`)"), line
+    assert (f"remove both (`rm -f {folder}/{part.name} {twin}`), then re-extract (`dvc repro -f extract@{SHARDS[0]}`) "
+            f"or pull a copy pushed before the damage (`dvc pull --force {folder}`); " + RESTORE_TRAIN) in line, line
     run(["rm", "-f", f"{folder}/{part.name}", str(twin)], repo)
     run(["dvc", "repro", "-f", f"extract@{SHARDS[0]}"], repo)
     run(["dvc", "repro", "-f", "-s", "train"], repo)
