@@ -3,9 +3,9 @@ on the same prompts, tokens/s with and without the drafter at several requests i
 equal to plain decoding's.
 
     PYTHONPATH=src:/root/vllm-site:/root/site python benchmarks/serve_vllm.py /root/run \\
-        --out benchmarks/results/serve_vllm_10k.json --commit <sha> [--sets mtbench heldout] [--ks 3 5 7] \\
+        --out benchmarks/results/serve_vllm_20k.json --commit <sha> [--sets mtbench heldout] [--ks 3 5 7] \\
         [--concurrency 1 16 64] [--repeats 3]
-    python benchmarks/serve_vllm.py --speedup-table benchmarks/results/serve_vllm_10k.json   # docs/serving.md's table
+    python benchmarks/serve_vllm.py --speedup-table benchmarks/results/serve_vllm_20k.json   # docs/serving.md's table
 
 RUN is a finished ``dvc repro`` (benchmarks/offline/pipeline_run.sh): ``models/verifier``, ``models/drafter``,
 ``data/prompts/eval/<set>.jsonl``, ``dvclive/evaluate/metrics.json`` and the ``params.yaml`` it ran with, whose
