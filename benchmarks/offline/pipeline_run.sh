@@ -25,6 +25,9 @@
 # train's rate with. A failure there is logged (RUN/logs/peer_tau.log) and the variants go on. Its work folder (RUN/peer:
 # the hidden states again, in the peer's format) is removed once the rate is measured.
 #
+# HOLD_VARIANTS=1: the variants wait, once the first run has succeeded, until RUN/logs/variants.hold is removed, so
+# that something else can have the GPU to itself in between (benchmarks/serve_vllm.py's timings on the first run).
+#
 # VARIANTS: more runs after the first in the same job, '|'-separated override sets added to OVERRIDES, e.g.
 #   VARIANTS="-S train.epochs=7|-S generate.max_new_tokens=256"
 # each a run folder of its own, RUN/variants/<n> (its logs, report and metrics as RUN's), started once the first
@@ -97,6 +100,7 @@ if [ "${1:-}" = --job ]; then  # the detached job itself (below: `setsid ... "$0
   pipeline "$prompts"
   code=$?
   [ "$code" = 0 ] && peer_rate
+  while [ "$code" = 0 ] && [ -f logs/variants.hold ]; do sleep 5; done
   for variant in variants/*/; do
     [ "$code" = 0 ] && [ -d "$variant" ] || break
     if [ -f "$variant/logs/linked" ]; then
@@ -154,6 +158,7 @@ if [ ! -d "$run/.dvc" ]; then  # a fresh run folder
   # the job runs from its own copy: a device call re-copies the repository while the job runs
   mkdir -p "$run/tools/benchmarks" && cp "$here/pipeline_run.sh" "$here/stamp.py" "$here/gpu_sampler.py" "$run/tools/"
   cp "$here"/../*.py "$run/tools/benchmarks/" && cp -r "$here" "$run/tools/benchmarks/offline"  # peer_tau.py and its imports
+  [ -z "${HOLD_VARIANTS:-}" ] || touch "$run/logs/variants.hold"
   [ -z "${PEER_RATE:-}" ] || echo "${PEER_STEPS:-1000}" > "$run/logs/peer_rate.wanted"
   if [ -n "$prompts" ]; then
     tar -xzf "$prompts" -O params.yaml | cmp -s - "$run/params.yaml" \
