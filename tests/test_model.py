@@ -15,7 +15,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from eagle3.drafter import attention, model, rope
 from eagle3.training import loss
-from eagle3.drafter.attention import KVCache, cached_attention, document_block_mask, masked_attention
+from eagle3.drafter.attention import KVCache, cached_attention, document_block_mask, masked_attention, rows_attention
 from eagle3.drafter.model import DraftConfig
 from eagle3.drafter.rope import rope_frequencies
 from support.reference import explicit_attention
@@ -295,3 +295,25 @@ def test_fused_functions_compile_whole_and_match_eager(case):
     grads = torch.autograd.grad(sum(g.float().sum() for g in got), inputs)
     for g, w in zip(grads, torch.autograd.grad(sum(w.float().sum() for w in want), copies)):
         torch.testing.assert_close(g, w)
+
+
+def test_masked_attention_by_row_slices_equals_all_rows_at_once(monkeypatch):
+    """Scores past SCORES_LIMIT go a slice of query rows at a time (a long prompt's prefill at batch 64 ran an H100 out
+    of memory): the same outputs and log-sum-exps, for a causal, packed and a bool-masked query alike."""
+    torch.manual_seed(0)
+    B, nh, nkv, T, hd = 2, 4, 2, 37, 16
+    q, k, v = torch.randn(B, nh, T, hd), torch.randn(B, nkv, T, hd), torch.randn(B, nkv, T, hd)
+    starts = packed_starts(T)
+    holes = torch.rand(B, 1, 1, T, T) > 0.3
+    holes |= torch.eye(T, dtype=torch.bool)  # every query sees its own key
+    cases = [(torch.arange(T), None), (torch.arange(T), starts), (holes, None)]
+    whole = [masked_attention(q, k, v, last, first) for last, first in cases]
+    monkeypatch.setattr(attention, "SCORES_LIMIT", B * nh * T * 5)  # five rows a slice: 8 slices, the last of 2
+    slices = []
+    monkeypatch.setattr(attention, "rows_attention", lambda q, *rest: slices.append(q.shape[2]) or rows_attention(q, *rest))
+    for (last, first), (out, lse) in zip(cases, whole):
+        slices.clear()
+        sliced_out, sliced_lse = masked_attention(q, k, v, last, first)
+        assert slices == [5] * 7 + [2]
+        torch.testing.assert_close(sliced_out, out, rtol=0, atol=0)
+        torch.testing.assert_close(sliced_lse, lse, rtol=0, atol=0)

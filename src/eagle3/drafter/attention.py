@@ -85,6 +85,9 @@ class KVCache:
         return rows
 
 
+SCORES_LIMIT = 2**28  # fp32 scores (1 GiB) that one matmul of ``masked_attention`` may hold; more go by query rows
+
+
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor, first: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """q [B, nh, R, hd] over keys first[b, r]..last[r] of k, v [B, nkv, S, hd] -> (out [B, nh, R, hd], lse [B, nh, R] fp32).
 
@@ -92,7 +95,22 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor, first: Tenso
     its own key (first <= last), so no row of scores is all -inf. ``last`` may instead be a bool
     mask of the visible keys, [B, 1, 1, R, S] (batched decoding, where each sequence of the batch
     has its own holes: padding, rejected drafts).
+
+    Scores of more than ``SCORES_LIMIT`` elements are computed a slice of query rows at a time (each row's softmax is
+    its own, so the result is the same): the prefill of 64 prompts of 2,048 tokens would otherwise hold three copies of
+    [64, nh, 2048, 2304] fp32 scores, 17.6 GiB each for SmolLM2, more than an H100 had left beside the verifier.
     """
+    B, nh, R, _ = q.shape
+    rows = max(1, SCORES_LIMIT // (B * nh * k.shape[2]))
+    if R <= rows:
+        return rows_attention(q, k, v, last, first)
+    parts = [rows_attention(q[:, :, i:i + rows], k, v, last[..., i:i + rows, :] if last.dtype == torch.bool else last[i:i + rows],
+                            None if first is None else first[:, i:i + rows]) for i in range(0, R, rows)]
+    return torch.cat([out for out, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
+
+
+def rows_attention(q: Tensor, k: Tensor, v: Tensor, last: Tensor, first: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``masked_attention`` of every query row at once."""
     B, nh, R, hd = q.shape
     nkv = k.shape[1]
     qg = q.view(B, nkv, nh // nkv, R, hd)  # query head h uses KV head h // (nh / nkv)
