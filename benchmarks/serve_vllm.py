@@ -75,6 +75,9 @@ from eagle3.settings import stage_params
 # with no further line (nine minutes on an H200, 2026-12-07). Set before vLLM is imported; the `vllm serve` that
 # generate_vllm.py starts inherits it.
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+# The engine's core is a process of its own; forked from this one, which has touched CUDA by then, it died at once
+# ("Cannot re-initialize CUDA in forked subprocess", one H100, 2026-12-07). Spawned, it starts clean.
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
                  "accepted": "vllm:spec_decode_num_accepted_tokens"}
@@ -278,7 +281,8 @@ def speedup_table(results: dict, source: str) -> str:
     note = (f"Greedy, up to {results['max_new_tokens']} new tokens, {results['turns']}. Speedup: tokens/s with the drafter "
             f"over plain decoding's on the same prompts, the median of {results['repeats']} repeats (in brackets their "
             f"spread, (max - min) / median); C requests submitted at once, over max(C, {results['timed_prompts']}) prompts.")
-    return "\n".join([*lines, "", *textwrap.wrap(note, 118)])
+    notes = [line for text in results.get("notes", []) for line in ["", *textwrap.wrap(text, 118)]]  # what the run lacked
+    return "\n".join([*lines, "", *textwrap.wrap(note, 118), *notes])
 
 
 # --- the engine (on the GPU host) --------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ the scripted OpenAI stand-in (tests/support/openai_standin.py), answering "answe
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import socket
 import subprocess
@@ -15,6 +16,9 @@ from omegaconf import OmegaConf
 
 from support.models import tiny_model_spec
 from support.repo import ROOT, project_params, with_sources
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import generate_vllm  # noqa: E402  (a script beside the benchmarks it imports)
 
 SCRIPT = ROOT / "benchmarks" / "generate_vllm.py"
 STANDIN = "{python} " + str(ROOT / "tests" / "support" / "openai_standin.py") + " --model-path {verifier} --port {port}"
@@ -55,10 +59,12 @@ def tiny_run(folder: Path, verifier: Path) -> Path:
 
 
 def test_generate_through_a_started_server_is_compared_with_the_local_answers(tmp_path, tiny_verifier_dir):
+    """Started as the docstring says, from the checkout with ``PYTHONPATH=src`` (relative: the stage runs elsewhere)."""
     run = tiny_run(tmp_path / "run", tiny_verifier_dir)
     out, port = tmp_path / "generate_vllm.json", free_port()
-    done = subprocess.run([sys.executable, str(SCRIPT), str(run), "--out", str(out), "--port", str(port), "--server", STANDIN,
-                           "--drafter-k", "7"], cwd=tmp_path, env=with_sources(), capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, ["src", os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(SCRIPT.relative_to(ROOT)), str(run), "--out", str(out), "--port", str(port),
+                           "--server", STANDIN, "--drafter-k", "7"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     spec = shlex.split(result["server"])[-1]  # the server's last argument: vLLM's speculative config, as the docs give it
@@ -81,3 +87,11 @@ def test_a_server_that_never_gets_ready_is_one_line_and_no_results(tmp_path, tin
                           text=True, timeout=300)
     assert done.returncode != 0 and "Traceback" not in done.stderr and not out.exists()
     assert done.stderr.strip().splitlines()[-1].startswith("error: the server exited (3) before it was ready")
+
+
+def test_the_stage_gets_pythonpath_folders_it_can_find_from_its_own_folder(monkeypatch, tmp_path):
+    """The stage runs from the work folder: a relative PYTHONPATH (the docstring's ``src``) named nothing there and the
+    stage died on "No module named 'eagle3'" where the project is not installed (a GPU host's carried wheels)."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["src", "", "/root/vllm-site"]))
+    assert generate_vllm.absolute_pythonpath()["PYTHONPATH"] == os.pathsep.join([str(ROOT / "src"), "/root/vllm-site"])

@@ -167,6 +167,13 @@ def test_the_speedup_table_has_a_row_per_set_and_k_and_a_column_per_concurrency(
     assert max(map(len, table)) <= 200  # docs/serving.md's lines (tests/test_docs.py)
 
 
+def test_the_results_notes_follow_the_table():
+    """What a run lacked, written into its JSON by hand (``notes``), is printed under the table, a paragraph each."""
+    results = served_results() | {"notes": ["The first note.", "The second note."]}
+    table = serve_vllm.speedup_table(results, "results.json")
+    assert table.endswith("submitted at once, over max(C, 8) prompts.\n\nThe first note.\n\nThe second note.")
+
+
 GENERATED = re.compile(r"^<!-- generated: serve_vllm.py --speedup-table -->\n(.*?)\n<!-- end generated -->$", re.M | re.S)
 RESULTS = ROOT / "benchmarks" / "results" / "serve_vllm_20k.json"
 
