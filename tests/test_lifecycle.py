@@ -14,7 +14,7 @@ from support.pipeline import LOCAL_SOURCE, add_dataset, write_local_prompts
 from support.repo import run
 from eagle3.config import compose_params
 from eagle3.lifecycle.s3 import ServerHome, stop
-from support.local_s3 import add_remote, cache_objects, file_hashes, local_s3, lock_objects  # noqa: F401
+from support.local_s3 import add_remote, cache_objects, file_hashes, free_port, local_s3, lock_objects  # noqa: F401
 
 TARGET = "extract"  # the stages up to the hidden states, the artifact gc is about
 SMALL = {"name": "small", "shards": ["000000-000006"], **LOCAL_SOURCE}
@@ -99,3 +99,32 @@ def test_gc_with_the_s3_server_down_is_one_line_and_deletes_nothing(tmp_path, lo
     assert cache_objects(repo) == before
     pushed = subprocess.run([sys.executable, "-m", "eagle3.cli", "push"], cwd=repo, capture_output=True, text=True)
     assert pushed.returncode == 1 and pushed.stderr.splitlines() == result.stderr.splitlines(), pushed.stderr
+
+
+def test_ctrl_c_while_the_s3_server_starts_leaves_no_rclone_behind(tmp_path, monkeypatch, capsys):
+    """rclone runs in a session of its own (Ctrl-C in the terminal does not reach it): interrupted before the server
+    answered, `eagle3 s3 serve` stops it, says so in one line and exits 130. The Ctrl-C is raised where the command
+    waits for the server (a real one cannot be timed to land there)."""
+    from eagle3 import cli
+    from eagle3.lifecycle import s3
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    run(["git", "init", "-q"], repo)
+    run(["dvc", "init", "-q"], repo)
+    add_remote(repo)
+    started = []
+
+    def interrupted(process, *args):
+        started.append(process)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(s3, "wait_ready", interrupted)
+    monkeypatch.chdir(repo)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["s3", "serve", "--background", "--addr", f"127.0.0.1:{free_port()}"])
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["eagle3 s3: interrupted (Ctrl-C)"]
+    (process,) = started
+    assert process.wait(timeout=10) is not None  # rclone was stopped
+    assert not ServerHome(repo / ".eagle3" / "s3").state.exists()

@@ -298,8 +298,11 @@ def serve(args: argparse.Namespace) -> None:
     try:
         wait_ready(process, endpoint, creds, home.log)
         create_bucket(endpoint, creds, urlparse(url).netloc)
-    except UserError:
-        stop(home)
+    except (UserError, KeyboardInterrupt):  # Ctrl-C too: rclone runs in a session of its own, which Ctrl-C does not reach
+        # by its handle, not `stop`: a process just started may show an empty /proc cmdline, which `running_pid` reads
+        process.kill()
+        process.wait()
+        home.state.unlink(missing_ok=True)
         raise
     print(f"serving {url} for remote {remote!r} at {endpoint} (pid {process.pid}, data in {home.data})")
     if args.background:
