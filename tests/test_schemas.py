@@ -17,11 +17,12 @@ from omegaconf import OmegaConf
 
 from eagle3.common import UserError
 from eagle3.config import REFERENCE_COMMAND, SCHEMAS, conf_schema, field_notes, params_reference, validate
+from eagle3.decoding.config import EvaluateConfig, TreeShape
 from eagle3.lm.spec import ModelSettings
-from eagle3.schema import ABSENT, POSITIVE, check_schema, setting
+from eagle3.schema import ABSENT, POSITIVE, check_schema, read_section, setting
 from eagle3.settings import OPTION_NAME, TOP_LEVEL, StageParams, keys_of, section
 from eagle3.training.config import TrainConfig
-from support.repo import ROOT
+from support.repo import ROOT, project_params
 
 
 def test_every_conf_group_has_one_schema_and_every_other_key_a_top_level_check():
@@ -180,6 +181,18 @@ def test_a_schema_checks_only_the_keys_a_view_holds():
     check_schema(Probe, lambda key: ABSENT)  # nothing held: nothing refused
     with pytest.raises(UserError, match=r"^params.yaml: probe.rows = 0: must be an integer >= 1$"):
         check_schema(Probe, {"probe.rows": 0}.get)
+
+
+def test_a_section_is_read_as_its_schema_declares():
+    """``read_section``: each field as its ``read`` says, the option's name left out, a missing key one line."""
+    assert read_section(Probe, {"name": "small", "rows": 3}) == Probe(rows=3)
+    with pytest.raises(UserError, match=r"^params.yaml: probe.rows: missing; set it, or recompose params.yaml with `eagle3 params`$"):
+        read_section(Probe, {"name": "small"})
+    evaluate = EvaluateConfig.from_params(project_params().evaluate)
+    assert isinstance(evaluate.batch_sizes, tuple) and isinstance(evaluate.sets, tuple)
+    assert evaluate.tree is None or isinstance(evaluate.tree, TreeShape)
+    assert read_section(EvaluateConfig, {**project_params().evaluate, "tree": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3}}
+                        ).tree == TreeShape.chain(2)
 
 
 @dataclass(frozen=True)
