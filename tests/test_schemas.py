@@ -99,6 +99,19 @@ def test_no_key_is_declared_by_two_schemas():
     assert not owners, "classes declaring settings outside config.SCHEMAS:\n" + "\n".join(owners)
 
 
+RECEIVED = {"hidden_states/capture.py": "Settings", "backends/base.py": "Generation", "decoding/settings.py": "Settings"}
+
+
+def test_every_field_a_stage_s_function_receives_names_its_key():
+    """capture.Settings, Generation and evaluate's Settings hold params values under the code's names: each field's
+    comment names the key it holds (``workers: int  # layout.extract_workers``), so none is a key's second name."""
+    groups = "|".join([schema.GROUP for schema in SCHEMAS] + list(TOP_LEVEL))
+    unnamed = [f"{path}: {owner}.{name}" for path, cls in RECEIVED.items()
+               for owner, name, line in class_fields(ROOT / "src" / "eagle3" / path)
+               if owner == cls and not re.search(rf"#.*\b(?:{groups})\.\w+", line)]
+    assert not unnamed, "fields naming no key:\n" + "\n".join(unnamed)
+
+
 def test_a_field_names_only_keys_a_schema_declares():
     """A field of an object a stage's function receives names the key it holds (``# extract.dtype``): a key that no
     schema declares (renamed, removed) is a stale second name for one."""
