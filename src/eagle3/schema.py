@@ -12,6 +12,7 @@ rules in its ``relations``. ``eagle3.config.validate`` runs every schema over th
             ...
 
     check_schema(ExtractSettings, get)   # get("extract.max_length"): the value, or ABSENT
+    read_section(ExtractSettings, params.extract)   # the section as an ExtractSettings, each field as its read says
 
 Why here and not in config.py: a key's type, bounds and rules are declared once, where the code
 that reads the key can see them; config.py composes the groups and cuts each stage's view.
@@ -22,12 +23,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import field, fields
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
-from eagle3.common import UserError
+from eagle3.common import UserError, to_plain
 
 ABSENT = object()  # what a Lookup gives for a key the view does not hold
 Lookup = Callable[[str], Any]  # a dotted key's plain value in the params view, or ABSENT
+Schema = TypeVar("Schema")
 
 
 class Check(NamedTuple):
@@ -42,6 +44,24 @@ def setting(check: Check | None = None, read: Callable[[Any], Any] | None = None
     second value) and with the check of its values; None: any value of the field's type passes. ``read``:
     how the code takes the value (e.g. a list as a tuple; ``lm.spec.VerifierSpec``), None: as it is."""
     return field(metadata={"check": check, "read": read})
+
+
+def read_section(schema: type[Schema], section: Any) -> Schema:
+    """``schema``'s group ``section`` (a params view's, checked by the schema) as a ``schema``: each field's value taken as
+    its ``read`` says. A key the section lacks is refused in one line (a stage run alone with a ``~train.lr`` override:
+    `dvc repro -s` skips the params stage, which compares the keys with conf/); one it has besides its fields (the
+    option's ``name``) is not read, and a misspelt one was refused by the stage's own key check
+    (``settings.check_section_keys``)."""
+    values = to_plain(section)
+    missing = [item.name for item in fields(schema) if item.name not in values]
+    if missing:
+        raise UserError(f"params.yaml: {schema.GROUP}.{missing[0]}: missing; set it, or recompose params.yaml with "
+                        "`eagle3 params`")
+    return schema(**{item.name: (item.metadata["read"] or _as_is)(values[item.name]) for item in fields(schema)})
+
+
+def _as_is(value: Any) -> Any:
+    return value
 
 
 def integer(low: int) -> Callable[[Any], bool]:

@@ -12,7 +12,9 @@ from typing import Protocol
 
 from omegaconf import DictConfig
 
+from eagle3.backends.config import GenerateSettings
 from eagle3.lm.spec import VerifierSpec
+from eagle3.schema import read_section
 
 # The model keys a backend that starts its own server launches it with (sglang: --reasoning-parser,
 # --trust-remote-code, --chat-template): they change its answers, so they count as its settings.
@@ -37,12 +39,9 @@ class Generation:
 
     @classmethod
     def from_params(cls, generate: DictConfig, spec: VerifierSpec) -> Generation:
-        tags = generate.think_tags
-        return cls(name=str(generate.name), max_new_tokens=int(generate.max_new_tokens), temperature=float(generate.temperature),
-                   top_p=float(generate.top_p), seed=int(generate.seed),
-                   think_tags=None if tags is None else tuple(str(t) for t in tags), context=spec.max_position_embeddings,
-                   stop=spec.stop, trust_remote_code=spec.trust_remote_code, samples=int(generate.samples),
-                   sample_temperatures=tuple(float(t) for t in generate.sample_temperatures))
+        """The ``generate`` section, read as ``GenerateSettings`` declares it, and the model keys of ``spec``."""
+        return cls(name=str(generate.name), **vars(read_section(GenerateSettings, generate)), context=spec.max_position_embeddings,
+                   stop=spec.stop, trust_remote_code=spec.trust_remote_code)
 
     def temperature_of(self, sample: int) -> float:
         """Answer 0 of a prompt samples at ``temperature``, answer k >= 1 at ``sample_temperatures[(k - 1) % len]``.

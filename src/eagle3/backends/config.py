@@ -60,18 +60,18 @@ class BackendSettings:
 
 @dataclass(frozen=True)
 class GenerateSettings:
-    """One field per key of conf/generate/*.yaml (read by ``base.Generation.from_params``, which also
-    takes the verifier's context, stop strings and remote code from the model's spec)."""
+    """One field per key of conf/generate/*.yaml (read into ``base.Generation``, which also takes the verifier's
+    context, stop strings and remote code from the model's spec)."""
 
     GROUP: ClassVar[str] = "generate"
 
     max_new_tokens: int = setting(POSITIVE)  # answer length cap (relations: below the verifier's context)
-    temperature: float = setting(NON_NEGATIVE_NUMBER)  # of a prompt's first answer: 0 greedy
-    top_p: float = setting(FRACTION_ABOVE_0)  # nucleus sampling mass
+    temperature: float = setting(NON_NEGATIVE_NUMBER, read=float)  # of a prompt's first answer: 0 greedy
+    top_p: float = setting(FRACTION_ABOVE_0, read=float)  # nucleus sampling mass
     seed: int = setting()  # the top-level seed's value, checked there
     samples: int = setting(POSITIVE)  # answers per prompt, each its own record
-    sample_temperatures: list = setting(TEMPERATURES)  # of the answers after the first, cycled
-    think_tags: list | None = setting()  # raw reasoning markup split out of an answer; null: never split
+    sample_temperatures: tuple[float, ...] = setting(TEMPERATURES, read=lambda v: tuple(float(t) for t in v))  # of the answers after the first, cycled
+    think_tags: tuple[str, str] | None = setting(read=lambda v: None if v is None else tuple(str(t) for t in v))  # raw reasoning markup split out of an answer; null: never split
 
     @staticmethod
     def relations(get: Lookup) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from eagle3.common import UserError
-from eagle3.schema import ABSENT, BOOL, NON_NEGATIVE, POSITIVE, SOME_OR_ALL, Check, Lookup, integer, or_null, refuse, setting
+from eagle3.schema import ABSENT, BOOL, NON_NEGATIVE, POSITIVE, SOME_OR_ALL, Check, Lookup, integer, or_null, read_section, refuse, setting
 
 TREE_KEYS = ("num_steps", "topk", "num_draft_tokens")
 
@@ -51,8 +51,8 @@ def _set_size(entry) -> int | None:
     return entry.get("prompts") if isinstance(entry, dict) else entry
 
 
-def _optional_int(value) -> int | None:
-    return None if value is None else int(value)
+def _tree(value: dict | None) -> TreeShape | None:
+    return None if value is None else TreeShape(**{key: value[key] for key in TREE_KEYS})
 
 
 TREE = Check(or_null(lambda v: isinstance(v, dict) and set(v) == set(TREE_KEYS) and all(integer(0)(v[key]) for key in TREE_KEYS)),
@@ -73,16 +73,16 @@ class EvaluateConfig:
     GROUP: ClassVar[str] = "evaluate"
 
     draft_tokens: int = setting(POSITIVE)  # K: chain drafts per verifier forward
-    tree: TreeShape | None = setting(TREE)  # SGLang's draft tree (num_steps, topk, num_draft_tokens); None: chain only
-    batch_sizes: tuple[int, ...] = setting(SIZES)  # prompts decoded together, one timing per size; τ and outputs at the largest
+    tree: TreeShape | None = setting(TREE, read=_tree)  # SGLang's draft tree (num_steps, topk, num_draft_tokens); None: chain only
+    batch_sizes: tuple[int, ...] = setting(SIZES, read=tuple)  # prompts decoded together, one timing per size; τ and outputs at the largest
     repeats: int = setting(NON_NEGATIVE)  # timings per batch size (median, spread); 1: no spread, no speedup metric; 0: τ alone
     timed_prompts: int | None = setting(SOME_OR_ALL)  # timings at batch size B on a set's first max(this, B) prompts; None: all
     timed_new_tokens: int | None = setting(TOKENS_OR_ALL)  # tokens per prompt in the timings (at most max_new_tokens); None: max_new_tokens
     cuda_graphs: bool = setting(BOOL)  # on a GPU, static caches and captured steps (``eagle3.decoding.graphed``); False: eager
-    chain_sweep: tuple[int, ...] = setting(CHAINS)  # chain K also timed, on every set at the first batch size (the best K)
+    chain_sweep: tuple[int, ...] = setting(CHAINS, read=tuple)  # chain K also timed, on every set at the first batch size (the best K)
     max_new_tokens: int = setting(POSITIVE)  # tokens generated per prompt in the τ decode (fewer at EOS)
-    position_buckets: tuple[int, ...] = setting(EDGES)  # edges of τ's answer-position buckets, e.g. (64, 256): 0-64, 64-256, 256+
-    sets: tuple[str, ...] = setting(NAMES)  # eval sets: data/prompts/eval/<set>.jsonl
+    position_buckets: tuple[int, ...] = setting(EDGES, read=tuple)  # edges of τ's answer-position buckets, e.g. (64, 256): 0-64, 64-256, 256+
+    sets: tuple[str, ...] = setting(NAMES, read=tuple)  # eval sets: data/prompts/eval/<set>.jsonl
     max_prompts: int | None = setting(SOME_OR_ALL)  # at most this many prompts per set (file order); None: all
     baseline: bool = setting(BOOL)  # also replay the most-frequent-token and n-gram baselines
 
@@ -108,15 +108,6 @@ class EvaluateConfig:
 
     @classmethod
     def from_params(cls, section) -> EvaluateConfig:
-        """The section's values as decoding uses them (lists as tuples, the tree as a ``TreeShape``);
-        validated by config.validate (stage_params), the tree's shape included."""
-        tree = section.tree
-        return cls(
-            draft_tokens=int(section.draft_tokens),
-            tree=None if tree is None else TreeShape(int(tree.num_steps), int(tree.topk), int(tree.num_draft_tokens)),
-            batch_sizes=tuple(map(int, section.batch_sizes)), repeats=int(section.repeats),
-            timed_prompts=_optional_int(section.timed_prompts), timed_new_tokens=_optional_int(section.timed_new_tokens),
-            cuda_graphs=bool(section.cuda_graphs), chain_sweep=tuple(map(int, section.chain_sweep)),
-            max_new_tokens=int(section.max_new_tokens), position_buckets=tuple(map(int, section.position_buckets)),
-            sets=tuple(section.sets), max_prompts=_optional_int(section.max_prompts), baseline=bool(section.baseline),
-        )
+        """The section's values as decoding uses them (lists as tuples, the tree as a ``TreeShape``); validated by the
+        schema (stage_params), the tree's shape included."""
+        return read_section(cls, section)

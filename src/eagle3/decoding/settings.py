@@ -29,11 +29,11 @@ class Settings(EvaluateConfig):
     """What ``evaluate`` reads from params: its section (the fields of ``EvaluateConfig``) and the
     layout (hardware only)."""
 
-    device: str
-    dtype: str
-    threads: int
+    device: str  # layout.device
+    dtype: str  # layout.dtype
+    threads: int  # layout.threads
     stop: tuple[str, ...]  # model.stop (decoding stops there, as generation did)
-    trust_remote_code: bool
+    trust_remote_code: bool  # model.trust_remote_code
     placement: Placement  # layout.verifier: tp > 1 decodes with one copy sharded over tp torchrun processes
 
     @classmethod

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,10 +19,12 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from eagle3.common import Spent, UserError
+from eagle3.hidden_states.config import ExtractSettings
 from eagle3.hidden_states.samples import Sample
 from eagle3.hidden_states.storage import PartWriter, decode_states, encode_states
 from eagle3.lm.loading import Placement
 from eagle3.lm.spec import VerifierSpec, tapped_features
+from eagle3.schema import read_section
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +54,15 @@ class Settings:
                             f"processes (GPUs), layout.extract_workers is {layout.extract_workers}: use a layout with "
                             f"{placement.tp} GPUs (gpu8), or set extract_workers to tp")
         return cls(
-            name=str(extract.name), aux_layers=VerifierSpec.from_params(params.model).aux_layers, dtype=extract.dtype,
-            max_length=int(extract.max_length), batch_tokens=int(extract.batch_tokens), part_bytes=int(extract.part_bytes),
+            name=str(extract.name), **vars(read_section(ExtractSettings, extract)),
+            aux_layers=VerifierSpec.from_params(params.model).aux_layers,
             device=layout.device, compute_dtype=layout.dtype, workers=int(layout.extract_workers), threads=int(layout.threads),
             placement=placement,
         )
 
     def section(self) -> dict[str, Any]:
-        """The ``extract`` params as read (meta.json's ``params``)."""
-        return {"name": self.name, "dtype": self.dtype, "max_length": self.max_length, "batch_tokens": self.batch_tokens,
-                "part_bytes": self.part_bytes}
+        """The ``extract`` params as read (meta.json's ``params``): the conf/extract file's name and every key."""
+        return {"name": self.name, **{item.name: getattr(self, item.name) for item in fields(ExtractSettings)}}
 
 
 def batches(samples: list[Sample], batch_tokens: int) -> Iterator[list[Sample]]:

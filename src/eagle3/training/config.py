@@ -1,18 +1,17 @@
 """The ``train`` params section as training reads it: its schema, and how its global batch is cut
 per process.
 
-    cfg = TrainConfig.from_params(params.train)      # every key of conf/train/*.yaml, none other
+    cfg = TrainConfig.from_params(params.train)      # every key of conf/train/*.yaml
     cfg.batching(world.size)                         # the recipe's rows per step, split over the processes
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import ClassVar
 
-from eagle3.common import UserError, to_plain
 from eagle3.schema import (ABSENT, BOOL, FRACTION, FRACTION_ABOVE_0, FRACTION_BELOW_1, NON_NEGATIVE, NON_NEGATIVE_NUMBER,
-                           POSITIVE, POSITIVE_NUMBER, Check, Lookup, integer, one_of, refuse, setting)
+                           POSITIVE, POSITIVE_NUMBER, Check, Lookup, integer, one_of, read_section, refuse, setting)
 
 
 @dataclass(frozen=True)
@@ -79,13 +78,9 @@ class TrainConfig:
 
     @classmethod
     def from_params(cls, section) -> TrainConfig:
-        values = {k: v for k, v in to_plain(section).items() if k != "name"}
-        known = {f.name for f in fields(cls)}
-        if set(values) - known:
-            raise UserError(f"params.yaml: train: unknown key(s) {sorted(set(values) - known)}; known: {sorted(known)}")
-        if known - set(values):
-            raise UserError(f"params.yaml: train: missing key(s) {sorted(known - set(values))}; see conf/train/default.yaml")
-        return cls(**values)  # values validated by config.validate (relations and all)
+        """The section's values (validated by the schema, relations and all; a misspelt key refused by the stage's key
+        check, ``settings.check_section_keys``)."""
+        return read_section(cls, section)
 
     def batching(self, processes: int) -> Batching:
         """The recipe's global batch on ``processes`` processes: its ``batch_tokens // pack_tokens``
