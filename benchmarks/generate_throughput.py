@@ -151,8 +151,8 @@ def backend_pass(spec: dict, prompts: list[list[int]], max_new_tokens: int, grap
     cfg = OmegaConf.create({"device": spec["device"], "dtype": spec["dtype"], "threads": spec["threads"],
                             "batch_size": slots, "batch_tokens": spec["batch_tokens"],
                             "pad_multiple": spec["pad_multiple"], "cuda_graphs": graphs, "cache_memory": spec["cache_memory"]})
-    gen = Generation("bench", max_new_tokens, temperature=0.0, top_p=1.0, seed=0, think_tags=None,
-                     context=1 << 30, stop=(), trust_remote_code=False)  # context: the prompts are token ids, never skipped
+    gen = Generation("bench", max_new_tokens, temperature=0.0, top_p=1.0, seed=0, think_tags=None, context=1 << 30, stop=(),
+                     trust_remote_code=False, samples=1, sample_temperatures=())  # context: the prompts are token ids, never skipped
     backend = LocalBackend(cfg, Path(spec["verifier"]), gen)
     backend.decode_kernel = kernel
     requests = [Request(str(i), str(i), [], ids, 0) for i, ids in enumerate(prompts)]

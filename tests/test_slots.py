@@ -26,7 +26,7 @@ LENGTHS = [3, 5, 9, 17, 40, 90, 200, 260, 300, 7, 11]  # two width buckets (256,
 def backend(verifier: Path, device: str, dtype: str, max_new_tokens: int, graphs: bool, batch_size: int = 3) -> LocalBackend:
     cfg = OmegaConf.create({"device": device, "dtype": dtype, "threads": 1, "batch_size": batch_size, "batch_tokens": None,
                             "pad_multiple": 1, "cuda_graphs": graphs, "cache_memory": 0.5})
-    return LocalBackend(cfg, verifier, Generation("t", max_new_tokens, 0.0, 1.0, 0, None, 1 << 30, (), False))
+    return LocalBackend(cfg, verifier, Generation("t", max_new_tokens, 0.0, 1.0, 0, None, 1 << 30, (), False, samples=1, sample_temperatures=()))
 
 
 def random_requests(lengths=LENGTHS) -> list[Request]:

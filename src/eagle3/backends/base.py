@@ -34,8 +34,8 @@ class Generation:
     context: int  # prompt + answer limit: model.max_position_embeddings
     stop: tuple[str, ...]  # model.stop
     trust_remote_code: bool  # model.trust_remote_code
-    samples: int = 1  # generate.samples
-    sample_temperatures: tuple[float, ...] = ()  # generate.sample_temperatures
+    samples: int  # generate.samples
+    sample_temperatures: tuple[float, ...]  # generate.sample_temperatures
 
     @classmethod
     def from_params(cls, generate: DictConfig, spec: VerifierSpec) -> Generation:
