@@ -123,6 +123,9 @@ BAD = [
     ("backend.cache_memory=1.5", "params.yaml: backend.cache_memory = 1.5: must be a number in (0, 1]"),
     ("generate.sample_temperatures=[0.7,-1]", "params.yaml: generate.sample_temperatures = [0.7, -1]: must be a non-empty "
      "list of numbers >= 0"),
+    ("layout.verifier.tp=0", "params.yaml: layout.verifier = {'tp': 0, 'ep': 1}: must be {tp: an integer >= 1, ep: 1 or tp}"),
+    ("layout.verifier.ep=3", "params.yaml: layout.verifier = {'tp': 1, 'ep': 3}: must be {tp: an integer >= 1, ep: 1 or tp}"),
+    ("model.placement.tp=0", "params.yaml: model.placement = {'tp': 0, 'ep': 1}: must be {tp: an integer >= 1, ep: 1 or tp}"),
     ("extract.dtype=float16", "params.yaml: extract.dtype = 'float16': must be one of ['bfloat16', 'float8_e4m3fn']"),
     ("evaluate.sets=[heldout,mmlu]", "params.yaml: evaluate.sets = ['heldout', 'mmlu']: must be sets that dataset.eval_sets "
      "builds (['heldout', 'humaneval', 'math'])"),

@@ -83,7 +83,7 @@ def test_impossible_placements_are_refused_with_one_line(tiny_verifier_dir, tiny
         Placement(tp=2, ep=1).check(AutoConfig.for_model("gpt2"), "cpu")
     with pytest.raises(UserError, match="no expert-parallel plan"):
         Placement(tp=2, ep=2).check(config, "cpu")
-    with pytest.raises(UserError, match=r"^params.yaml: layout.verifier = \{'tp': 2\}: must be \{tp: >= 1, ep: 1 or tp\}$"):
+    with pytest.raises(UserError, match=r"^params.yaml: layout.verifier = \{'tp': 2\}: must be \{tp: an integer >= 1, ep: 1 or tp\}$"):
         Placement.from_params(OmegaConf.create({"verifier": {"tp": 2}}))  # no fallback for a missing key
     with pytest.raises(UserError, match="ep: 1 or tp"):
         Settings.from_params(placement_params(tiny_model_params, verifier={"tp": 2, "ep": 4}, extract_workers=2))

@@ -13,7 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from eagle3.schema import ABSENT, BOOL, NON_NEGATIVE_NUMBER, POSITIVE, Lookup, one_of, refuse, setting
+from eagle3.schema import ABSENT, BOOL, NON_NEGATIVE_NUMBER, POSITIVE, Check, Lookup, integer, one_of, refuse, setting
+
+
+def is_placement(value) -> bool:
+    """{tp, ep}: tp processes hold one verifier copy, its experts split over ep of them (1, or all tp)."""
+    return (isinstance(value, dict) and set(value) == {"tp", "ep"} and integer(1)(value["tp"])
+            and value["ep"] in (1, value["tp"]) and integer(1)(value["ep"]))
+
+
+PLACEMENT = Check(is_placement, "{tp: an integer >= 1, ep: 1 or tp}")
 
 
 @dataclass(frozen=True)
@@ -25,7 +34,7 @@ class LayoutSettings:
     device: str = setting(one_of("cpu", "cuda"))  # torch device of every stage (worker r of several takes cuda:r)
     dtype: str = setting(one_of("float32", "bfloat16", "float16"))  # compute dtype (relations: float32 on the CPU)
     server: dict = setting()  # an inference server's {tp, dp} (backend.tp, backend.dp)
-    verifier: dict = setting()  # one verifier copy's {tp, ep} (lm.loading.Placement checks it)
+    verifier: dict = setting(PLACEMENT)  # one verifier copy's {tp, ep} (lm.loading.Placement)
     extract_workers: int = setting(POSITIVE)  # data-parallel extraction processes
     train_procs: int = setting(POSITIVE)  # torchrun processes per node
     nnodes: int = setting(POSITIVE)  # training nodes

@@ -30,8 +30,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from eagle3.common import UserError, read_json, to_plain
+from eagle3.layout import PLACEMENT
 from eagle3.lm.identity import IDENTITY_FILE
 from eagle3.lm.spec import VERIFIER_TENSORS, LanguageModel
+from eagle3.schema import refuse
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +58,9 @@ class Placement:
     def from_params(cls, layout: DictConfig) -> Placement:
         """``layout.verifier`` (the layout's, or conf/config.yaml's model.placement): both keys, no fallback."""
         section = to_plain(layout.verifier)
-        values = [section.get(key) for key in ("tp", "ep")] if isinstance(section, dict) else [None, None]
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values) or values[0] < 1 or values[1] not in (1, values[0]):
-            raise UserError(f"params.yaml: layout.verifier = {section!r}: must be {{tp: >= 1, ep: 1 or tp}}")
-        return cls(*values)
+        if not PLACEMENT.test(section):  # the params stage refused it already; a stage run alone (`dvc repro -s`) did not
+            raise refuse("layout.verifier", section, PLACEMENT.allowed)
+        return cls(section["tp"], section["ep"])
 
     @property
     def sharded(self) -> bool:

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 from omegaconf import DictConfig
 
 from eagle3.common import UserError, to_plain
+from eagle3.layout import PLACEMENT
 from eagle3.lm.chat import ChatFormat
 from eagle3.schema import ABSENT, BOOL, POSITIVE, Lookup, integer, refuse, setting
 
@@ -185,7 +186,7 @@ class ModelSettings:
     max_position_embeddings: int = setting(POSITIVE, read=int)  # the verifier's context: prompt + answer limit of generate
     aux_layers: tuple[int, ...] = setting(read=lambda v: tuple(int(i) for i in v))  # taps: residual stream entering layer k, 3 ascending ids
     language_model: LanguageModel = setting(read=LanguageModel.from_params)  # where the text model sits in the checkpoint
-    placement: dict = setting()  # GPUs one copy needs (layout.verifier of the GPU layouts)
+    placement: dict = setting(PLACEMENT)  # GPUs one copy needs (layout.verifier of the GPU layouts)
     final_state: str = setting(read=str)  # which hidden state `final` is: post-norm (FINAL_STATES)
     chat_template: str | None = setting(read=optional_str)  # Jinja written into models/verifier; null: the tokenizer's own
     reasoning_parser: str | None = setting(read=optional_str)  # SGLang --reasoning-parser; null: the model does not reason
