@@ -13,16 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from eagle3.schema import ABSENT, BOOL, NON_NEGATIVE_NUMBER, POSITIVE, Check, Lookup, integer, one_of, refuse, setting
-
-
-def is_placement(value) -> bool:
-    """{tp, ep}: tp processes hold one verifier copy, its experts split over ep of them (1, or all tp)."""
-    return (isinstance(value, dict) and set(value) == {"tp", "ep"} and integer(1)(value["tp"])
-            and value["ep"] in (1, value["tp"]) and integer(1)(value["ep"]))
-
-
-PLACEMENT = Check(is_placement, "{tp: an integer >= 1, ep: 1 or tp}")
+from eagle3.schema import ABSENT, BOOL, NON_NEGATIVE_NUMBER, PLACEMENT, POSITIVE, Lookup, one_of, refuse, setting
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,17 @@ NON_NEGATIVE_NUMBER = Check(number(0), "a number >= 0")
 SOME_OR_ALL = Check(or_null(integer(1)), "an integer >= 1, or null for all")
 
 
+def is_placement(value: Any) -> bool:
+    """{tp, ep}: tp processes hold one verifier copy, its experts split over ep of them (1, or all tp)."""
+    return (isinstance(value, dict) and set(value) == {"tp", "ep"} and integer(1)(value["tp"]) and integer(1)(value["ep"])
+            and value["ep"] in (1, value["tp"]))
+
+
+# layout.verifier and model.placement (lm.loading.Placement): here, where both schemas and the verifier's loading
+# import from already, so neither stage's code gains the other's schema as a dependency
+PLACEMENT = Check(is_placement, "{tp: an integer >= 1, ep: 1 or tp}")
+
+
 def refuse(key: str, value: Any, allowed: str) -> UserError:
     """The one-line error of a params value: its key, the value and what is allowed."""
     return UserError(f"params.yaml: {key} = {value!r}: must be {allowed}")

@@ -30,10 +30,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from eagle3.common import UserError, read_json, to_plain
-from eagle3.layout import PLACEMENT
 from eagle3.lm.identity import IDENTITY_FILE
 from eagle3.lm.spec import VERIFIER_TENSORS, LanguageModel
-from eagle3.schema import refuse
+from eagle3.schema import PLACEMENT, refuse
 
 log = logging.getLogger(__name__)
 

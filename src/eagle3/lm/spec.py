@@ -28,9 +28,8 @@ from typing import Any, ClassVar
 from omegaconf import DictConfig
 
 from eagle3.common import UserError, to_plain
-from eagle3.layout import PLACEMENT
 from eagle3.lm.chat import ChatFormat
-from eagle3.schema import ABSENT, BOOL, POSITIVE, Lookup, integer, refuse, setting
+from eagle3.schema import ABSENT, BOOL, PLACEMENT, POSITIVE, Lookup, integer, refuse, setting
 
 NUM_TAPS = 3  # low, middle and high layer: fc reads 3H
 FINAL_STATES = ("post-norm",)  # train applies only the lm_head to `final`: it must be after the final norm
