@@ -24,6 +24,14 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 
+def child_env() -> dict[str, str]:
+    """This environment for a Python the benchmark starts: this checkout's ``src`` first, as here, then PYTHONPATH's
+    folders made absolute (a child that runs from another folder found nothing on the relative ``PYTHONPATH=src:...``
+    the docstrings give: generate_vllm.py's stage, "No module named 'eagle3'" on an H100)."""
+    folders = [str(Path(folder).resolve()) for folder in os.environ.get("PYTHONPATH", "").split(os.pathsep) if folder]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys([str(ROOT / "src"), *folders]))}
+
+
 def commit() -> str | None:
     """``EAGLE3_COMMIT`` where set, else this checkout's commit (with ``-dirty`` when a tracked file has changed); None
     outside a git checkout (a copy of the tree on a GPU host: the benchmarks that run there take ``--commit``). Why the

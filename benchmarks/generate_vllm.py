@@ -46,7 +46,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from common import ROOT, commit
+from common import ROOT, child_env, commit
 from eagle3.common import UserError, read_json, read_jsonl, write_json
 from eagle3.runner import stage_main
 from pipeline_report import read_log, stage_times
@@ -109,17 +109,10 @@ def run_generate(run: Path, shard: str, work: Path) -> float:
                str(work / "generated" / shard), "--metrics", str(work / "metrics.json"), "--params", str(work / "params.yaml")]
     started = time.perf_counter()
     with (work / "generate.log").open("w") as log:
-        done = subprocess.run(command, cwd=work, env=absolute_pythonpath(), stdout=log, stderr=subprocess.STDOUT)
+        done = subprocess.run(command, cwd=work, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
     if done.returncode:
         raise UserError(f"generate with the openai backend failed ({done.returncode}); its output: {work / 'generate.log'}")
     return time.perf_counter() - started
-
-
-def absolute_pythonpath() -> dict[str, str]:
-    """This environment with PYTHONPATH's folders absolute: the stage runs from ``work``, where the docstring's
-    ``PYTHONPATH=src:...`` would name no folder (on an H100, 2026-12-07: "No module named 'eagle3'")."""
-    folders = [str(Path(folder).resolve()) for folder in os.environ.get("PYTHONPATH", "").split(os.pathsep) if folder]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(folders)}
 
 
 def retry_reasons(log: str) -> Counter:

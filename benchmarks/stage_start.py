@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -31,11 +30,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from common import commit, gpu_name, random_verifier, versions
+from common import child_env, commit, gpu_name, random_verifier, versions
 from shapes import VERIFIER_SHAPES
 
 START = time.perf_counter()
-ROOT = Path(__file__).resolve().parent.parent
 # (rows, prompt tokens, new tokens) of the first-work batches: a shard's extract batch and decode group
 WORK = {"full": (64, 320, 64), "smoke": (2, 16, 4)}
 
@@ -96,10 +94,9 @@ def child(method: str, folder: Path, device: str, dtype: str, work: str) -> dict
 
 
 def run_child(method: str, folder: Path, args: argparse.Namespace) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, __file__, "--child", method, str(folder), args.device, args.dtype, args.work]
     start = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    done = subprocess.run(command, env=child_env(), capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"stage_start child {method} failed:\n{done.stderr[-4000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])

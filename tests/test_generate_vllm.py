@@ -18,7 +18,7 @@ from support.models import tiny_model_spec
 from support.repo import ROOT, project_params, with_sources
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import generate_vllm  # noqa: E402  (a script beside the benchmarks it imports)
+from common import child_env  # noqa: E402  (the benchmarks' shared module, beside them)
 
 SCRIPT = ROOT / "benchmarks" / "generate_vllm.py"
 STANDIN = "{python} " + str(ROOT / "tests" / "support" / "openai_standin.py") + " --model-path {verifier} --port {port}"
@@ -59,7 +59,8 @@ def tiny_run(folder: Path, verifier: Path) -> Path:
 
 
 def test_generate_through_a_started_server_is_compared_with_the_local_answers(tmp_path, tiny_verifier_dir):
-    """Started as the docstring says, from the checkout with ``PYTHONPATH=src`` (relative: the stage runs elsewhere)."""
+    """Started as the docstring says, from the checkout with a relative ``PYTHONPATH=src`` (here the installed project
+    imports either way: the next test checks the folders the stage is given)."""
     run = tiny_run(tmp_path / "run", tiny_verifier_dir)
     out, port = tmp_path / "generate_vllm.json", free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, ["src", os.environ.get("PYTHONPATH")]))}
@@ -89,9 +90,10 @@ def test_a_server_that_never_gets_ready_is_one_line_and_no_results(tmp_path, tin
     assert done.stderr.strip().splitlines()[-1].startswith("error: the server exited (3) before it was ready")
 
 
-def test_the_stage_gets_pythonpath_folders_it_can_find_from_its_own_folder(monkeypatch, tmp_path):
+def test_the_stage_gets_pythonpath_folders_it_can_find_from_its_own_folder(monkeypatch):
     """The stage runs from the work folder: a relative PYTHONPATH (the docstring's ``src``) named nothing there and the
-    stage died on "No module named 'eagle3'" where the project is not installed (a GPU host's carried wheels)."""
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["src", "", "/root/vllm-site"]))
-    assert generate_vllm.absolute_pythonpath()["PYTHONPATH"] == os.pathsep.join([str(ROOT / "src"), "/root/vllm-site"])
+    stage died on "No module named 'eagle3'" where the project is not installed (a GPU host's carried wheels). The
+    child gets this checkout's src first and every other folder absolute."""
+    monkeypatch.chdir(ROOT / "benchmarks")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["../src", "", "offline", "/root/vllm-site"]))
+    assert child_env()["PYTHONPATH"] == os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks" / "offline"), "/root/vllm-site"])

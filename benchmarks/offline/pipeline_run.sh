@@ -158,7 +158,7 @@ if [ ! -d "$run/.dvc" ]; then  # a fresh run folder
   # the job runs from its own copy: a device call re-copies the repository while the job runs
   mkdir -p "$run/tools/benchmarks" && cp "$here/pipeline_run.sh" "$here/stamp.py" "$here/gpu_sampler.py" "$run/tools/"
   cp "$here"/../*.py "$run/tools/benchmarks/" && cp -r "$here" "$run/tools/benchmarks/offline"  # peer_tau.py and its imports
-  [ -z "${HOLD_VARIANTS:-}" ] || touch "$run/logs/variants.hold"
+  [ -z "${HOLD_VARIANTS:-}" ] || [ -z "${VARIANTS:-}" ] || touch "$run/logs/variants.hold"  # no variants: nothing to hold
   [ -z "${PEER_RATE:-}" ] || echo "${PEER_STEPS:-1000}" > "$run/logs/peer_rate.wanted"
   if [ -n "$prompts" ]; then
     tar -xzf "$prompts" -O params.yaml | cmp -s - "$run/params.yaml" \
