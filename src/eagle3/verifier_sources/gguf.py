@@ -7,6 +7,7 @@ fit PyPI's file limit) are concatenated: transformers reads one GGUF file.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -181,10 +182,12 @@ def each_gguf_parsed_once() -> Iterator[None]:
     """Within the block, transformers parses a GGUF file once: it builds a ``gguf.GGUFReader`` for the tokenizer's
     config, the model's config and the weights in turn (``load_gguf_checkpoint``), each a Python walk over every
     metadata field, seconds for SmolLM2's 49,152-token vocabulary. A reader is a read-only view of the memory-mapped
-    file, so the first one serves the others."""
+    file, so the first one serves the others. Likewise the tensor-name map of an architecture: transformers asks
+    ``gguf.get_tensor_name_map`` anew for each of the model's tensors, and each build walks every architecture's names
+    (a fifth of SmolLM2's import on a 2-core CPU); one map per architecture and depth serves them all, read only."""
     import gguf as gguf_py
 
-    parse, readers = gguf_py.GGUFReader, {}
+    parse, name_map, readers = gguf_py.GGUFReader, gguf_py.get_tensor_name_map, {}
 
     def parsed(path, mode="r"):
         key = (os.fspath(path), mode)
@@ -192,11 +195,11 @@ def each_gguf_parsed_once() -> Iterator[None]:
             readers[key] = parse(path, mode)
         return readers[key]
 
-    gguf_py.GGUFReader = parsed
+    gguf_py.GGUFReader, gguf_py.get_tensor_name_map = parsed, functools.cache(name_map)
     try:
         yield
     finally:
-        gguf_py.GGUFReader = parse
+        gguf_py.GGUFReader, gguf_py.get_tensor_name_map = parse, name_map
 
 
 def load_gguf(gguf: Path, source: DictConfig, out: Path) -> None:
