@@ -225,10 +225,12 @@ def logged_sets(log: RunLog, max_new: int) -> dict[str, dict]:
 
 def eval_sets(run: Path, log: RunLog) -> dict[str, dict]:
     """Each eval set's prompt count, max_new_tokens and τ (chain, tree, prompt lookup) from evaluate's metrics,
-    or, where evaluate did not finish, from its lines for the sets it did (marked ``"from": "log"``)."""
+    or, where evaluate did not finish, from its lines for the sets it did (marked ``"from": "log"``): a metrics
+    file there is another run's (a variant starts from a copy of the first run's)."""
     metrics_file = run / "dvclive/evaluate/metrics.json"
     max_new = yaml.safe_load((run / "params.yaml").read_text())["evaluate"]["max_new_tokens"]
-    if not metrics_file.is_file():
+    evaluated = [window for window in log.windows if window.stage == "evaluate"]
+    if not metrics_file.is_file() or (evaluated and not evaluated[-1].locked):
         return logged_sets(log, max_new)
     metrics = json.loads(metrics_file.read_text())
     return {name: {"prompts": s["prompts"], "max_new_tokens": max_new, "tau": s["tau"], "tree_tau": s["tree"]["tau"],

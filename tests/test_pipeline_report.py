@@ -211,3 +211,5 @@ def test_an_unfinished_evaluate_reports_the_sets_it_logged_and_ends_at_its_last_
     assert result["sets"] == {"heldout": {"prompts": 200, "max_new_tokens": 256, "tau": 3.386, "tree_tau": 3.85,
                                           "ngram_tau": 3.25, "from": "log"}}
     assert result["stages"]["evaluate"]["wall_s"] == 32.0  # 170 to the last sample at 202, not to the clock
+    (run / "dvclive/evaluate/metrics.json").write_text(json.dumps({"heldout": {"prompts": 200, "tau": 9.0}}))
+    assert json.loads(report(run))["sets"] == result["sets"]  # a variant's copy of the first run's metrics is not its own
