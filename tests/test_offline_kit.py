@@ -194,25 +194,3 @@ def test_the_engine_steps_wait_for_the_run_and_hold_the_variants_until_the_timed
         f"generate_vllm.py {run} --out {res}/generate_vllm_openai.json --commit abc1234 held=y",
         f"serve_vllm.py {serve} --ks 3 5 --concurrency held=n"]
     assert (res / "code" / "src" / "eagle3").is_dir()  # the scripts ran from their own copy
-
-
-def test_a_shared_engine_run_times_nothing_and_gives_vllm_its_share_of_the_gpu(tmp_path):
-    """ENGINE_SHARED=1: the variants run beside it, so generate_vllm.py first, then serve_vllm.py at K = 3, 5 and 7 with
-    nothing timed, both engines at GPU_MEMORY of the GPU."""
-    run, res = tmp_path / "run", tmp_path / "res"
-    (run / "logs").mkdir(parents=True)
-    (run / "params.yaml").write_text("dataset: {name: 20k}\n")
-    (run / "logs" / "pipeline.rc").write_text("0\n")
-    calls = tmp_path / "calls.txt"
-    standin = tmp_path / "python"
-    standin.write_text(f'#!/bin/bash\necho "$(basename "$1") ${{*:2}}" >> {calls}\n')
-    standin.chmod(0o755)
-    env = {**os.environ, "PYTHON": str(standin), "COMMIT": "abc1234", "ENGINE_SHARED": "1", "GPU_MEMORY": "0.2"}
-    subprocess.run(["bash", str(ROOT / "benchmarks/offline/engine_run.sh"), str(run), str(res)], env=env, check=True,
-                   capture_output=True)
-    deadline = time.time() + 60
-    while not (res / "logs" / "engine.rc").exists() and time.time() < deadline:
-        time.sleep(0.5)
-    assert calls.read_text().splitlines() == [
-        f"generate_vllm.py {run} --out {res}/generate_vllm_openai.json --commit abc1234 --gpu-memory 0.2",
-        f"serve_vllm.py {run} --out {res}/serve_vllm_20k.json --commit abc1234 --ks 3 5 7 --concurrency --gpu-memory 0.2"]

@@ -6,9 +6,6 @@
 #   3. RUN/logs/variants.hold removed (pipeline_run.sh's HOLD_VARIANTS=1): the variants start;
 #   4. serve_vllm.py at K = 3 and 5, acceptance only (nothing timed, so sharing the GPU with the variants changes none
 #      of its figures).
-# ENGINE_SHARED=1: the variants run beside it from the start (no HOLD_VARIANTS): generate_vllm.py, then serve_vllm.py at
-# K = 3, 5 and 7 untimed, each engine at GPU_MEMORY (vLLM's share of the GPU, e.g. 0.2) beside them; the records then
-# say the GPU was shared (generate_vllm's throughput is not the GPU's alone).
 # Each step's output in RES/logs/<step>.log, the results in RES/serve_vllm_<dataset>.json and RES/generate_vllm_openai.json;
 # RES/logs/engine.rc once all have run (a step that fails is logged and the next goes on). Run it again to resume:
 # serve_vllm.py skips what its JSON holds, generate_vllm.py runs where its JSON is missing.
@@ -28,17 +25,10 @@ if [ "${1:-}" = --job ]; then
   until [ -f "$run/logs/pipeline.rc" ]; do sleep 5; done
   [ "$(cat "$run/logs/pipeline.rc")" = 0 ] || { echo "=== the run failed: nothing to serve"; echo 1 > "$res/logs/engine.rc"; exit 1; }
   serve=$res/serve_vllm_$(python3 -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["dataset"]["name"])' "$run/params.yaml").json
-  memory=(${GPU_MEMORY:+--gpu-memory "$GPU_MEMORY"})
-  generate() { [ -f "$res/generate_vllm_openai.json" ] || step generate benchmarks/generate_vllm.py "$run" --out "$res/generate_vllm_openai.json" --commit "$commit" "${memory[@]}"; }
-  if [ -n "${ENGINE_SHARED:-}" ]; then
-    generate
-    step serve_shared benchmarks/serve_vllm.py "$run" --out "$serve" --commit "$commit" --ks 3 5 7 --concurrency "${memory[@]}"
-  else
-    step serve_k7 benchmarks/serve_vllm.py "$run" --out "$serve" --commit "$commit" --ks 7 "${memory[@]}"
-    generate
-    rm -f "$run/logs/variants.hold"
-    step serve_k3_k5 benchmarks/serve_vllm.py "$run" --out "$serve" --commit "$commit" --ks 3 5 --concurrency "${memory[@]}"
-  fi
+  step serve_k7 benchmarks/serve_vllm.py "$run" --out "$serve" --commit "$commit" --ks 7
+  [ -f "$res/generate_vllm_openai.json" ] || step generate benchmarks/generate_vllm.py "$run" --out "$res/generate_vllm_openai.json" --commit "$commit"
+  rm -f "$run/logs/variants.hold"
+  step serve_k3_k5 benchmarks/serve_vllm.py "$run" --out "$serve" --commit "$commit" --ks 3 5 --concurrency
   echo 0 > "$res/logs/engine.rc"
   exit 0
 fi
