@@ -15,7 +15,7 @@ from eagle3.config import compose_params, conf_schema, validate
 from eagle3.launch import USER_ERROR
 from eagle3.params import PARAMS
 from eagle3.prompt_sources.config import shard_range
-from eagle3.prompt_sources.sources import flat
+from eagle3.prompt_sources.names import flat
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

@@ -224,12 +224,13 @@ def test_a_key_either_side_lacks_is_a_mismatch():
     merge = stages()["merge"]
     assert params_mismatch("merge", merge) is None
     with_lr = {**merge, "params": [*merge["params"], "train.lr"]}
+    reads = "['seed', 'dataset.shards', 'dataset.sources', 'dataset.extra_sources', 'merge']"
     assert params_mismatch("merge", with_lr) == (
-        "stage merge: dvc.yaml params: ['seed', 'dataset.shards', 'merge', 'train.lr'] != eagle3.merge.PARAMS "
-        "['seed', 'dataset.shards', 'merge']: list ['seed', 'dataset.shards', 'merge'] in dvc.yaml")
-    more = StageParams("seed", keys_of(DatasetSettings, "shards", "sources"), section(MixtureSettings))
-    assert "eagle3.merge.PARAMS ['seed', 'dataset.shards', 'dataset.sources', 'merge']" in params_mismatch("merge", merge, more)
-    moved = StageParams(section(MixtureSettings), "seed", keys_of(DatasetSettings, "shards"))
+        "stage merge: dvc.yaml params: ['seed', 'dataset.shards', 'dataset.sources', 'dataset.extra_sources', 'merge', "
+        f"'train.lr'] != eagle3.merge.PARAMS {reads}: list {reads} in dvc.yaml")
+    fewer = StageParams("seed", keys_of(DatasetSettings, "shards"), section(MixtureSettings))
+    assert "eagle3.merge.PARAMS ['seed', 'dataset.shards', 'merge']" in params_mismatch("merge", merge, fewer)
+    moved = StageParams(section(MixtureSettings), "seed", keys_of(DatasetSettings, "shards", "sources", "extra_sources"))
     assert params_mismatch("merge", merge, moved) is not None
 
 

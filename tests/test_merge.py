@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from safetensors.numpy import load_file
 
 from eagle3.common import UserError, prompt_group, read_json, read_jsonl, write_json
+from eagle3.config import validate
 from eagle3.extract import extract, stage_arguments
 from eagle3.hidden_states.loader import HiddenStates
 from eagle3.merge import draft_vocab, merge
@@ -178,3 +179,34 @@ def test_dataset_packs_into_rows_of_the_stored_precision(shards, tiny_verifier_d
             start = end
         assert not batch["loss_mask"][r, start:].any() and not batch["aux"][r, start:].any()
     assert len(HiddenStates(shards / "loader", shards / "hidden", "val")) == 2
+
+
+def test_source_repeats_weigh_the_training_split_by_source(tmp_path, tiny_verifier_dir, tiny_model_params):
+    """merge.source_repeats: a source's training samples twice, another's a seeded half, the rest once; the validation
+    split as before; the same rows on a second run; each sample's source named from its generated record."""
+    records = [{**conversation(i), "source": f"data/sources/{'a' if i % 2 else 'b'}.jsonl#{i}"} for i in range(16)]
+    shard = "000000-000016"
+    extract(tiny_verifier_dir, write_generated(tmp_path / "generated" / shard, records), tmp_path / "hidden" / shard,
+            *stage_arguments(tiny_params(tiny_model_params)))
+    params = merge_params()
+    params.dataset.shards = [shard]
+    params.dataset.sources = [{"kind": "jsonl", "path": f"data/sources/{name}.jsonl", "label": name} for name in "ab"]
+    source = {r["id"]: r["source"].split("/")[-1][0] for r in records}
+
+    def rows(name: str, **repeats) -> list[dict]:
+        params.merge.source_repeats = repeats
+        merge(tiny_verifier_dir, tmp_path / "hidden", tmp_path / name, tmp_path / f"metrics-{name}", params, tmp_path / "generated")
+        return list(read_jsonl(tmp_path / name / "manifest.jsonl"))
+
+    once, weighed, again = rows("once"), rows("weighed", a=2, b=0.5), rows("again", a=2, b=0.5)
+    train = [row["id"] for row in once if row["split"] == "train"]
+    repeated = [row["id"] for row in weighed if row["split"] == "train"]
+    assert [row for row in weighed if row["split"] == "val"] == [row for row in once if row["split"] == "val"]
+    assert all(repeated.count(i) == 2 for i in train if source[i] == "a")
+    kept_b = [i for i in train if source[i] == "b" and i in repeated]
+    assert all(repeated.count(i) == 1 for i in kept_b) and 0 < len(kept_b) < sum(source[i] == "b" for i in train)
+    assert weighed == again and read_json(tmp_path / "metrics-weighed" / "metrics.json")["repeated_records"] == len(repeated) - len(train)
+
+    params.merge.source_repeats = {"c": 2}  # a name no source has: refused by the schema, in one line
+    with pytest.raises(UserError, match=r"merge.source_repeats = \{'c': 2\}: must be keyed by the names of dataset.sources \(a, b\)"):
+        validate(params)

@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+from collections import Counter
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from eagle3.common import UserError
 from eagle3.lm.loading import load_tokenizer
 from eagle3.prompt_sources.eval_sets import eval_set_prompts, eval_set_specs
 from eagle3.prompt_sources.messages import NotAPrompt, text_key, to_messages, user_keys
+from eagle3.prompt_sources.names import source_of
 from eagle3.prompt_sources.order import interleave
 from eagle3.prompts import PromptCounter, build_prompts
 
@@ -61,11 +63,12 @@ def test_heldout_prompts_never_reach_training(local_source, count_tokens):
 
 
 def test_records_are_chat_prompts_with_stable_ids_and_token_counts(local_source, count_tokens):
-    shards, _, _ = build_prompts(dataset({"kind": "jsonl", "path": str(local_source)}, ["000000-000010"]), 0, count_tokens)
+    spec = OmegaConf.create({"kind": "jsonl", "path": str(local_source)})
+    shards, _, _ = build_prompts(dataset(spec, ["000000-000010"]), 0, count_tokens)
     for record in shards["000000-000010"]:
         assert record["messages"][-1]["role"] == "user"
         assert record["prompt_tokens"] == count_tokens(record["messages"])
-        assert record["source"].startswith(str(local_source))
+        assert record["source"].startswith(str(local_source)) and source_of(record["source"], [spec]) == str(local_source)
 
 
 def test_dedup_keys_the_whole_conversation_and_counts_drops_by_folder(tmp_path, monkeypatch, count_tokens):
@@ -116,6 +119,8 @@ def test_packaged_mixture_covers_chat_math_code_copy_tasks_and_keeps_eval_sets_o
     assert set(labels) == {"chat", "math", "code", "sharegpt", "copy"}
     for name, source in stats["sources"].items():  # 32 prompts: each share within one prompt of its weight
         assert abs(source["share"] - source["weight"]) <= 1 / 32 and source["train"] >= 1, name
+    named = Counter(source_of(r["source"], params.dataset.sources) for r in records)  # as merge.source_repeats names them
+    assert named == {name: source["train"] for name, source in stats["sources"].items()}
     tasks = [r for r in records if r["source"].startswith("evals/")]
     assert all(r["source"].startswith(("sharegpt#", "copy#")) for r in records if r not in tasks) and len(tasks) < len(records)
     copies = [r["messages"][-1]["content"] for r in records if r["source"].startswith("copy#")]

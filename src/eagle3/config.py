@@ -79,6 +79,7 @@ OPEN_MAPS = (
     "dataset.eval_sets",    # eval set names (DatasetSettings.relations, the prompts stage)
     "model.draft_head",     # overrides of the drafter's shape (DraftConfig.create)
     "model.source.config",  # a random verifier's transformers config (verifier_sources.random_weights)
+    "merge.source_repeats", # source names (MixtureSettings.relations)
 )
 Schema = dict[str, "Schema | None"]  # None: a value conf/ declares as a scalar, a list or an empty mapping
 

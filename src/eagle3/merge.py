@@ -1,7 +1,7 @@
 """Stage ``merge``: the training mixture over the extracted shards, and the draft vocabulary.
 
-    python -m eagle3.merge models/verifier data/hidden_states data/merged metrics/merge
-    # params.yaml: seed, dataset.shards, merge
+    python -m eagle3.merge models/verifier data/hidden_states data/merged metrics/merge --generated data/generated
+    # params.yaml: seed, dataset.shards, dataset.sources, dataset.extra_sources, merge
 
 Reads exactly the shards named in ``dataset.shards`` (never a directory listing: shards of a
 bigger scale may still lie in the workspace) and writes references, not a copy of the tensors:
@@ -13,6 +13,10 @@ bigger scale may still lie in the workspace) and writes references, not a copy o
 
 The statistics also go to the metrics folder (4th argument) through dvclive: ``metrics.json``
 and the length histogram ``plots/custom/length_histogram.json``.
+
+``merge.source_repeats`` weighs the training split by source without generating or extracting anything again: each
+sample's source is named from its generated record's ``source`` (``prompt_sources.names.source_of``), and a source
+repeated r times has floor(r) copies of each of its samples, one more for a seeded share r - floor(r) of them.
 
 Draft vocabulary (docs/design.md §1): count, over the *train* split, the tokens the drafter must
 predict (``input_ids[t]`` where ``loss_mask[t]``), take the Vd = min(merge.draft_vocab_size, V)
@@ -42,12 +46,13 @@ from eagle3.common import UserError, atomic_dir, prompt_group, read_json, read_j
 from eagle3.lm.loading import read_identity
 from eagle3.lm.spec import require_verifier
 from eagle3.prompt_sources.config import DatasetSettings
+from eagle3.prompt_sources.names import configured_sources, source_of
 from eagle3.settings import StageParams, keys_of, section, stage_params
 from eagle3.training.mixture import MixtureSettings
 
 log = logging.getLogger(__name__)
 
-PARAMS = StageParams("seed", keys_of(DatasetSettings, "shards"), section(MixtureSettings))  # = dvc.yaml
+PARAMS = StageParams("seed", keys_of(DatasetSettings, "shards", "sources", "extra_sources"), section(MixtureSettings))  # = dvc.yaml
 
 SHARD_KEYS = ("aux_layers", "hidden_size", "vocab_size", "layer_convention", "final_state")  # equal across shards
 
@@ -148,6 +153,23 @@ def first_prompts(train: list[Candidate], prompts: int | None) -> list[Candidate
     return train
 
 
+def sample_sources(generated: Path, shards: list[str]) -> dict[str, str]:
+    """Each generated record's ``source`` (its prompt's), by record id: what ``merge.source_repeats`` weighs by."""
+    return {record["id"]: record["source"] for shard in shards for record in read_jsonl(generated / shard / "records.jsonl")}
+
+
+def repeated(train: list[Candidate], names: list[str | None], repeats: dict[str, float], seed: int) -> list[Candidate]:
+    """``merge.source_repeats`` on the train split: each sample of a source repeated r times (``names``: each sample's
+    source) kept floor(r) times, and once more where a seeded draw falls below r - floor(r); a source not named, once.
+    The copies follow the samples (each epoch packs its own permutation of them all)."""
+    draws = np.random.default_rng([seed, 1]).random(len(train))  # [seed, 1]: apart from the split's draws
+    copies = []
+    for candidate, name, draw in zip(train, names, draws):
+        times = float(repeats.get(name, 1.0)) if name is not None else 1.0
+        copies.append(int(times) + (draw < times - int(times)))
+    return [c for c, n in zip(train, copies) if n] + [c for c, n in zip(train, copies) for _ in range(n - 1)]
+
+
 def token_counts(candidates: list[Candidate], vocab_size: int) -> np.ndarray:
     """[V] int64: how often each token is a prediction target (under the loss mask)."""
     targets = np.concatenate([c.targets for c in candidates]) if candidates else np.zeros(0, np.int32)
@@ -192,8 +214,9 @@ def length_histogram(candidates: list[Candidate]) -> list[dict[str, int]]:
     return [{"length": bound, "samples": int(n)} for bound, n in zip(bounds, counts)]
 
 
-def merge(verifier: Path, root: Path, out: Path, metrics: Path, params: DictConfig) -> dict[str, Any]:
-    """The whole stage; returns the statistics."""
+def merge(verifier: Path, root: Path, out: Path, metrics: Path, params: DictConfig, generated: Path | None = None) -> dict[str, Any]:
+    """The whole stage; returns the statistics. ``generated``: the shards' generated records (their prompts'
+    sources), read where ``merge.source_repeats`` weighs any source."""
     cfg, shards = params.merge, list(params.dataset.shards)
     identity = read_identity(verifier)  # identity.json, the dep: not meta.json, whose build differs by machine
     fingerprint = identity["id"]
@@ -202,6 +225,12 @@ def merge(verifier: Path, root: Path, out: Path, metrics: Path, params: DictConf
     kept, dropped = select(candidates, int(cfg.min_tokens), int(cfg.max_tokens))
     train, val = split(kept, int(params.seed), float(cfg.val_fraction))
     train = first_prompts(train, cfg.train_prompts)
+    unrepeated = len(train)
+    if cfg.source_repeats:
+        if generated is None:
+            raise UserError("merge.source_repeats needs the generated records (--generated data/generated)")
+        sources, specs = sample_sources(generated, shards), [spec for _, spec in configured_sources(params.dataset)]
+        train = repeated(train, [source_of(sources[c.entry["id"]], specs) for c in train], to_plain(cfg.source_repeats), int(params.seed))
     train_counts = token_counts(train, common["vocab_size"])
     d2t, t2d, filled = draft_vocab(train_counts, int(cfg.draft_vocab_size))
     stats = {
@@ -209,7 +238,8 @@ def merge(verifier: Path, root: Path, out: Path, metrics: Path, params: DictConf
         "records": len(kept),
         "train_records": len(train),
         "val_records": len(val),
-        "left_out_records": len(kept) - len(train) - len(val),  # past merge.train_prompts
+        "left_out_records": len(kept) - unrepeated - len(val),  # past merge.train_prompts
+        "repeated_records": len(train) - unrepeated,  # merge.source_repeats' copies less its samples left out
         "tokens": int(sum(c.entry["length"] for c in kept)),
         "hidden_state_bytes": stored_bytes(root, candidates),
         "masked_tokens": int(sum(c.entry["masked"] for c in kept)),
@@ -275,6 +305,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("hidden_states", type=Path, help="folder of the extracted shards, e.g. data/hidden_states")
     parser.add_argument("out", type=Path, help="output folder, e.g. data/merged")
     parser.add_argument("metrics", type=Path, help="dvclive folder for the statistics, e.g. metrics/merge")
+    parser.add_argument("--generated", type=Path, help="folder of the generated shards, e.g. data/generated: their "
+                        "sources, for merge.source_repeats")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
-    merge(args.verifier, args.hidden_states, args.out, args.metrics, stage_params(PARAMS, args.params))
+    merge(args.verifier, args.hidden_states, args.out, args.metrics, stage_params(PARAMS, args.params), args.generated)

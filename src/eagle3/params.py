@@ -28,7 +28,8 @@ from pathlib import Path
 
 from eagle3.common import UserError
 from eagle3.config import SCHEMAS, check_conf_keys
-from eagle3.prompt_sources.sources import check_local_sources, configured_sources, source_weights
+from eagle3.prompt_sources.names import configured_sources
+from eagle3.prompt_sources.sources import check_local_sources, source_weights
 from eagle3.settings import StageParams, section, stage_params
 from eagle3.verifier_sources.check import require_source
 

@@ -49,8 +49,8 @@ from eagle3.prompt_sources.config import DatasetSettings, shard_range
 from eagle3.prompt_sources.eval_sets import eval_set_prompts, eval_set_specs
 from eagle3.prompt_sources.messages import NotAPrompt, conversation_key, to_messages, user_keys
 from eagle3.prompt_sources.order import interleave, order_key
-from eagle3.prompt_sources.sources import (Candidate, check_local_sources, configured_sources, source_candidates,
-                                           source_name, source_weights)
+from eagle3.prompt_sources.names import configured_sources, source_name
+from eagle3.prompt_sources.sources import Candidate, check_local_sources, source_candidates, source_weights
 from eagle3.settings import StageParams, keys_of, stage_params
 
 log = logging.getLogger(__name__)

@@ -20,10 +20,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from eagle3.common import UserError, numbered_jsonl, package_file
 from eagle3.prompt_sources.messages import SHAREGPT_ROLES, NotAPrompt, to_messages
+from eagle3.prompt_sources.names import EVALS_PREFIX, claims_folder, flat, record_prefix, source_name
 from eagle3.prompt_sources.order import interleave, order_key
 from eagle3.prompt_sources.sharegpt import ConversationFile, human_turn_prompts
 
@@ -59,25 +60,16 @@ class Candidate:
             return None
 
 
-def flat(items) -> list[str]:
-    """A folder list that may nest lists (YAML anchors of other sources' lists), flattened."""
-    out = []
-    for item in items or []:
-        out.extend(flat(item) if isinstance(item, (list, tuple)) or OmegaConf.is_list(item) else [str(item)])
-    return out
-
-
 def evals_folders(spec: DictConfig, where: str) -> dict[str, list[Path]]:
     """The ``evals`` package's registry data files by top-level folder, after ``folders``/``exclude``."""
     root = package_file("evals", "registry/data", f"{where} (evals)")
     files: dict[str, list[Path]] = {}
     for path in sorted(root.rglob("*.jsonl")):
         files.setdefault(path.relative_to(root).parts[0], []).append(path)
-    wanted, excluded = flat(spec.get("folders")), set(flat(spec.get("exclude")))
-    unknown = sorted((set(wanted) | excluded) - set(files))
+    unknown = sorted((set(flat(spec.get("folders"))) | set(flat(spec.get("exclude")))) - set(files))
     if unknown:
         raise UserError(f"{where}: folder(s) {unknown} not in the evals package's registry/data")
-    return {f: paths for f, paths in files.items() if (not wanted or f in wanted) and f not in excluded}
+    return {f: paths for f, paths in files.items() if claims_folder(spec, f)}
 
 
 def unseen_folders(folders: Sequence[str], setting: float | int, seed: int, where: str) -> list[str]:
@@ -103,7 +95,7 @@ def folder_candidates(folder: str, paths: list[Path], root: Path, seed: int,
     tuple until the walk reaches it (a Candidate per line cost seconds). Sorting the tuples orders
     equal keys by file, then offset: as the stable sort by key of the lines in reading order.
     """
-    sources = [f"evals/{path.relative_to(root)}" for path in paths]
+    sources = [f"{EVALS_PREFIX}{path.relative_to(root)}" for path in paths]
     lines = []
     for index, (path, source) in enumerate(zip(paths, sources)):
         offset = 0
@@ -133,13 +125,6 @@ def evals_candidates(spec: DictConfig, seed: int, where: str, unseen: float | in
     temperature = float(spec.get("folder_temperature", 1.0))
     weights = [size ** temperature if size else 0.0 for size, _ in sized]
     return (candidate for _, candidate in interleave([lines for _, lines in sized], weights))
-
-
-def configured_sources(dataset: DictConfig) -> list[tuple[str, DictConfig]]:
-    """(where, spec) of every training source: ``dataset.sources``, then ``dataset.extra_sources``
-    (what a preset adds without restating the shared list)."""
-    return [(f"params.yaml: dataset.{key}[{index}]", spec) for key in ("sources", "extra_sources")
-            for index, spec in enumerate(dataset.get(key) or [])]
 
 
 def check_local_sources(sources: Sequence[tuple[str, DictConfig]], folder: Path) -> None:
@@ -222,7 +207,7 @@ def conversations(spec: DictConfig, where: str, report: dict) -> Iterator[tuple[
     """(name, record, raw JSON bytes) of each conversation of a ShareGPT-style file; a file cut
     mid-record gives the records before the cut, and the cut is logged and reported."""
     path = sharegpt_path(spec, where)
-    name, records = source_name(spec), ConversationFile(path)
+    name, records = record_prefix(spec), ConversationFile(path)
     for record, raw in records:
         if not isinstance(record, dict) or not isinstance(record.get("conversations"), list):
             raise UserError(f"{path}: record {records.records} has no 'conversations' list of {{from, value}} "
@@ -291,12 +276,6 @@ def matching(candidates: Iterator[Candidate], pattern: str) -> Iterator[Candidat
             yield candidate
 
 
-def source_name(spec: DictConfig) -> str:
-    """A source's name in the metrics: its ``label``, else its path, HF dataset name, package file or kind."""
-    packaged = f"{spec.package}/{spec.file}" if spec.get("package") and spec.get("file") else None
-    return str(spec.get("label") or spec.get("path") or spec.get("name") or packaged or spec.kind)
-
-
 def source_candidates(spec: DictConfig, where: str, seed: int, unseen: float | int = 0,
                       report: dict | None = None) -> Iterator[Candidate]:
     """One source's candidates in its seeded order (lazily where the source allows); ``report``
@@ -312,13 +291,13 @@ def source_candidates(spec: DictConfig, where: str, seed: int, unseen: float | i
 def memory_source(spec: DictConfig, seed: int, where: str, report: dict) -> Iterator[Candidate]:
     """The candidates of a source read whole (every kind but ``evals``), in file order."""
     if spec.kind in ("jsonl", "parquet"):
-        return memory_candidates(file_records(spec), str(spec.path), seed)
+        return memory_candidates(file_records(spec), record_prefix(spec), seed)
     if spec.kind == "sharegpt":
         return sharegpt_candidates(spec, seed, where, report)
     if spec.kind == "passages":
         return passage_candidates(spec, seed, where, report)
     if spec.kind == "hf":
-        return memory_candidates(hf_records(spec, where), f"hf/{spec.name}", seed)
+        return memory_candidates(hf_records(spec, where), record_prefix(spec), seed)
     raise UserError(f"{where}.kind: {spec.kind!r} is not one of evals, jsonl, parquet, sharegpt, passages, hf")
 
 
