@@ -264,7 +264,8 @@ def merge(verifier: Path, root: Path, out: Path, metrics: Path, params: DictConf
             "length_histogram": histogram,
         })
     log_metrics(metrics, stats, histogram)
-    log.info("merge: %d samples (%d train, %d val), vocab coverage %.4f", len(kept), len(train), len(val), stats["vocab_coverage"])
+    log.info("merge: %d samples (%d train rows, %+d by merge.source_repeats; %d val), vocab coverage %.4f", len(kept),
+             len(train), stats["repeated_records"], len(val), stats["vocab_coverage"])
     return stats
 
 
