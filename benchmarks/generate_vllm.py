@@ -176,8 +176,6 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--server", default=VLLM_SERVE, help="the server's command ({python}, {verifier}, {port} filled)")
     parser.add_argument("--drafter-k", type=int, help="serve with the run's drafter drafting K tokens (vLLM's flag)")
-    parser.add_argument("--gpu-memory", type=float, help="vLLM's --gpu-memory-utilization (its default 0.9 leaves no room "
-                        "for another process on the GPU)")
     parser.add_argument("--health-timeout", type=float, default=600.0, help="seconds the server may take to be ready")
     parser.add_argument("--commit", help="the commit measured (default: this checkout's)")
     args = parser.parse_args(argv)
@@ -198,8 +196,6 @@ def main(argv: list[str]) -> None:
     if args.drafter_k:  # as docs/serving.md serves the drafter
         spec = {"method": "eagle3", "model": str(run / "models" / "drafter"), "num_speculative_tokens": args.drafter_k}
         command += ["--speculative-config", json.dumps(spec)]
-    if args.gpu_memory:
-        command += ["--gpu-memory-utilization", str(args.gpu_memory)]
     server = start_server(command, work / "server.log")
     try:
         ready = wait_healthy(url, server, work / "server.log", args.health_timeout)

@@ -207,6 +207,11 @@ def test_source_repeats_weigh_the_training_split_by_source(tmp_path, tiny_verifi
     assert all(repeated.count(i) == 1 for i in kept_b) and 0 < len(kept_b) < sum(source[i] == "b" for i in train)
     assert weighed == again and read_json(tmp_path / "metrics-weighed" / "metrics.json")["repeated_records"] == len(repeated) - len(train)
 
+    params.merge.source_repeats = {"a": 0, "b": 0}  # nothing left to train on: one line, nothing written
+    with pytest.raises(UserError, match="merge.source_repeats = {'a': 0, 'b': 0}: leaves no training sample"):
+        merge(tiny_verifier_dir, tmp_path / "hidden", tmp_path / "none", tmp_path / "metrics-none", params, tmp_path / "generated")
+    assert not (tmp_path / "none").exists()
+
     params.merge.source_repeats = {"c": 2}  # a name no source has: refused by the schema, in one line
     with pytest.raises(UserError, match=r"merge.source_repeats = \{'c': 2\}: must be keyed by the names of dataset.sources \(a, b\)"):
         validate(params)

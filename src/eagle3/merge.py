@@ -16,7 +16,8 @@ and the length histogram ``plots/custom/length_histogram.json``.
 
 ``merge.source_repeats`` weighs the training split by source without generating or extracting anything again: each
 sample's source is named from its generated record's ``source`` (``prompt_sources.names.source_of``), and a source
-repeated r times has floor(r) copies of each of its samples, one more for a seeded share r - floor(r) of them.
+repeated r times has floor(r) copies of each of its samples, one more for a seeded share r - floor(r) of them. The
+draft vocabulary counts the copies too, as training sees them.
 
 Draft vocabulary (docs/design.md §1): count, over the *train* split, the tokens the drafter must
 predict (``input_ids[t]`` where ``loss_mask[t]``), take the Vd = min(merge.draft_vocab_size, V)
@@ -231,6 +232,9 @@ def merge(verifier: Path, root: Path, out: Path, metrics: Path, params: DictConf
             raise UserError("merge.source_repeats needs the generated records (--generated data/generated)")
         sources, specs = sample_sources(generated, shards), [spec for _, spec in configured_sources(params.dataset)]
         train = repeated(train, [source_of(sources[c.entry["id"]], specs) for c in train], to_plain(cfg.source_repeats), int(params.seed))
+        if not train:
+            raise UserError(f"params.yaml: merge.source_repeats = {to_plain(cfg.source_repeats)}: leaves no training "
+                            "sample; give some source a repeat above 0")
     train_counts = token_counts(train, common["vocab_size"])
     d2t, t2d, filled = draft_vocab(train_counts, int(cfg.draft_vocab_size))
     stats = {
