@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # vLLM's measurements of a run, started with it and detached, so that a lease needs no call between them: once
 # benchmarks/offline/pipeline_run.sh's first run has succeeded (RUN/logs/pipeline.rc is 0), in its own session,
-#   1. benchmarks/serve_vllm.py on RUN at K = 7, timed at 1, 16 and 64 requests (the GPU alone: the variants wait);
-#   2. benchmarks/generate_vllm.py: generate's openai backend against `vllm serve` on the 968-prompt shard;
+#   1. benchmarks/generate_vllm.py: generate's openai backend against `vllm serve` on the 968-prompt shard, its
+#      throughput timed (the GPU alone: the variants wait);
+#   2. benchmarks/serve_vllm.py on RUN at K = 7, timed at 1, 16 and 64 requests (the GPU alone); SERVE_TIMED=0 skips
+#      it, where a lease has no time for it;
 #   3. RUN/logs/variants.hold removed (pipeline_run.sh's HOLD_VARIANTS=1): the variants start;
-#   4. serve_vllm.py at K = 3 and 5, acceptance only (nothing timed, so sharing the GPU with the variants changes none
-#      of its figures).
+#   4. serve_vllm.py at K = 3, 5 and 7, acceptance only (nothing timed, so sharing the GPU with the variants changes
+#      none of its figures; K = 7 is skipped where step 2 measured it).
 # Each step's output in RES/logs/<step>.log, the results in RES/serve_vllm_<dataset>.json and RES/generate_vllm_openai.json;
 # RES/logs/engine.rc once all have run (a step that fails is logged and the next goes on). Run it again to resume:
 # serve_vllm.py skips what its JSON holds, generate_vllm.py runs where its JSON is missing.
@@ -25,10 +27,10 @@ if [ "${1:-}" = --job ]; then
   until [ -f "$run/logs/pipeline.rc" ]; do sleep 5; done
   [ "$(cat "$run/logs/pipeline.rc")" = 0 ] || { echo "=== the run failed: nothing to serve"; echo 1 > "$res/logs/engine.rc"; exit 1; }
   serve=$res/serve_vllm_$(python3 -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["dataset"]["name"])' "$run/params.yaml").json
-  step serve_k7 benchmarks/serve_vllm.py "$run" --out "$serve" --commit "$commit" --ks 7
   [ -f "$res/generate_vllm_openai.json" ] || step generate benchmarks/generate_vllm.py "$run" --out "$res/generate_vllm_openai.json" --commit "$commit"
+  [ "${SERVE_TIMED:-1}" = 0 ] || step serve_k7 benchmarks/serve_vllm.py "$run" --out "$serve" --commit "$commit" --ks 7
   rm -f "$run/logs/variants.hold"
-  step serve_k3_k5 benchmarks/serve_vllm.py "$run" --out "$serve" --commit "$commit" --ks 3 5 --concurrency
+  step serve_acceptance benchmarks/serve_vllm.py "$run" --out "$serve" --commit "$commit" --ks 3 5 7 --concurrency
   echo 0 > "$res/logs/engine.rc"
   exit 0
 fi
