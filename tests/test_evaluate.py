@@ -147,6 +147,7 @@ def test_evaluate_main_writes_metrics_and_plots(tmp_path, tiny_verifier_dir, mon
     assert ("lossless" in metrics) == (repeats > 0)
     assert 1 <= metrics["tau"] <= 4 and metrics["baseline"]["tau"] >= 1 and metrics["ngram"]["tau"] >= 1
     assert 1 <= metrics["tree"]["tau"] <= 4 and metrics["ngram"]["tau_matched_rounds"] >= metrics["ngram"]["tau"]
+    assert 0 <= metrics["outside_draft_vocab"] <= 1
     assert json.loads((out / "metrics.json").read_text())["wall_seconds"] > 0
     speedup_plot = out / "plots" / "custom" / "speedup" / "heldout.json"
     speedups = json.loads(speedup_plot.read_text()) if repeats else []

@@ -32,7 +32,8 @@ Output (dvclive, ``dvcyaml=False``), written by ``log_report`` alone: ``metrics.
 ``lossless`` (fraction of the timed prompts whose output equals plain greedy), ``forwards`` (the
 chain's), ``tree/{tau, tau_by_position, lossless, forwards}``, ``baseline/{tau, tau_by_position,
 token}``, ``ngram/{tau, tau_by_position, tau_matched_rounds, matched_rounds}``, ``tokens``,
-``prompts``, ``timed_prompts``, ``seconds``; a multi-turn set's ``turn<n>/{prompts, forwards, tau,
+``prompts``, ``timed_prompts``, ``seconds``, ``outside_draft_vocab`` (the share of the answers' tokens the
+drafter cannot propose); a multi-turn set's ``turn<n>/{prompts, forwards, tau,
 tree/tau, ngram/tau, baseline/tau}``; with graphs ``draft_cost``, ``draft_step_cost``, ``verify_cost``
 (and the tree's) and, with a ``chain_sweep``, per set ``chain_k/k<K>/...`` and ``chain_k/best``; with
 repeats > 1 the timings: ``speedup``,

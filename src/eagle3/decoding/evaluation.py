@@ -200,7 +200,8 @@ def evaluate_set(session: Session, prompts: Sequence[torch.Tensor], conversation
     every_prompt = [p for batch, _ in turns for p in batch]
     answers = [a for _, runs in turns for a in runs["chain"].outputs]  # the verifier's greedy answers
     headline_timed = timed_prompts(prompts, settings, settings.batch_sizes[0])
-    report = {"plain": {"tokens": sum(map(len, answers)), "prompts": len(prompts), "timed_prompts": len(headline_timed) if timed else 0}}
+    report = {"plain": {"tokens": sum(map(len, answers)), "prompts": len(prompts), "timed_prompts": len(headline_timed) if timed else 0,
+                        "outside_draft_vocab": outside_draft_vocab(session.drafter, answers)}}
     for name, shape in settings.drafting_methods().items():
         accepted = [a for _, runs in turns for a in runs[name].accepted]
         report[name] = {**acceptance_stats([j for a in accepted for j in a], shape.num_steps),
@@ -223,6 +224,19 @@ def evaluate_set(session: Session, prompts: Sequence[torch.Tensor], conversation
                     100 * UNSTABLE_SPREAD, ", ".join(report["unstable"]))
     report["plain"].update(seconds=time.perf_counter() - start, tau_seconds=tau_seconds)
     return report
+
+
+def outside_draft_vocab(drafter, answers: Sequence[list[int]]) -> float:
+    """The share of the answers' tokens the drafter cannot propose: outside its draft vocabulary (``t2d``).
+
+    Why: each such token ends a chain however well the drafter predicts, so the share bounds τ on a set from
+    above; copied names, numbers and rare words are where a draft vocabulary sized to the training answers
+    falls short (docs/evaluation.md).
+    """
+    tokens = torch.tensor([t for answer in answers for t in answer], dtype=torch.long)
+    if not len(tokens):
+        return 0.0
+    return float((~drafter.t2d.cpu()[tokens]).float().mean())
 
 
 def turn_report(prompts: Sequence[torch.Tensor], runs: Mapping[str, Run], settings: Settings, token: int | None) -> dict:
@@ -265,11 +279,12 @@ def evaluate(session: Session, eval_sets: Mapping[str, Sequence[torch.Tensor]],
         reports[name] = report = evaluate_set(session, prompts, conversations.get(name))
         speedup = report["batch"].get(settings.batch_sizes[0], {}).get("chain", {}).get("speedup")
         log.info("%s: chain tau %.3f, speedup %s at batch %d; tree tau %s; baselines tau %s (most frequent), %s (ngram); "
-                 "%d prompts%s in %.1f s (the tau decode %.1f s)", name, report["chain"]["tau"],
+                 "%d prompts%s in %.1f s (the tau decode %.1f s); %.1f%% of the answers' tokens outside the draft vocabulary",
+                 name, report["chain"]["tau"],
                  "-" if speedup is None else f"{speedup:.2f}x",
                  settings.batch_sizes[0],
                  report.get("tree", {}).get("tau", "-"), report.get("baseline", {}).get("tau", "-"),
                  report.get("ngram", {}).get("tau", "-"), len(prompts),
                  f" ({len(report['turns'])} turns)" if "turns" in report else "", report["plain"]["seconds"],
-                 report["plain"]["tau_seconds"])
+                 report["plain"]["tau_seconds"], 100 * report["plain"]["outside_draft_vocab"])
     return reports

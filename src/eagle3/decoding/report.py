@@ -28,6 +28,7 @@ def log_report(live, name: str, report: dict) -> None:
     for key in ("prompts", "tokens", "timed_prompts"):
         live.log_metric(f"{name}/{key}", plain[key], plot=False)
     live.log_metric(f"{name}/seconds", round(plain["seconds"], 2), plot=False)
+    live.log_metric(f"{name}/outside_draft_vocab", round(plain["outside_draft_vocab"], 4), plot=False)
     methods = {"chain": "", "tree": "tree/"}
     for method, prefix in methods.items():
         for key in ("tau", "lossless", "forwards", "draft_cost", "draft_step_cost", "verify_cost"):
