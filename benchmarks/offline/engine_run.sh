@@ -8,6 +8,8 @@
 #   3. RUN/logs/variants.hold removed (pipeline_run.sh's HOLD_VARIANTS=1): the variants start;
 #   4. serve_vllm.py at K = 3, 5 and 7, acceptance only (nothing timed, so sharing the GPU with the variants changes
 #      none of its figures; K = 7 is skipped where step 2 measured it).
+# AFTER_VARIANTS=1: the steps wait for pipeline_run.sh's whole job instead (RUN/logs/job.rc), the variants first, where
+# a lease has time for only one of them after the run.
 # Each step's output in RES/logs/<step>.log, the results in RES/serve_vllm_<dataset>.json and RES/generate_vllm_openai.json;
 # RES/logs/engine.rc once all have run (a step that fails is logged and the next goes on). Run it again to resume:
 # serve_vllm.py skips what its JSON holds, generate_vllm.py runs where its JSON is missing.
@@ -24,7 +26,9 @@ if [ "${1:-}" = --job ]; then
   export PYTHONPATH=$res/code/src:$res/code/benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
   python=${PYTHON:-python3} commit=$(cat "$res/logs/commit.txt")
   step() { local name=$1; shift; echo "=== $name: $*"; "$python" "$@" > "$res/logs/$name.log" 2>&1 || echo "=== $name failed: $res/logs/$name.log"; }
-  until [ -f "$run/logs/pipeline.rc" ]; do sleep 5; done
+  ready=$run/logs/pipeline.rc
+  [ "${AFTER_VARIANTS:-0}" = 0 ] || ready=$run/logs/job.rc
+  until [ -f "$ready" ]; do sleep 5; done
   [ "$(cat "$run/logs/pipeline.rc")" = 0 ] || { echo "=== the run failed: nothing to serve"; echo 1 > "$res/logs/engine.rc"; exit 1; }
   serve=$res/serve_vllm_$(python3 -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["dataset"]["name"])' "$run/params.yaml").json
   [ -f "$res/generate_vllm_openai.json" ] || step generate benchmarks/generate_vllm.py "$run" --out "$res/generate_vllm_openai.json" --commit "$commit"
