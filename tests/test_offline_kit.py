@@ -15,6 +15,8 @@ import zipfile
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / "benchmarks" / "offline" / "wheels.py"
 
@@ -165,32 +167,39 @@ def test_a_pip_report_is_read_for_the_environment_it_was_resolved_in(tmp_path):
     assert refused.returncode != 0 and "numba is required but not in" in refused.stderr.strip().splitlines()[-1]
 
 
-def test_the_engine_steps_wait_for_the_run_and_hold_the_variants_until_the_timed_ones_end(tmp_path):
-    """engine_run.sh, detached: nothing before the first run succeeds; then serve_vllm.py at K = 7 and generate_vllm.py
-    while the variants wait, then the variants released, then K = 3 and 5 untimed. vLLM cannot run here: PYTHON is a
-    stand-in that logs each step's arguments and whether the variants were still held."""
+@pytest.mark.parametrize("short", [False, True], ids=["timed", "short lease"])
+def test_the_engine_steps_wait_for_the_run_and_hold_the_variants_until_the_timed_ones_end(tmp_path, short):
+    """engine_run.sh, detached: nothing before the first run succeeds; then generate_vllm.py and serve_vllm.py at K = 7
+    timed while the variants wait, then the variants released, then K = 3, 5 and 7 untimed. A short lease
+    (AFTER_VARIANTS=1 SERVE_TIMED=0): nothing before the whole job (the variants too) ends, no timed serving. vLLM
+    cannot run here: PYTHON is a stand-in that logs each step's arguments and whether the variants were still held."""
     run, res = tmp_path / "run", tmp_path / "res"
     (run / "logs").mkdir(parents=True)
     (run / "params.yaml").write_text("dataset: {name: 20k}\n")
-    (run / "logs" / "variants.hold").touch()
+    if not short:  # pipeline_run.sh's HOLD_VARIANTS=1
+        (run / "logs" / "variants.hold").touch()
     calls = tmp_path / "calls.txt"
     standin = tmp_path / "python"
     standin.write_text(f'#!/bin/bash\necho "$(basename "$1") ${{*:2}} held=$([ -f {run}/logs/variants.hold ] && echo y || echo n)" >> {calls}\n')
     standin.chmod(0o755)
-    env = {**os.environ, "PYTHON": str(standin), "COMMIT": "abc1234"}
+    env = {**os.environ, "PYTHON": str(standin), "COMMIT": "abc1234", **({"AFTER_VARIANTS": "1", "SERVE_TIMED": "0"} if short else {})}
     started = subprocess.run(["bash", str(ROOT / "benchmarks/offline/engine_run.sh"), str(run), str(res)], env=env,
                              capture_output=True, text=True, check=True)
     assert started.stdout.startswith("started: job ")
     time.sleep(1)
     assert not calls.exists()  # the run has not finished
     (run / "logs" / "pipeline.rc").write_text("0\n")
+    if short:
+        time.sleep(6)  # longer than the job's wait between looks
+        assert not calls.exists()  # the variants have not finished
+        (run / "logs" / "job.rc").write_text("0\n")
     deadline = time.time() + 60
     while not (res / "logs" / "engine.rc").exists() and time.time() < deadline:
         time.sleep(0.5)
     assert (res / "logs" / "engine.rc").read_text() == "0\n"
     serve = f"{run} --out {res}/serve_vllm_20k.json --commit abc1234"
     assert calls.read_text().splitlines() == [
-        f"serve_vllm.py {serve} --ks 7 held=y",
-        f"generate_vllm.py {run} --out {res}/generate_vllm_openai.json --commit abc1234 held=y",
-        f"serve_vllm.py {serve} --ks 3 5 --concurrency held=n"]
+        f"generate_vllm.py {run} --out {res}/generate_vllm_openai.json --commit abc1234 held={'n' if short else 'y'}",
+        *([] if short else [f"serve_vllm.py {serve} --ks 7 held=y"]),
+        f"serve_vllm.py {serve} --ks 3 5 7 --concurrency held=n"]
     assert (res / "code" / "src" / "eagle3").is_dir()  # the scripts ran from their own copy
