@@ -234,7 +234,8 @@ def eval_sets(run: Path, log: RunLog) -> dict[str, dict]:
         return logged_sets(log, max_new)
     metrics = json.loads(metrics_file.read_text())
     return {name: {"prompts": s["prompts"], "max_new_tokens": max_new, "tau": s["tau"], "tree_tau": s["tree"]["tau"],
-                   "ngram_tau": s["ngram"]["tau"]}
+                   "ngram_tau": s["ngram"]["tau"],
+                   **({"outside_draft_vocab": s["outside_draft_vocab"]} if "outside_draft_vocab" in s else {})}  # none in records older than the metric
             for name, s in metrics.items() if isinstance(s, dict) and "tau" in s}
 
 
@@ -339,6 +340,9 @@ def readme_results(result: dict, source: Path) -> str:
         unstable = [f"`{name}`" for name in result["sets"] if metrics.get(name, {}).get("unstable")]
         if unstable:
             lines[-1] += f" Timings whose repeats disagreed (`unstable`): {', '.join(unstable)}."
+    outside = [f"`{name}` {100 * s['outside_draft_vocab']:.1f} %" for name, s in result["sets"].items() if "outside_draft_vocab" in s]
+    if outside:
+        lines += ["", f"Answer tokens outside the draft vocabulary (each ends a chain): {', '.join(outside)}."]
     train, train_stage = result["train"], result["stages"].get("train")
     if train["tokens_per_s"] and train_stage:
         lines += ["", f"`train`: {train['steps']:,} steps, {train['tokens'] / 1e6:.1f}M training tokens, "

@@ -55,6 +55,7 @@ def synthetic_run(folder: Path, lines=LOG, utilisation=lambda t: 50.0) -> Path:
     (folder / "dvclive/evaluate").mkdir(parents=True)
     sets = {name: {"prompts": prompts, "tau": tau, "tree": {"tau": tau + 0.5}, "ngram": {"tau": 1.5}, "baseline": {"tau": 1.1}}
             for name, prompts, tau in (("heldout", 200, 3.2), ("humaneval", 164, 1.87))}
+    sets["heldout"]["outside_draft_vocab"] = 0.0123  # humaneval's as a record before the metric existed
     (folder / "dvclive/evaluate/metrics.json").write_text(json.dumps({**sets, "wall_seconds": 30.0}))
     (folder / "params.yaml").write_text("evaluate:\n  max_new_tokens: 256\n")
     return folder
@@ -90,8 +91,9 @@ def test_the_report_times_each_stage_and_reads_the_stages_metrics(tmp_path):
     assert result["train_over_peer"] == {"steady": 1.23, "whole_run": 0.83}
     headline = report("--readme-results", out)
     assert "The peer trainer (`peer.json`): 6.0k tokens/s at its median step over 40 steps; ours 0.83× that over train's whole wall, 1.23× after" in headline
+    assert "Answer tokens outside the draft vocabulary (each ends a chain): `heldout` 1.2 %." in headline
     assert result["sets"] == {
-        "heldout": {"prompts": 200, "max_new_tokens": 256, "tau": 3.2, "tree_tau": 3.7, "ngram_tau": 1.5},
+        "heldout": {"prompts": 200, "max_new_tokens": 256, "tau": 3.2, "tree_tau": 3.7, "ngram_tau": 1.5, "outside_draft_vocab": 0.0123},
         "humaneval": {"prompts": 164, "max_new_tokens": 256, "tau": 1.87, "tree_tau": 2.37, "ngram_tau": 1.5}}
 
 
