@@ -235,7 +235,8 @@ def eval_sets(run: Path, log: RunLog) -> dict[str, dict]:
     metrics = json.loads(metrics_file.read_text())
     return {name: {"prompts": s["prompts"], "max_new_tokens": max_new, "tau": s["tau"], "tree_tau": s["tree"]["tau"],
                    "ngram_tau": s["ngram"]["tau"],
-                   **({"outside_draft_vocab": s["outside_draft_vocab"]} if "outside_draft_vocab" in s else {})}  # none in records older than the metric
+                   # records older than the metric have none
+                   **({"outside_draft_vocab": s["outside_draft_vocab"]} if "outside_draft_vocab" in s else {})}
             for name, s in metrics.items() if isinstance(s, dict) and "tau" in s}
 
 
