@@ -14,6 +14,7 @@ MERGE = {"hidden_state_bytes": 1_000_000, "records": 28, "train_records": 25, "m
 EVALUATE = {
     "wall_seconds": 12.5,
     "heldout": {"tau": 1.523456, "speedup": 0.5, "speedup_spread": 0.031234, "unstable": False, "prompts": 4, "lossless": 1.0,
+                "outside_draft_vocab": 0.036245,
                 "tree": {"tau": 1.9, "speedup": 0.6, "speedup_spread": 0.2, "forwards": 9}, "baseline": {"tau": 1.19, "token": 28},
                 "ngram": {"tau": 1.3, "tau_matched_rounds": 2.5}, "batch": {"1": {"chain": {"speedup": 0.5}}},
                 "chain_k": {"k2": {"tau": 1.4, "speedup": 0.45, "speedup_spread": 0.01}, "best": 2}},  # details: no tau of their own
@@ -23,7 +24,8 @@ EVALUATE = {
 
 def test_headline_keeps_tau_speedup_with_spread_baselines_and_training_facts():
     assert headline(TRAIN, MERGE, EVALUATE) == {
-        "heldout": {"tau": 1.5235, "speedup": 0.5, "speedup_spread": 0.0312, "unstable": 0, "tree_tau": 1.9, "tree_speedup": 0.6,
+        "heldout": {"tau": 1.5235, "speedup": 0.5, "speedup_spread": 0.0312, "unstable": 0, "outside_draft_vocab": 0.0362,
+                    "tree_tau": 1.9, "tree_speedup": 0.6,
                     "tree_speedup_spread": 0.2, "baseline_tau": 1.19, "ngram_tau": 1.3},
         "humaneval": {"tau": 1.2, "baseline_tau": 1.1},
         "val": {"acc_0": 0.4123, "sim_accept_len": 0.91},

@@ -117,7 +117,8 @@ def has_tau(value: Any) -> bool:
 def eval_set_headline(report: dict[str, Any]) -> dict[str, float]:
     """``tau``, ``<method>_tau`` and, where timed with a spread, ``speedup``, ``speedup_spread``,
     ``<method>_speedup``, ``<method>_speedup_spread`` and ``unstable`` of one eval set of evaluate's
-    metrics: its own keys and those of its methods (``has_tau``).
+    metrics: its own keys and those of its methods (``has_tau``); ``outside_draft_vocab`` where measured (what a
+    draft vocabulary variant changes).
 
     Example: {"tau": 2.1, "speedup": 1.4, "speedup_spread": 0.02, "unstable": false, "prompts": 4,
     "tree": {"tau": 2.5, "speedup": 1.5, "speedup_spread": 0.03, "forwards": 9}, "baseline": {"tau": 1.2,
@@ -126,7 +127,7 @@ def eval_set_headline(report: dict[str, Any]) -> dict[str, float]:
     {"0-64": 2.3} beside them, also "tau_by_position": {"0-64": 2.3} (and the tree's as "tree_tau_by_position").
     """
     keys = ("tau", "speedup", "speedup_spread")
-    row = {key: report[key] for key in (*keys, "unstable") if key in report}
+    row = {key: report[key] for key in (*keys, "unstable", "outside_draft_vocab") if key in report}
     for method, value in report.items():
         if has_tau(value):
             row.update({f"{method}_{key}": value[key] for key in keys if key in value})
