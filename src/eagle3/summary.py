@@ -15,7 +15,8 @@ metric: what runs are compared by.
   lookup), and of a multi-turn set's turns (``turn1_tau``, ``turn2_tau``: the chain's);
   ``tau_by_position`` and ``tree_tau_by_position`` (τ per answer-position bucket, e.g. ``"0-64"``);
   where evaluate timed with repeats, ``speedup`` and ``speedup_spread`` (and the tree's) at its
-  first batch size, and ``unstable`` (1: repeats disagreed by more than 10%);
+  first batch size, and ``unstable`` (1: repeats disagreed by more than 10%); ``outside_draft_vocab`` (the share
+  of the answers' tokens outside the draft vocabulary);
 - ``val``: ``acc_0`` and ``sim_accept_len`` of the best validation (the exported weights);
 - ``tokens_trained`` (padding excluded), ``steps`` (optimizer steps), ``samples`` (training
   samples), ``answer_tokens_mean`` (loss-masked tokens per sample) and ``hidden_state_bytes``.
