@@ -18,7 +18,7 @@ from eagle3.decoding.speculative import StopStrings, Target, greedy_decode, spec
 from eagle3.decoding.tree import EagleProposer
 from eagle3.decoding.config import TreeShape
 from eagle3.config import compose_params
-from eagle3.decoding.evaluation import Conversations, decode_phased, decode_tau, evaluate, phase_ends
+from eagle3.decoding.evaluation import Conversations, decode_phased, decode_tau, evaluate, outside_draft_vocab, phase_ends
 from eagle3.decoding.graphed import DecodeGraphs
 from eagle3.decoding.session import Session
 from eagle3.decoding.inputs import check_pair, load_eval_sets
@@ -118,6 +118,15 @@ def test_evaluate_reports_every_method_per_set_lossless(tiny_verifier_dir):
     for name in sets:  # every set, on its timed prompts
         sweep = reports[name]["chain_k"]
         assert set(sweep["tau"]) == {"k2", "k3"} and sweep["best"] in (2, 3) and sweep["tau"]["k3"] >= 1
+
+
+def test_outside_draft_vocab_counts_the_answer_tokens_the_drafter_cannot_propose(tiny_verifier_dir):
+    """Every (V // Vd)-th token is in the draft vocabulary of random_drafter: answers of 3 such tokens and 1 other
+    -> a quarter of them outside; no answer tokens -> 0."""
+    drafter = random_drafter(load_verifier(tiny_verifier_dir), 512, TINY_TAPS)
+    step = drafter.config.vocab_size // 512
+    assert outside_draft_vocab(drafter, [[0, step + 1], [3 * step, step]]) == 0.25
+    assert outside_draft_vocab(drafter, [[], []]) == 0.0
 
 
 @pytest.mark.parametrize("repeats", [2, 1, 0])
